@@ -1,0 +1,101 @@
+"""`jaxpage` command line.
+
+    jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
+    jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model directory, .gguf file or jaxpage checkpoint (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpage", description="PagedAttention LLM serving on JAX/XLA.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    predict = commands.add_parser("predict", help="print the most likely next tokens after a prompt")
+    predict.add_argument("prompt")
+    predict.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    predict.add_argument("--top", type=int, default=5, help="how many candidate tokens to print (default 5)")
+    _add_model_options(predict)
+
+    convert = commands.add_parser("convert", help="convert a model to a jaxpage checkpoint (orbax)")
+    convert.add_argument("source", help="HF model directory or .gguf file")
+    convert.add_argument("destination", help="new directory for the checkpoint")
+    convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                         help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    return parser
+
+
+def _predict(args) -> None:
+    import jax
+    import numpy as np
+
+    from jaxpage.models import forward, load_model
+    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+
+    if args.top < 1:
+        raise ValueError("--top must be at least 1")
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    start = time.perf_counter()
+    config, params = load_model(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    loaded = time.perf_counter()
+    token_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
+    logits = np.asarray(forward(config, params, [token_ids])[0, -1])
+    done = time.perf_counter()
+    probs = np.asarray(jax.nn.softmax(logits))
+    print(f"prompt: {len(token_ids)} tokens; load {loaded - start:.1f}s, compile+forward {done - loaded:.1f}s")
+    for rank, token in enumerate(np.argsort(-logits)[: args.top], start=1):
+        print(f"{rank:>3}. {probs[token]:7.2%}  {token:>6}  {tokenizer.decode([int(token)])!r}")
+
+
+def _convert(args) -> None:
+    from pathlib import Path
+
+    from jaxpage.models import load_model
+    from jaxpage.models.loader import resolve_source, source_format
+    from jaxpage.models.orbax_checkpoint import save_checkpoint
+    from jaxpage.tokenizer import load_tokenizer
+
+    destination = Path(args.destination)
+    if destination.exists() and any(destination.iterdir()):
+        raise FileExistsError(f"{destination} exists and is not empty")
+    if source_format(resolve_source(args.source)) == "orbax":
+        raise ValueError(f"{args.source} is already a jaxpage checkpoint")
+    start = time.perf_counter()
+    config, params = load_model(args.source, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.source)
+    save_checkpoint(destination, config, params)
+    tokenizer.save_pretrained(str(destination))
+    print(f"wrote {destination} ({config.architecture}, {config.num_layers} layers) in {time.perf_counter() - start:.1f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    from jaxpage.errors import ModelLoadError
+
+    try:
+        {"predict": _predict, "convert": _convert}[args.command](args)
+    except (ModelLoadError, ValueError, FileExistsError) as e:
+        print(f"jaxpage: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

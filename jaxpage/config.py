@@ -1,0 +1,150 @@
+"""ModelConfig: the frozen, hashable description of a Llama-family model.
+
+Built from a Hugging Face `config.json` (`ModelConfig.from_hf_config`) or from GGUF metadata
+(`jaxpage.models.gguf_loader`). Hashable so it can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jaxpage.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, in the names of HF's `rope_parameters` / `rope_scaling`."""
+
+    rope_type: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        assert self.rope_type in ("linear", "llama3"), self.rope_type
+        assert self.factor > 0, self.factor
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False  # Llama with mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral: a query sees itself and the sliding_window - 1 keys before it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            assert getattr(self, name) > 0, (name, getattr(self, name))
+        assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
+        assert self.head_dim > 0 and self.head_dim % 2 == 0, self.head_dim
+        assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
+        assert isinstance(self.eos_token_ids, tuple), self.eos_token_ids
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token takes in the cache: 2 * layers * kv_heads * head_dim * dtype_bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    # ----- (de)serialization -----
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        fields = json.loads(text)
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        return cls(**fields)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Builds the config from a Hugging Face config dict (transformers 4 or 5 layout).
+
+        Raises ModelLoadError naming `source` for architectures and options jaxpage does not support.
+        """
+        arch = hf.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: model_type {arch!r} is not supported; jaxpage runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        if hf.get("use_sliding_window"):
+            raise ModelLoadError(f"{source}: per-layer sliding windows ({arch} use_sliding_window) are not supported")
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            rope_theta, rope_scaling = _rope_from_hf(hf)
+            attention_bias = bool(hf.get("attention_bias", False))
+            eos = hf.get("eos_token_id")
+            return cls(
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=True if arch == "qwen2" else attention_bias and arch in ("llama", "qwen3"),
+                o_bias=attention_bias and arch == "llama",
+                mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
+                qk_norm=arch == "qwen3",
+                sliding_window=hf.get("sliding_window") if arch == "mistral" else None,
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            )
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{source}: {e}") from None
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
+        except (AssertionError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{source}: inconsistent model config ({e})") from None
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers 5 writes `rope_parameters`; older configs (and most on the hub) `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    kwargs = {k: params[k] for k in keys if k in params} if rope_type == "llama3" else {"factor": params["factor"]}
+    return theta, RopeScaling(rope_type=rope_type, **kwargs)

@@ -1,0 +1,69 @@
+"""The attention interface the model layers call, and its cache-free dense implementation.
+
+The model is written once; what attention does with K/V is pluggable. An attention implementation is
+a hashable callable (it is part of the jitted function's static structure):
+
+    out, kv_cache = attention(q, k, v, batch, kv_cache, layer)
+
+    q:        [..., num_heads, head_dim]      (RoPE applied)
+    k, v:     [..., num_kv_heads, head_dim]   (RoPE applied to k)
+    batch:    the step's metadata pytree, passed unchanged from the model's caller
+    kv_cache: whatever cache state the implementation threads through the layers (None for dense)
+    layer:    int32 scalar, the index of the calling layer
+    out:      [..., num_heads, head_dim]
+
+The dense implementation below serves cache-free forwards over padded `[batch, seq]` inputs; the
+paged implementation writes K/V into the page pool and attends through block tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class Attention(Protocol):
+    def __call__(self, q, k, v, batch, kv_cache, layer) -> tuple[jax.Array, object]: ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseBatch:
+    """Metadata of a padded batch for the cache-free path."""
+
+    positions: jax.Array  # [batch, seq] int32, position of each token in its own sequence
+    valid: jax.Array  # [batch, seq] bool, False on padding tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """Causal self-attention within each row of a padded batch; no cache.
+
+    Padding keys are never attended to; a query sees the keys at or before it in its row (and, with a
+    sliding window, only the last `sliding_window` of them). GQA: each K/V head serves
+    num_heads // num_kv_heads query heads. Softmax runs in float32.
+    """
+
+    sm_scale: float
+    sliding_window: int | None = None
+
+    def __call__(self, q, k, v, batch: DenseBatch, kv_cache, layer):
+        # q [B, S, Hq, D]; k, v [B, S, Hkv, D]
+        b, s, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[2]
+        q = q.reshape(b, s, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * self.sm_scale
+        index = jnp.arange(s)
+        visible = (index[None, :] <= index[:, None])[None] & batch.valid[:, None, :]  # [B, Sq, Sk]
+        if self.sliding_window is not None:
+            distance = batch.positions[:, :, None] - batch.positions[:, None, :]
+            visible &= distance < self.sliding_window
+        visible = visible[:, None, None]  # [B, 1, 1, Sq, Sk]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        # A padding query may see no key at all: give it zeros, not NaN.
+        probs = jnp.where(visible, jax.nn.softmax(jnp.where(visible.any(-1, keepdims=True), scores, 0.0)), 0.0)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.reshape(b, s, num_heads, head_dim).astype(q.dtype), kv_cache

@@ -1,0 +1,86 @@
+"""Loads a Hugging Face model directory: `config.json` + `model.safetensors` or a sharded index."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from jaxpage.config import ModelConfig
+from jaxpage.errors import ModelLoadError
+from jaxpage.models.weights import params_from_hf_tensors
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{directory}: no config.json; not a Hugging Face model directory")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return ModelConfig.from_hf_config(hf, source=str(path))
+
+
+def _weight_map(directory: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file that holds it."""
+    if (directory / INDEX_FILE).is_file():
+        index_path = directory / INDEX_FILE
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({e!r})") from None
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+        hint = f" ({', '.join(pickled)} are pickled PyTorch files, which jaxpage never unpickles)" if pickled else ""
+        raise ModelLoadError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}{hint}; save the model as safetensors")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file not found")
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as e:  # safetensors raises its own error type for malformed headers
+        raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from None
+
+
+class SafetensorsSource:
+    """TensorSource over one or more safetensors files (memory-mapped, read on demand)."""
+
+    def __init__(self, weight_map: dict[str, Path], stack: contextlib.ExitStack):
+        self._weight_map = weight_map
+        self._stack = stack
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self._weight_map)
+
+    def file_of(self, name: str) -> str:
+        return str(self._weight_map.get(name, next(iter(self._weight_map.values()), "<no safetensors file>")))
+
+    def get(self, name: str) -> np.ndarray:
+        path = self._weight_map[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(_open(path))
+        return self._handles[path].get_tensor(name)
+
+
+def load_hf_directory(directory: Path, dtype) -> tuple[ModelConfig, dict]:
+    """(config, numpy parameter tree) from a Hugging Face model directory."""
+    config = read_hf_config(directory)
+    with contextlib.ExitStack() as stack:
+        source = SafetensorsSource(_weight_map(directory), stack)
+        return config, params_from_hf_tensors(config, source, dtype)

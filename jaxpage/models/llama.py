@@ -1,0 +1,197 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as a functional Flax model.
+
+Parameters are a plain pytree; `Llama(config, attention).apply({"params": params}, ...)` is pure and
+jit-compiles. The decoder layers are scanned (`nn.scan`): every layer parameter has a leading
+`num_layers` axis, and the model compiles one layer body whatever its depth.
+
+Parameter tree (D = hidden_size, H = num_heads, K = num_kv_heads, d = head_dim, F = intermediate_size,
+L = num_layers, V = vocab_size); biases and q/k norms only where the config has them:
+
+    embed_tokens/embedding                  [V, D]
+    layers/input_norm/scale                 [L, D]
+    layers/attn/{q,k,v}_proj/kernel         [L, D, H|K, d]   bias [L, H|K, d]
+    layers/attn/{q,k}_norm/scale            [L, d]
+    layers/attn/o_proj/kernel               [L, H, d, D]     bias [L, D]
+    layers/post_attention_norm/scale        [L, D]
+    layers/mlp/{gate,up}_proj/kernel        [L, D, F]        bias [L, F]
+    layers/mlp/down_proj/kernel             [L, F, D]        bias [L, D]
+    norm/scale                              [D]
+    lm_head/kernel                          [D, V]           (absent when embeddings are tied)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpage.config import ModelConfig
+from jaxpage.models.attention import Attention, DenseAttention, DenseBatch
+from jaxpage.models.rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * normed.astype(x.dtype)  # cast before scaling, as transformers does
+
+
+class SelfAttention(nn.Module):
+    config: ModelConfig
+    attention: Attention
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, rope, batch, kv_cache, layer):
+        c = self.config
+
+        def projection(heads, name):
+            return nn.DenseGeneral((heads, c.head_dim), use_bias=c.qkv_bias, dtype=self.dtype,
+                                   param_dtype=self.dtype, name=name)
+
+        q = projection(c.num_heads, "q_proj")(x)  # [..., H, d]
+        k = projection(c.num_kv_heads, "k_proj")(x)  # [..., K, d]
+        v = projection(c.num_kv_heads, "v_proj")(x)  # [..., K, d]
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, kv_cache = self.attention(q, k, v, batch, kv_cache, layer)
+        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, dtype=self.dtype,
+                              param_dtype=self.dtype, name="o_proj")(out)
+        return out, kv_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+
+        def dense(features, name):
+            return nn.Dense(features, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+
+        gate = dense(c.intermediate_size, "gate_proj")(x)
+        up = dense(c.intermediate_size, "up_proj")(x)
+        return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    attention: Attention
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, carry, layer, rope, batch):
+        x, kv_cache = carry
+        c = self.config
+        h, kv_cache = SelfAttention(c, self.attention, self.dtype, name="attn")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), rope, batch, kv_cache, layer
+        )
+        x = x + h
+        x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x))
+        return (x, kv_cache), None
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. `__call__` gives final hidden states; `logits` applies the LM head.
+
+    Shapes are generic over the token axes: `token_ids` and `positions` are int32 [...] ([batch, seq] on
+    the dense path, [tokens] on the paged path) and the hidden states are [..., hidden_size].
+    """
+
+    config: ModelConfig
+    attention: Attention
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
+        self.layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+        )(c, self.attention, self.dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+
+    def __call__(self, token_ids, positions, batch, kv_cache=None):
+        """Returns (hidden [..., hidden_size] after the final norm, kv_cache after every layer)."""
+        x = self.embed_tokens(token_ids)
+        rope = rope_tables(self.config, positions)
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, rope, batch)
+        return self.norm(x), kv_cache
+
+    def logits(self, hidden):
+        """float32 logits [..., vocab_size] for hidden states [..., hidden_size]."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+
+def build(config: ModelConfig, attention: Attention, dtype) -> Llama:
+    return Llama(config, attention, jnp.dtype(dtype))
+
+
+def dense_model(config: ModelConfig, dtype) -> Llama:
+    """The model with cache-free causal attention (per padded row)."""
+    return build(config, DenseAttention(sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window), dtype)
+
+
+def param_shapes(config: ModelConfig, dtype) -> dict:
+    """The parameter pytree as jax.ShapeDtypeStruct leaves, without allocating anything."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+
+
+def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
+    """Random parameters (Flax's default initializers); for tests and benchmarks without weights."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    batch = DenseBatch(positions=tokens, valid=jnp.ones((1, 1), bool))
+    return dense_model(config, dtype).init(rng, tokens, tokens, batch)["params"]
+
+
+def params_dtype(params: dict) -> jnp.dtype:
+    return params["embed_tokens"]["embedding"].dtype
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _dense_logits(config: ModelConfig, params: dict, token_ids: jax.Array, valid: jax.Array) -> jax.Array:
+    positions = jnp.maximum(jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1, 0)
+    model = dense_model(config, params_dtype(params))
+    variables = {"params": params}
+    hidden, _ = model.apply(variables, token_ids, positions, DenseBatch(positions=positions, valid=valid))
+    return model.apply(variables, hidden, method=Llama.logits)
+
+
+def forward(config: ModelConfig, params: dict, token_ids, attention_mask=None) -> jax.Array:
+    """Cache-free forward pass: float32 logits [batch, seq, vocab] for int token ids [batch, seq].
+
+    `attention_mask` [batch, seq] (1 for tokens, 0 for padding, as in transformers) lets prompts of
+    different lengths share a batch, padded on either side; positions count the real tokens of each row.
+    Logits at padding positions are meaningless.
+    """
+    token_ids = jnp.asarray(token_ids, jnp.int32)
+    if token_ids.ndim != 2:
+        raise ValueError(f"token_ids must be [batch, seq], got shape {token_ids.shape}")
+    if attention_mask is None:
+        valid = jnp.ones(token_ids.shape, bool)
+    else:
+        valid = jnp.asarray(attention_mask).astype(bool)
+        if valid.shape != token_ids.shape:
+            raise ValueError(f"attention_mask shape {valid.shape} differs from token_ids shape {token_ids.shape}")
+    return _dense_logits(config, params, token_ids, valid)

@@ -1,0 +1,75 @@
+"""`load_model(source)`: one entry point for every weight format jaxpage reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.config import ModelConfig
+from jaxpage.errors import ModelLoadError
+from jaxpage.models import default_model, gguf_loader, hf_loader, orbax_checkpoint
+
+GGUF_MAGIC = b"GGUF"
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU (XLA's CPU bf16 matmuls are slow), bfloat16 on GPU and TPU."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def resolve_source(source: str | os.PathLike | None) -> Path:
+    """The local path of a model source; None means the default model (fetched on first use)."""
+    if source is None:
+        return default_model.default_model_path()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"{source}: no such file or directory (jaxpage loads local model directories, .gguf files and "
+            "jaxpage checkpoints; it does not download from a model hub)"
+        )
+    return path
+
+
+def source_format(path: Path) -> str:
+    """'gguf', 'orbax' or 'hf' for a local path; ModelLoadError when it is none of these."""
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == GGUF_MAGIC:
+                return "gguf"
+        raise ModelLoadError(f"{path}: not a GGUF file (a model file must be .gguf; otherwise pass a directory)")
+    if orbax_checkpoint.is_checkpoint(path):
+        return "orbax"
+    if (path / "config.json").is_file():
+        return "hf"
+    ggufs = sorted(path.glob("*.gguf"))
+    hint = f" (it holds {ggufs[0].name}: pass that file)" if ggufs else ""
+    raise ModelLoadError(f"{path}: neither a Hugging Face model directory nor a jaxpage checkpoint{hint}")
+
+
+def load_model(
+    source: str | os.PathLike | None = None,
+    dtype=None,
+    sharding: jax.sharding.Sharding | None = None,
+) -> tuple[ModelConfig, dict]:
+    """Loads (config, params) from a model source.
+
+    source:   a Hugging Face directory (config.json + safetensors), a .gguf file, a checkpoint written
+              by `jaxpage convert`, or None for the default model (SmolLM2-135M-Instruct).
+    dtype:    parameter dtype; default float32 on CPU, bfloat16 on GPU/TPU.
+    sharding: where the parameters live; default the first device.
+    Raises ModelLoadError with the file (and tensor) at fault.
+    """
+    path = resolve_source(source)
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    fmt = source_format(path)
+    if fmt == "orbax":
+        return orbax_checkpoint.load_checkpoint(path, dtype, sharding)
+    if fmt == "gguf":
+        config, params = gguf_loader.load_gguf(path, dtype)
+    else:
+        config, params = hf_loader.load_hf_directory(path, dtype)
+    return config, jax.device_put(params, sharding)
