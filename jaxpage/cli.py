@@ -1,7 +1,7 @@
 """`jaxpage` command line.
 
-    jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
-    jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
+jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
+jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
 """
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ import time
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF model directory, .gguf file or jaxpage checkpoint (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory, .gguf file or jaxpage checkpoint (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,8 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="convert a model to a jaxpage checkpoint (orbax)")
     convert.add_argument("source", help="HF model directory or .gguf file")
     convert.add_argument("destination", help="new directory for the checkpoint")
-    convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                         help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    convert.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
+    )
     return parser
 
 
@@ -78,7 +89,9 @@ def _convert(args) -> None:
     tokenizer = load_tokenizer(args.source)
     save_checkpoint(destination, config, params)
     tokenizer.save_pretrained(str(destination))
-    print(f"wrote {destination} ({config.architecture}, {config.num_layers} layers) in {time.perf_counter() - start:.1f}s")
+    print(
+        f"wrote {destination} ({config.architecture}, {config.num_layers} layers) in {time.perf_counter() - start:.1f}s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

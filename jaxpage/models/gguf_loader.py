@@ -96,7 +96,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     vocab = _field(reader, f"{gguf_arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
-    head_dim = _field(reader, f"{gguf_arch}.attention.key_length") or _field(reader, f"{gguf_arch}.rope.dimension_count")
+    head_dim = _field(reader, f"{gguf_arch}.attention.key_length") or _field(
+        reader, f"{gguf_arch}.rope.dimension_count"
+    )
     rope_scaling = None
     if _field(reader, f"{gguf_arch}.rope.scaling.type", "none") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}

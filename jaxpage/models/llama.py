@@ -54,8 +54,9 @@ class SelfAttention(nn.Module):
         c = self.config
 
         def projection(heads, name):
-            return nn.DenseGeneral((heads, c.head_dim), use_bias=c.qkv_bias, dtype=self.dtype,
-                                   param_dtype=self.dtype, name=name)
+            return nn.DenseGeneral(
+                (heads, c.head_dim), use_bias=c.qkv_bias, dtype=self.dtype, param_dtype=self.dtype, name=name
+            )
 
         q = projection(c.num_heads, "q_proj")(x)  # [..., H, d]
         k = projection(c.num_kv_heads, "k_proj")(x)  # [..., K, d]
@@ -66,8 +67,9 @@ class SelfAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = self.attention(q, k, v, batch, kv_cache, layer)
-        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, dtype=self.dtype,
-                              param_dtype=self.dtype, name="o_proj")(out)
+        out = nn.DenseGeneral(
+            c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, dtype=self.dtype, param_dtype=self.dtype, name="o_proj"
+        )(out)
         return out, kv_cache
 
 

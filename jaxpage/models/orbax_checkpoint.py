@@ -38,7 +38,11 @@ def save_checkpoint(directory: Path, config: ModelConfig, params: dict) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / "params", params)
     checkpointer.wait_until_finished()
-    marker = {"format_version": FORMAT_VERSION, "dtype": params_dtype(params).name, "config": json.loads(config.to_json())}
+    marker = {
+        "format_version": FORMAT_VERSION,
+        "dtype": params_dtype(params).name,
+        "config": json.loads(config.to_json()),
+    }
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2))
 
 
