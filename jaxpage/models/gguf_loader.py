@@ -24,12 +24,12 @@ SUPPORTED_TENSOR_TYPES = {
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 }
 
-_GLOBAL_NAMES = {
+GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+LAYER_TENSOR_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
@@ -45,16 +45,19 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 
 
 def hf_name(gguf_name: str) -> str | None:
     """The transformers name of a GGUF tensor, or None for tensors jaxpage does not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GLOBAL_TENSOR_NAMES:
+        return GLOBAL_TENSOR_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSOR_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_TENSOR_NAMES[parts[2]]}"
     return None
 
 
@@ -69,7 +72,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # truncated or not GGUF: the reader fails with ValueError/IndexError/...
-        raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: not a valid GGUF file, truncated or damaged ({type(e).__name__}: {e})") from None
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -118,6 +121,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         "max_position_embeddings": int(meta("context_length")),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_gate.bias" in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }

@@ -164,7 +164,9 @@ def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
     """Random parameters (Flax's default initializers); for tests and benchmarks without weights."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     batch = DenseBatch(positions=tokens, valid=jnp.ones((1, 1), bool))
-    return dense_model(config, dtype).init(rng, tokens, tokens, batch)["params"]
+    # Run the LM head too: linen creates a submodule's parameters only when it is called.
+    model = dense_model(config, dtype)
+    return model.init(rng, tokens, tokens, batch, method=lambda m, *args: m.logits(m(*args)[0]))["params"]
 
 
 def params_dtype(params: dict) -> jnp.dtype:

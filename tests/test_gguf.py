@@ -1,0 +1,122 @@
+"""GGUF loading: tiny models written the way llama.cpp writes them, and the real SmolLM2 file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_FAMILIES, hf_logits, make_tiny_hf_model
+
+from jaxpage.models import forward, load_model
+from jaxpage.models.gguf_loader import GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, load_gguf
+from jaxpage.models.weights import layer_tensor_specs
+from jaxpage.tokenizer import encode_prompt, load_tokenizer
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_FAMILIES = [
+    f
+    for f in TINY_FAMILIES
+    if f.name in ("llama2-mha", "llama-mqa-biases", "qwen2-qkv-bias", "qwen3-qk-norm-head-dim", "smollm2-tied")
+]
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Llama Q/K rows (so RoPE rotates interleaved pairs)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensor_name(hf: str) -> str:
+    """The inverse of the loader's GGUF -> transformers renaming."""
+    inverse = {v: k for k, v in GLOBAL_TENSOR_NAMES.items()}
+    if hf in inverse:
+        return inverse[hf]
+    _, _, layer, suffix = hf.split(".", 3)
+    return f"blk.{layer}." + {v: k for k, v in LAYER_TENSOR_NAMES.items()}[suffix]
+
+
+def write_gguf(model, path) -> None:
+    """Writes a transformers model as a float32 GGUF file, as llama.cpp's converter lays it out."""
+    hf = model.config
+    arch = GGUF_ARCH[hf.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_vocab_size(hf.vocab_size)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and hf.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, hf.num_attention_heads)
+        if arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, hf.num_key_value_heads)
+        writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES, ids=lambda f: f.name)
+def test_tiny_gguf_logits_match_transformers(family, tmp_path):
+    model = make_tiny_hf_model(family)
+    write_gguf(model, tmp_path / "tiny.gguf")
+    config, params = load_model(tmp_path / "tiny.gguf")
+    prompt = np.random.default_rng(2).integers(0, config.vocab_size, 17).tolist()
+    ours = np.asarray(forward(config, params, [prompt]))[0]
+    np.testing.assert_allclose(ours, hf_logits(model, prompt), atol=1e-4, rtol=0)
+
+
+# ----- the default model, SmolLM2-135M-Instruct (Q8_0 embeddings, Q4_1 layers) -----
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter who",
+]
+
+
+def test_smollm2_tensors_equal_transformers_gguf_loader(smollm2_path, smollm2_hf):
+    config, params = load_gguf(smollm2_path, np.float32)
+    reference = {name: t.numpy() for name, t in smollm2_hf.state_dict().items()}
+    for suffix, path, _, convert in layer_tensor_specs(config):
+        ours = params["layers"]
+        for key in path:
+            ours = ours[key]
+        for layer in range(config.num_layers):
+            np.testing.assert_array_equal(
+                ours[layer], convert(reference[f"model.layers.{layer}.{suffix}"]), err_msg=f"layer {layer} {suffix}"
+            )
+    np.testing.assert_array_equal(params["embed_tokens"]["embedding"], reference["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(params["norm"]["scale"], reference["model.norm.weight"])
+    assert "lm_head" not in params and config.tie_word_embeddings
+
+
+def test_smollm2_logits_match_transformers(smollm2_path, smollm2_hf):
+    config, params = load_model(smollm2_path)
+    tokenizer = load_tokenizer(smollm2_path)
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt)
+        ours = np.asarray(forward(config, params, [ids]))[0]
+        with torch.no_grad():
+            reference = smollm2_hf(torch.tensor([ids])).logits[0].numpy()
+        np.testing.assert_allclose(ours, reference, atol=1e-3, rtol=0, err_msg=prompt)
+        np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1), err_msg=prompt)
+
+
+def test_smollm2_tokenizer_and_chat_template(smollm2_path):
+    tokenizer = load_tokenizer(smollm2_path)
+    assert tokenizer.decode(encode_prompt(tokenizer, "The capital of France is")) == "The capital of France is"
+    chat = tokenizer.decode(encode_prompt(tokenizer, "Hi!", chat=True))
+    assert chat.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
