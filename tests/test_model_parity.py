@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_FAMILIES, hf_logits
@@ -59,3 +61,15 @@ def test_forward_rejects_bad_shapes(tiny_model_dir):
         forward(config, params, [1, 2, 3])
     with pytest.raises(ValueError, match="attention_mask shape"):
         forward(config, params, [[1, 2, 3]], attention_mask=[[1, 1]])
+
+
+def test_bfloat16_parameters_stay_close_to_transformers(tiny_model_dir):
+    """bfloat16 is the GPU/TPU default: same code path, activations in bf16, norms and softmax in f32."""
+    directory, hf_model = tiny_model_dir(TINY_FAMILIES[1])
+    config, params = load_model(directory, dtype="bfloat16")
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params))
+    prompt = list(range(3, 40))
+    ours = np.asarray(forward(config, params, [prompt]))[0]
+    reference = hf_logits(hf_model, prompt)
+    scale = np.abs(reference).max()
+    assert np.abs(ours - reference).max() < 0.05 * scale
