@@ -45,6 +45,8 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     rope_scaling: RopeScaling | None = None
+    # llama.cpp's form of Llama 3 RoPE scaling (GGUF tensor rope_freqs): frequency i is divided by factor i.
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
@@ -62,6 +64,7 @@ class ModelConfig:
         assert self.head_dim > 0 and self.head_dim % 2 == 0, self.head_dim
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
         assert isinstance(self.eos_token_ids, tuple), self.eos_token_ids
+        assert self.rope_freq_factors is None or len(self.rope_freq_factors) == self.head_dim // 2
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -82,6 +85,8 @@ class ModelConfig:
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        if fields.get("rope_freq_factors") is not None:
+            fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
         return cls(**fields)
 
     @classmethod

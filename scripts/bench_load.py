@@ -40,7 +40,6 @@ def timed_load(source: Path) -> float:
 def write_hf_directory(gguf_path: Path, directory: Path) -> None:
     import torch
     import transformers
-
     from safetensors.torch import save_file
 
     model = transformers.AutoModelForCausalLM.from_pretrained(

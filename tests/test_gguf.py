@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -17,7 +19,15 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
 GGUF_FAMILIES = [
     f
     for f in TINY_FAMILIES
-    if f.name in ("llama2-mha", "llama-mqa-biases", "qwen2-qkv-bias", "qwen3-qk-norm-head-dim", "smollm2-tied")
+    if f.name
+    in (
+        "llama2-mha",
+        "llama3-gqa-rope-scaling",
+        "llama-mqa-biases",
+        "qwen2-qkv-bias",
+        "qwen3-qk-norm-head-dim",
+        "smollm2-tied",
+    )
 ]
 
 
@@ -33,6 +43,26 @@ def gguf_tensor_name(hf: str) -> str:
         return inverse[hf]
     _, _, layer, suffix = hf.split(".", 3)
     return f"blk.{layer}." + {v: k for k, v in LAYER_TENSOR_NAMES.items()}[suffix]
+
+
+def llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for Llama 3 RoPE scaling: a divisor per frequency."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / rope["low_freq_factor"], old_len / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_len / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.asarray(factors, np.float32)
 
 
 def write_gguf(model, path) -> None:
@@ -53,6 +83,8 @@ def write_gguf(model, path) -> None:
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
     writer.add_vocab_size(hf.vocab_size)
     writer.add_eos_token_id(2)
+    if hf.rope_parameters["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(hf.rope_parameters, head_dim))
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and hf.tie_word_embeddings:
             continue

@@ -99,7 +99,7 @@ def test_pickled_checkpoint_is_refused(model_dir):
         load_model(model_dir)
 
 
-def write_minimal_gguf(path, arch="llama", extra_tensor=None):
+def write_minimal_gguf(path, arch="llama", extra_tensor=None, extra_size=2):
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -110,7 +110,7 @@ def write_minimal_gguf(path, arch="llama", extra_tensor=None):
     writer.add_vocab_size(4)
     writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
     if extra_tensor:
-        writer.add_tensor(extra_tensor, np.ones(2, np.float32))
+        writer.add_tensor(extra_tensor, np.ones(extra_size, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -129,9 +129,9 @@ def test_gguf_unsupported_architecture(tmp_path):
         load_model(tmp_path / "m.gguf")
 
 
-def test_gguf_rope_frequency_factors_are_refused(tmp_path):
-    write_minimal_gguf(tmp_path / "m.gguf", extra_tensor="rope_freqs.weight")
-    with pytest.raises(ModelLoadError, match=r"m\.gguf: per-frequency RoPE factors"):
+def test_gguf_rope_frequency_factors_of_the_wrong_length(tmp_path):
+    write_minimal_gguf(tmp_path / "m.gguf", extra_tensor="rope_freqs.weight", extra_size=3)  # head_dim 4: 2 factors
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: tensor 'rope_freqs.weight' has 3 values, expected"):
         load_model(tmp_path / "m.gguf")
 
 

@@ -6,6 +6,7 @@ interleaved pairs; jaxpage (like transformers) rotates halves, so that permutati
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -125,7 +126,17 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }
-    return ModelConfig.from_hf_config(hf_like, source=str(path))
+    config = ModelConfig.from_hf_config(hf_like, source=str(path))
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
+        factors = np.asarray(rope_freqs.data, np.float32).reshape(-1)
+        if factors.size != config.head_dim // 2:
+            raise ModelLoadError(
+                f"{path}: tensor 'rope_freqs.weight' has {factors.size} values, expected head_dim / 2 = "
+                f"{config.head_dim // 2}"
+            )
+        config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
+    return config
 
 
 class GGUFSource:

@@ -15,11 +15,18 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     dim = config.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponents)).astype(np.float32)
+    inv_freq = _scaled(inv_freq, config)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float32)
+    return inv_freq.astype(np.float32)
+
+
+def _scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
-        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+        return inv_freq / np.float32(scaling.factor)
     # Llama 3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
@@ -29,7 +36,7 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    return np.where(is_medium, smoothed, scaled)
 
 
 def rope_tables(config: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
