@@ -88,8 +88,6 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
             f"{path}: GGUF architecture {gguf_arch!r} is not supported; jaxpage reads {', '.join(GGUF_ARCHITECTURES)}"
         )
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError(f"{path}: per-frequency RoPE factors (tensor 'rope_freqs.weight') are not supported")
 
     def meta(key: str, default=None):
         value = _field(reader, f"{gguf_arch}.{key}", default)
