@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from jaxpage.errors import ModelLoadError
+from jaxpage.models.default_model import cache_dir
 from jaxpage.models.loader import resolve_source, source_format
 
 
 def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of the same `source` that `load_model` takes."""
+    """The tokenizer (with its chat template) of the same `source` that `load_model` takes.
+
+    A GGUF file's tokenizer is built from its metadata once (seconds: the vocabulary is parsed from the
+    file) and kept in the jaxpage cache, keyed by the file's path, size and modification time.
+    """
     path = resolve_source(source)
     try:
         if source_format(path) == "gguf":
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return _gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(str(path))
     except ModelLoadError:
         raise
@@ -33,3 +41,21 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = 
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
     return list(tokenizer(prompt).input_ids)
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    cached = cache_dir() / "gguf-tokenizers" / key
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, cached)  # atomic: a reader never sees half a tokenizer
+            os.mkdir(tmp)  # for TemporaryDirectory's clean-up
+    except OSError:
+        pass  # a read-only or full cache costs only speed
+    return tokenizer

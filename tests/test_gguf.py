@@ -147,8 +147,17 @@ def test_smollm2_logits_match_transformers(smollm2_path, smollm2_hf):
         np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1), err_msg=prompt)
 
 
-def test_smollm2_tokenizer_and_chat_template(smollm2_path):
-    tokenizer = load_tokenizer(smollm2_path)
-    assert tokenizer.decode(encode_prompt(tokenizer, "The capital of France is")) == "The capital of France is"
-    chat = tokenizer.decode(encode_prompt(tokenizer, "Hi!", chat=True))
-    assert chat.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+def test_smollm2_tokenizer_and_chat_template(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXPAGE_CACHE", str(tmp_path))
+    built = load_tokenizer(smollm2_path)  # from the GGUF metadata, then cached
+    assert len(list((tmp_path / "gguf-tokenizers").iterdir())) == 1
+    cached = load_tokenizer(smollm2_path)
+    texts = ["The capital of France is", "naïve café — 東京 🙂", "<|im_start|>user\nx<|im_end|>", "  spaces\n\ttab"]
+    for tokenizer in (built, cached):
+        assert tokenizer.decode(encode_prompt(tokenizer, texts[0])) == texts[0]
+        chat = tokenizer.decode(encode_prompt(tokenizer, "Hi!", chat=True))
+        assert chat.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    for text in texts:
+        assert encode_prompt(cached, text) == encode_prompt(built, text)
+        assert encode_prompt(cached, text, chat=True) == encode_prompt(built, text, chat=True)
