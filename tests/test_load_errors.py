@@ -78,6 +78,15 @@ def test_missing_tensor(model_dir):
         load_model(model_dir)
 
 
+def test_tensor_missing_from_a_sharded_index(tiny_model_dir, tmp_path):
+    tiny_model_dir(FAMILY)[1].save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    del index["weight_map"][Q_PROJ]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors\.index\.json: tensor '{Q_PROJ}' is missing"):
+        load_model(tmp_path)
+
+
 def test_wrong_shape(model_dir):
     edit_tensors(model_dir, lambda t: t.update({Q_PROJ: t[Q_PROJ][:, :10].copy()}))
     with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor '{Q_PROJ}' has shape \(64, 10\), expected"):

@@ -73,3 +73,15 @@ def test_bfloat16_parameters_stay_close_to_transformers(tiny_model_dir):
     reference = hf_logits(hf_model, prompt)
     scale = np.abs(reference).max()
     assert np.abs(ours - reference).max() < 0.05 * scale
+
+
+def test_sharded_safetensors_directory_loads_the_same_parameters(tiny_model_dir, tmp_path):
+    directory, hf_model = tiny_model_dir(TINY_FAMILIES[0])
+    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    _, whole = load_model(directory)
+    _, sharded = load_model(tmp_path)
+    assert jax.tree.structure(sharded) == jax.tree.structure(whole)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

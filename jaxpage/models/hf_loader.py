@@ -30,22 +30,22 @@ def read_hf_config(directory: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(hf, source=str(path))
 
 
-def _weight_map(directory: Path) -> dict[str, Path]:
-    """tensor name -> the safetensors file that holds it."""
+def _weight_map(directory: Path) -> tuple[dict[str, Path], Path]:
+    """(tensor name -> the safetensors file that holds it, the file that lists the tensors)."""
     if (directory / INDEX_FILE).is_file():
         index_path = directory / INDEX_FILE
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index_path}: not a valid safetensors index ({e!r})") from None
-        return {name: directory / file for name, file in weight_map.items()}
+        return {name: directory / file for name, file in weight_map.items()}, index_path
     single = directory / SINGLE_FILE
     if not single.is_file():
         pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
         hint = f" ({', '.join(pickled)} are pickled PyTorch files, which jaxpage never unpickles)" if pickled else ""
         raise ModelLoadError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}{hint}; save the model as safetensors")
     with _open(single) as f:
-        return {name: single for name in f.keys()}
+        return {name: single for name in f.keys()}, single
 
 
 def _check_not_truncated(path: Path) -> None:
@@ -78,8 +78,9 @@ def _open(path: Path):
 class SafetensorsSource:
     """TensorSource over one or more safetensors files (memory-mapped, read on demand)."""
 
-    def __init__(self, weight_map: dict[str, Path], stack: contextlib.ExitStack):
+    def __init__(self, weight_map: dict[str, Path], listing: Path, stack: contextlib.ExitStack):
         self._weight_map = weight_map
+        self._listing = listing  # the file that should list a missing tensor
         self._stack = stack
         self._handles: dict[Path, object] = {}
 
@@ -87,7 +88,7 @@ class SafetensorsSource:
         return set(self._weight_map)
 
     def file_of(self, name: str) -> str:
-        return str(self._weight_map.get(name, next(iter(self._weight_map.values()), "<no safetensors file>")))
+        return str(self._weight_map.get(name, self._listing))
 
     def get(self, name: str) -> np.ndarray:
         path = self._weight_map[name]
@@ -100,5 +101,5 @@ def load_hf_directory(directory: Path, dtype) -> tuple[ModelConfig, dict]:
     """(config, numpy parameter tree) from a Hugging Face model directory."""
     config = read_hf_config(directory)
     with contextlib.ExitStack() as stack:
-        source = SafetensorsSource(_weight_map(directory), stack)
+        source = SafetensorsSource(*_weight_map(directory), stack)
         return config, params_from_hf_tensors(config, source, dtype)

@@ -57,8 +57,18 @@ def layer_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple
     specs = [
         ("input_layernorm.weight", ("input_norm", "scale"), (d,), _same),
         ("self_attn.q_proj.weight", ("attn", "q_proj", "kernel"), (qd, d), _linear(heads_out=c.num_heads, head_dim=hd)),
-        ("self_attn.k_proj.weight", ("attn", "k_proj", "kernel"), (kd, d), _linear(c.num_kv_heads, head_dim=hd)),
-        ("self_attn.v_proj.weight", ("attn", "v_proj", "kernel"), (kd, d), _linear(c.num_kv_heads, head_dim=hd)),
+        (
+            "self_attn.k_proj.weight",
+            ("attn", "k_proj", "kernel"),
+            (kd, d),
+            _linear(heads_out=c.num_kv_heads, head_dim=hd),
+        ),
+        (
+            "self_attn.v_proj.weight",
+            ("attn", "v_proj", "kernel"),
+            (kd, d),
+            _linear(heads_out=c.num_kv_heads, head_dim=hd),
+        ),
         ("self_attn.o_proj.weight", ("attn", "o_proj", "kernel"), (d, qd), _linear(heads_in=c.num_heads, head_dim=hd)),
         ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (d,), _same),
         ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (f, d), _linear()),
