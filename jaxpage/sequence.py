@@ -1,0 +1,52 @@
+"""One sequence's host-side state: its tokens, how many have K/V in the cache, and its block table."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted: holds no pages
+    RUNNING = "running"  # admitted: holds pages for its computed tokens
+    FINISHED = "finished"  # done or aborted: its pages are returned
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A prompt and the tokens generated after it.
+
+    `token_ids` is the prompt followed by the output. The first `num_computed_tokens` of them have their
+    K/V in the page pool; `block_table[i]` is the page that holds tokens [i * page_size, (i + 1) * page_size).
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model: the rest of the prompt, or the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
