@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxpage.sampling_params import SamplingParams
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted: holds no pages
@@ -26,6 +28,8 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
+    sampling_params: SamplingParams | None = None  # None: greedy
+    seed: int = 0  # the request's seed (drawn by the engine when the request gives none)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -1,0 +1,269 @@
+"""Page pool bookkeeping: which KV pages are free, referenced by sequences, or cached for prefix reuse.
+
+Pages are ids 0..num_pages-1. Page 0 is the null page: never handed out, padding entries of block tables point at
+it. Every other page is in exactly one state:
+  free        ref count 0, holds nothing anyone can find again;
+  referenced  ref count > 0: in the block table of at least one live sequence;
+  cached      ref count 0, but holds a full page registered in the prefix cache; a later prompt that starts with
+              the same tokens can take it back (match_prefix). Cached pages are evicted least recently used first
+              when the free list runs out.
+Only full pages of computed tokens are registered, under a chained key (the previous page's key and this page's
+token ids), so a hit on page i implies the whole prefix up to page i is the same. A page that must be written while
+shared (after fork) is copied first; the copies are handed to the device through take_copies.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import hashlib
+
+from jaxpage.sequence import Sequence
+
+NULL_PAGE = 0
+
+
+def hash_page(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chained prefix-cache key of one full page: sha256 of the previous page's key (None for the first page)
+    and this page's token ids. A cryptographic hash, so that crafted prompts cannot collide with others' pages."""
+    h = hashlib.sha256(b"\x00" if parent_hash is None else b"\x01" + parent_hash)
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Host bookkeeping of the KV page pool. Plain Python; every call is O(pages it touches)."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free_pages: collections.deque[int] = collections.deque(range(1, num_pages))
+        # Ref count 0 and registered; iteration order is LRU first.
+        self._cached_pages: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._ref_counts = [0] * num_pages
+        self._num_referenced = 0
+        # Per referenced page: slots holding or reserved for tokens (max over its sharers); 0 for the others.
+        self._filled_slots = [0] * num_pages
+        self._num_filled_slots = 0
+        self._hash_to_page: dict[bytes, int] = {}
+        self._page_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # registered page -> (key, its token ids)
+        self._seqs: dict[int, Sequence] = {}  # seq_id -> live sequence that holds (or may hold) pages
+        self._seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
+        self._copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can take: free ones plus evictable cached ones."""
+        return len(self._free_pages) + len(self._cached_pages)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages referenced by at least one live sequence."""
+        return self._num_referenced
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages with ref count 0 kept in the prefix cache (evictable)."""
+        return len(self._cached_pages)
+
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Pages that allocate_slots(seq, num_new_tokens) would take from the free pool (incl. copy-on-write pages)."""
+        end = seq.num_computed_tokens + num_new_tokens
+        return max(0, _cdiv(end, self.page_size) - len(seq.block_table)) + len(self._shared_pages(seq, num_new_tokens))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with an empty block table the longest chain of its full prompt pages found in the prefix
+        cache (ref += 1 each; a cached page becomes referenced). Sets seq.num_computed_tokens to the tokens they hold
+        and returns it. At most (num_prompt_tokens - 1) // page_size pages, so at least one prompt token is left to
+        compute (its logits are needed). Returns 0 when prefix caching is off."""
+        assert not seq.block_table, f"match_prefix on sequence {seq.seq_id} that already holds pages"
+        if not self.enable_prefix_caching:
+            return 0
+        self._register(seq)
+        ps = self.page_size
+        hashes = self._seq_hashes[seq.seq_id]
+        parent = None
+        for i in range((seq.num_prompt_tokens - 1) // ps):
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            key = hash_page(parent, tokens)
+            page = self._hash_to_page.get(key)
+            if page is None or self._page_key[page][1] != tokens:
+                break
+            self._add_ref(page)
+            self._set_filled(page, ps)
+            seq.block_table.append(page)
+            hashes.append(key)
+            parent = key
+        seq.num_computed_tokens = len(hashes) * ps
+        return seq.num_computed_tokens
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make seq.block_table cover token positions [0, seq.num_computed_tokens + num_new_tokens).
+
+        New pages come from the free list, else by evicting the least recently used cached page. A shared page
+        (ref count > 1) that these tokens would be written into is copied first: a new page replaces it in the table,
+        one reference to it is dropped, and (src, dst) is recorded for take_copies when it holds computed tokens of
+        seq. The device must apply the copies, in order, before the step writes new K/V.
+        All or nothing: returns False and changes nothing if there are not enough pages.
+        """
+        assert num_new_tokens >= 0, num_new_tokens
+        if self.pages_needed(seq, num_new_tokens) > self.num_free_pages:
+            return False
+        self._register(seq)
+        ps = self.page_size
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        table = seq.block_table
+        for i in self._shared_pages(seq, num_new_tokens):
+            src, dst = table[i], self._take_page()
+            if i * ps < start:
+                self._copies.append((src, dst))
+            self._ref_counts[src] -= 1  # was > 1: src stays referenced by its other sharers
+            table[i] = dst
+        first = min(start // ps, len(table))
+        while len(table) < _cdiv(end, ps):
+            table.append(self._take_page())
+        for i in range(first, _cdiv(end, ps)):
+            self._set_filled(table[i], min(ps, end - i * ps))
+        return True
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """Register in the prefix cache each page of seq that is now full of computed tokens and not yet registered.
+        If an identical key already maps to another page, that mapping is kept. No-op when prefix caching is off."""
+        hashes = self._seq_hashes.get(seq.seq_id)
+        if not self.enable_prefix_caching or hashes is None:
+            return
+        ps = self.page_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), min(seq.num_computed_tokens // ps, len(seq.block_table))):
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            key = hash_page(parent, tokens)
+            page = seq.block_table[i]
+            if key not in self._hash_to_page and page not in self._page_key:
+                self._hash_to_page[key] = page
+                self._page_key[page] = (key, tokens)
+            hashes.append(key)
+            parent = key
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child (empty block table) shares all of parent's pages (ref += 1 each) and its computed tokens.
+        The child's token_ids are set by the caller."""
+        assert not child.block_table, f"fork into sequence {child.seq_id} that already holds pages"
+        assert child.seq_id != parent.seq_id
+        self._register(child)
+        for page in parent.block_table:
+            self._ref_counts[page] += 1
+        child.block_table.extend(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._seq_hashes[child.seq_id].extend(self._seq_hashes.get(parent.seq_id, ()))
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references, tail first so that the tail of a prefix chain is evicted first. A page whose count
+        reaches 0 becomes cached if registered in the prefix cache, else free. Clears the block table and sets
+        seq.num_computed_tokens = 0."""
+        if seq.block_table:
+            assert self._seqs.get(seq.seq_id) is seq, f"free of sequence {seq.seq_id} unknown to the block manager"
+        for page in reversed(seq.block_table):
+            self._ref_counts[page] -= 1
+            if self._ref_counts[page] == 0:
+                self._release(page)
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        if self._seqs.get(seq.seq_id) is seq:
+            del self._seqs[seq.seq_id]
+            del self._seq_hashes[seq.seq_id]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src_page, dst_page) copy-on-write copies recorded since the last call, in order; clears them."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def kv_utilization(self) -> float:
+        """Token slots holding (or reserved for) tokens / slots of all referenced pages; 1.0 when none is referenced.
+        A shared page counts once."""
+        if not self._num_referenced:
+            return 1.0
+        return self._num_filled_slots / (self._num_referenced * self.page_size)
+
+    def check_invariants(self) -> None:
+        """Assert the internal invariants (for tests and debugging; O(pool size + block tables))."""
+        n, ps = self.num_pages, self.page_size
+        free, cached = set(self._free_pages), set(self._cached_pages)
+        referenced = {p for p in range(n) if self._ref_counts[p] > 0}
+        assert len(free) == len(self._free_pages), "a page is twice on the free list"
+        assert NULL_PAGE not in free | cached | referenced, "the null page was handed out"
+        assert free.isdisjoint(cached) and free.isdisjoint(referenced) and cached.isdisjoint(referenced)
+        assert len(free) + len(cached) + len(referenced) == n - 1, "a page is in no state"
+        assert self._num_referenced == len(referenced)
+        assert min(self._ref_counts) >= 0
+        counts = [0] * n
+        for seq_id, seq in self._seqs.items():
+            assert seq.seq_id == seq_id
+            assert len(seq.block_table) * ps >= seq.num_computed_tokens, f"sequence {seq_id}: computed tokens unpaged"
+            assert len(self._seq_hashes[seq_id]) <= len(seq.block_table)
+            for page in seq.block_table:
+                counts[page] += 1
+        assert counts == self._ref_counts, "ref counts differ from the block tables of live sequences"
+        assert self._seq_hashes.keys() == self._seqs.keys()
+        assert all(p in self._page_key for p in cached), "a cached page has no hash"
+        assert all(p not in self._page_key for p in free), "a free page has a hash"
+        assert len(self._hash_to_page) == len(self._page_key)
+        for key, page in self._hash_to_page.items():
+            assert self._page_key[page][0] == key and len(self._page_key[page][1]) == ps
+        assert self.enable_prefix_caching or not self._page_key
+        assert all(1 <= self._filled_slots[p] <= ps for p in referenced)
+        assert all(self._filled_slots[p] == 0 for p in free | cached) and self._filled_slots[NULL_PAGE] == 0
+        assert sum(self._filled_slots) == self._num_filled_slots
+
+    def _register(self, seq: Sequence) -> None:
+        known = self._seqs.setdefault(seq.seq_id, seq)
+        assert known is seq, f"two live sequences with seq_id {seq.seq_id}"
+        self._seq_hashes.setdefault(seq.seq_id, [])
+
+    def _shared_pages(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Block-table indices of shared pages that num_new_tokens new tokens of seq would be written into."""
+        if num_new_tokens <= 0:
+            return []
+        ps, start = self.page_size, seq.num_computed_tokens
+        stop = min(len(seq.block_table), _cdiv(start + num_new_tokens, ps))
+        return [i for i in range(start // ps, stop) if self._ref_counts[seq.block_table[i]] > 1]
+
+    def _take_page(self) -> int:
+        if self._free_pages:
+            page = self._free_pages.popleft()
+        else:
+            page, _ = self._cached_pages.popitem(last=False)
+            key, _ = self._page_key.pop(page)
+            del self._hash_to_page[key]
+        self._ref_counts[page] = 1
+        self._num_referenced += 1
+        return page
+
+    def _add_ref(self, page: int) -> None:
+        if self._ref_counts[page] == 0:
+            del self._cached_pages[page]
+            self._num_referenced += 1
+        self._ref_counts[page] += 1
+
+    def _release(self, page: int) -> None:
+        self._num_referenced -= 1
+        self._num_filled_slots -= self._filled_slots[page]
+        self._filled_slots[page] = 0
+        if page in self._page_key:
+            self._cached_pages[page] = None  # most recently used end
+        else:
+            self._free_pages.append(page)
+
+    def _set_filled(self, page: int, slots: int) -> None:
+        if slots > self._filled_slots[page]:
+            self._num_filled_slots += slots - self._filled_slots[page]
+            self._filled_slots[page] = slots

@@ -1,0 +1,430 @@
+"""BlockManager: page states, prefix cache hits and LRU eviction, fork + copy-on-write, and a stateful property test
+that drives it like an engine, with a shadow "device" pool recording which token each KV slot holds."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxpage import block_manager
+from jaxpage.block_manager import NULL_PAGE, BlockManager
+from jaxpage.sequence import Sequence
+
+
+def make_seq(seq_id: int, tokens) -> Sequence:
+    return Sequence(seq_id=seq_id, prompt_token_ids=list(tokens))
+
+
+def run_chunk(bm: BlockManager, seq: Sequence, num_tokens: int) -> bool:
+    """What one engine step does for a sequence: get slots, compute the tokens, register the full pages."""
+    if not bm.allocate_slots(seq, num_tokens):
+        return False
+    seq.num_computed_tokens += num_tokens
+    bm.cache_full_pages(seq)
+    return True
+
+
+def test_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_pages"):
+        BlockManager(num_pages=1, page_size=4)
+    with pytest.raises(ValueError, match="page_size"):
+        BlockManager(num_pages=8, page_size=0)
+
+
+def test_allocates_pages_on_demand_and_never_page_zero():
+    bm = BlockManager(num_pages=8, page_size=4)
+    seq = make_seq(0, range(10))
+    assert bm.pages_needed(seq, 3) == 1
+    assert run_chunk(bm, seq, 3) and len(seq.block_table) == 1
+    assert bm.pages_needed(seq, 1) == 0  # position 3 is in the first page
+    assert run_chunk(bm, seq, 1) and len(seq.block_table) == 1
+    assert bm.pages_needed(seq, 6) == 2  # positions 4..9: pages 1 and 2
+    assert run_chunk(bm, seq, 6) and len(seq.block_table) == 3
+    assert (bm.num_used_pages, bm.num_free_pages) == (3, 4)
+    other = make_seq(1, range(100, 116))
+    assert run_chunk(bm, other, 16)  # takes the last 4 pages
+    assert bm.num_free_pages == 0
+    assert sorted(seq.block_table + other.block_table) == list(range(1, 8))  # every page but the null page
+    assert NULL_PAGE not in seq.block_table + other.block_table
+    bm.check_invariants()
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_pages=4, page_size=2)  # 3 usable pages
+    a, b = make_seq(0, range(4)), make_seq(1, range(10, 14))
+    assert run_chunk(bm, a, 4)
+    assert bm.pages_needed(b, 4) == 2 > bm.num_free_pages == 1
+    assert not bm.allocate_slots(b, 4)
+    assert (b.block_table, b.num_computed_tokens) == ([], 0)
+    assert (bm.num_used_pages, bm.num_free_pages, bm.take_copies()) == (2, 1, [])
+    assert bm.allocate_slots(b, 2)
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_free_returns_pages(prefix_caching):
+    bm = BlockManager(num_pages=8, page_size=2, enable_prefix_caching=prefix_caching)
+    seq = make_seq(0, [1, 2, 3, 4, 5])
+    assert run_chunk(bm, seq, 5)
+    bm.free(seq)
+    assert (seq.block_table, seq.num_computed_tokens) == ([], 0)
+    assert (bm.num_free_pages, bm.num_used_pages) == (7, 0)
+    assert bm.num_cached_pages == (2 if prefix_caching else 0)  # the two full pages stay findable
+    bm.check_invariants()
+
+
+def test_prefix_hit_reuses_the_same_pages():
+    bm = BlockManager(num_pages=16, page_size=4)
+    a = make_seq(0, range(10))
+    assert bm.match_prefix(a) == 0
+    assert run_chunk(bm, a, 10)
+    shared = a.block_table[:2]  # the two full pages; the third holds tokens 8, 9 only
+    live_hit = make_seq(1, [*range(8), 50, 51, 52])
+    assert bm.match_prefix(live_hit) == 8
+    assert (live_hit.block_table, live_hit.num_computed_tokens) == (shared, 8)
+    assert bm.num_used_pages == 3  # shared pages count once
+    bm.free(a)
+    bm.free(live_hit)
+    assert bm.num_cached_pages == 2
+    cached_hit = make_seq(2, [*range(4), 60, 61, 62, 63, 64])
+    assert bm.match_prefix(cached_hit) == 4
+    assert cached_hit.block_table == shared[:1]
+    assert (bm.num_cached_pages, bm.num_used_pages) == (1, 1)
+    miss = make_seq(3, [0, 1, 2, 9, 4, 5, 6, 7, 8])  # differs in the first page: the chain breaks at once
+    assert bm.match_prefix(miss) == 0 and miss.block_table == []
+    bm.check_invariants()
+
+
+def test_never_matches_the_whole_prompt():
+    bm = BlockManager(num_pages=16, page_size=4)
+    a = make_seq(0, range(12))
+    assert run_chunk(bm, a, 12)
+    bm.free(a)
+    assert bm.num_cached_pages == 3
+    assert bm.match_prefix(make_seq(1, range(8))) == 4  # exactly 2 pages: the last token must still be computed
+    assert bm.match_prefix(make_seq(2, range(9))) == 8
+    assert bm.match_prefix(make_seq(3, range(4))) == 0
+    assert bm.match_prefix(make_seq(4, range(12))) == 8
+    bm.check_invariants()
+
+
+def test_duplicate_page_keeps_the_first_mapping():
+    bm = BlockManager(num_pages=8, page_size=2)
+    a, b = make_seq(0, [1, 2, 3]), make_seq(1, [1, 2, 3])
+    assert bm.match_prefix(a) == bm.match_prefix(b) == 0  # prefilled side by side: neither is registered yet
+    assert run_chunk(bm, a, 3) and run_chunk(bm, b, 3)
+    first_a, first_b = a.block_table[0], b.block_table[0]
+    assert first_a != first_b
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_cached_pages == 1  # b's duplicate page went back to the free list
+    c = make_seq(2, [1, 2, 3])
+    assert bm.match_prefix(c) == 2 and c.block_table == [first_a]
+    bm.check_invariants()
+
+
+def test_lru_eviction_order():
+    bm = BlockManager(num_pages=5, page_size=2)  # usable pages 1..4
+    x, y = make_seq(0, [1, 2, 3]), make_seq(1, [5, 6, 7])
+    assert run_chunk(bm, x, 3) and run_chunk(bm, y, 3)
+    assert (x.block_table, y.block_table) == ([1, 2], [3, 4])  # pages 1 and 3 are full and registered
+    bm.free(x)  # 2 -> free, 1 -> cached
+    bm.free(y)  # 4 -> free, 3 -> cached; LRU order [1, 3]
+    z = make_seq(2, [1, 2, 9])
+    assert bm.match_prefix(z) == 2 and z.block_table == [1]
+    bm.free(z)  # the hit made page 1 the most recently used: LRU order [3, 1]
+    w = make_seq(3, [8] * 6)
+    assert run_chunk(bm, w, 6)
+    assert w.block_table == [2, 4, 3]  # free pages first, then the least recently used cached page
+    assert bm.match_prefix(make_seq(4, [5, 6, 7])) == 0  # page 3 was evicted: its hash is gone
+    assert bm.match_prefix(make_seq(5, [1, 2, 3])) == 2
+    bm.check_invariants()
+
+
+def test_chain_tail_is_evicted_first():
+    bm = BlockManager(num_pages=6, page_size=2)  # usable pages 1..5
+    a = make_seq(0, [1, 2, 3, 4, 5, 6, 7])
+    assert run_chunk(bm, a, 7) and a.block_table == [1, 2, 3, 4]
+    bm.free(a)  # reverse order: 4 -> free (partial), then 3, 2, 1 -> cached in that order
+    b = make_seq(1, [9] * 6)
+    assert run_chunk(bm, b, 6) and b.block_table == [5, 4, 3]  # evicts page 3, the last of the chain
+    assert bm.match_prefix(make_seq(2, [1, 2, 3, 4, 5, 6, 7])) == 4  # pages 1, 2 still hit
+    bm.check_invariants()
+
+
+def test_hit_page_is_not_evictable_while_referenced():
+    bm = BlockManager(num_pages=4, page_size=2)  # usable pages 1..3
+    a = make_seq(0, [1, 2, 3])
+    assert run_chunk(bm, a, 3) and a.block_table == [1, 2]
+    bm.free(a)
+    b = make_seq(1, [1, 2, 3])
+    assert bm.match_prefix(b) == 2 and b.block_table == [1]
+    assert (bm.num_cached_pages, bm.num_free_pages, bm.num_used_pages) == (0, 2, 1)
+    c = make_seq(2, [7] * 6)
+    assert not bm.allocate_slots(c, 6)  # would need page 1, which b holds
+    assert run_chunk(bm, c, 4) and sorted(c.block_table) == [2, 3]
+    assert not bm.allocate_slots(make_seq(3, [8]), 1)
+    assert b.block_table == [1]
+    bm.check_invariants()
+
+
+def test_fork_and_copy_on_write():
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, [1, 2, 3, 4, 5, 6])
+    assert run_chunk(bm, parent, 6)
+    p_full, p_tail = parent.block_table
+    child = make_seq(1, parent.prompt_token_ids)
+    bm.fork(parent, child)
+    assert child.block_table == [p_full, p_tail] and child.num_computed_tokens == 6
+    assert bm._ref_counts[p_full] == bm._ref_counts[p_tail] == 2
+    assert bm.num_used_pages == 2
+    bm.check_invariants()
+
+    child.append_token(100)
+    assert bm.pages_needed(child, 1) == 1  # the shared tail page must be copied before token 6 goes into it
+    assert bm.allocate_slots(child, 1)
+    copy_page = child.block_table[1]
+    assert child.block_table == [p_full, copy_page] and copy_page not in (NULL_PAGE, p_full, p_tail)
+    assert bm.take_copies() == [(p_tail, copy_page)]
+    assert bm.take_copies() == []
+    assert parent.block_table == [p_full, p_tail]
+    assert (bm._ref_counts[p_full], bm._ref_counts[p_tail], bm._ref_counts[copy_page]) == (2, 1, 1)
+    child.num_computed_tokens += 1
+
+    parent.append_token(200)
+    assert bm.pages_needed(parent, 1) == 0  # the tail page is now the parent's alone
+    assert bm.allocate_slots(parent, 1) and bm.take_copies() == []
+    parent.num_computed_tokens += 1
+    bm.check_invariants()
+
+    bm.free(parent)
+    assert (bm._ref_counts[p_full], bm._ref_counts[p_tail]) == (1, 0)
+    bm.free(child)
+    assert bm.num_used_pages == 0 and bm.num_free_pages == 7
+    bm.check_invariants()
+
+
+def test_fork_at_a_page_boundary_copies_nothing():
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, range(8))
+    assert run_chunk(bm, parent, 8)
+    child = make_seq(1, range(8))
+    bm.fork(parent, child)
+    child.append_token(9)
+    assert bm.pages_needed(child, 1) == 1  # a fresh page, not a copy
+    assert bm.allocate_slots(child, 1) and bm.take_copies() == []
+    assert child.block_table[:2] == parent.block_table and len(child.block_table) == 3
+    bm.check_invariants()
+
+
+def test_kv_utilization_worked_example():
+    bm = BlockManager(num_pages=8, page_size=4)
+    assert bm.kv_utilization() == 1.0  # nothing referenced
+    a = make_seq(0, [1, 2, 3, 4, 5, 6])
+    assert run_chunk(bm, a, 6)
+    assert bm.kv_utilization() == 6 / 8  # page A0 holds 4 slots, A1 holds 2: 6 of 2 * 4
+    b = make_seq(1, a.prompt_token_ids)
+    bm.fork(a, b)
+    assert bm.kv_utilization() == 6 / 8  # shared pages count once
+    b.append_token(7)
+    assert bm.allocate_slots(b, 1)  # copy-on-write of A1 into B1, which holds positions 4, 5, 6
+    assert bm.kv_utilization() == (4 + 2 + 3) / 12  # A0 + A1 + B1 = 9 of 3 * 4
+    a.append_token(8)
+    assert bm.allocate_slots(a, 1)  # A1 now also holds position 6
+    assert bm.kv_utilization() == (4 + 3 + 3) / 12
+    bm.free(b)  # B1 goes; A0 is still referenced by a
+    assert bm.kv_utilization() == (4 + 3) / 8
+    bm.free(a)
+    assert bm.kv_utilization() == 1.0
+    c = make_seq(2, [1, 2, 3, 4, 9])
+    assert bm.match_prefix(c) == 4 and bm.kv_utilization() == 4 / 4  # a hit page is full
+    assert bm.allocate_slots(c, 1)
+    assert bm.kv_utilization() == (4 + 1) / 8
+
+
+def test_prefix_caching_off():
+    bm = BlockManager(num_pages=8, page_size=2, enable_prefix_caching=False)
+    a = make_seq(0, [1, 2, 3, 4, 5])
+    assert bm.match_prefix(a) == 0
+    assert run_chunk(bm, a, 5)
+    bm.free(a)
+    b = make_seq(1, [1, 2, 3, 4, 5])
+    assert bm.match_prefix(b) == 0 and b.block_table == []
+    assert bm.num_cached_pages == 0 and bm.num_free_pages == 7
+    bm.check_invariants()
+
+
+def test_hash_collision_is_not_a_hit(monkeypatch):
+    monkeypatch.setattr(block_manager, "hash_page", lambda parent, tokens: b"every page collides")
+    bm = BlockManager(num_pages=8, page_size=2)
+    a = make_seq(0, [1, 2, 3])
+    assert run_chunk(bm, a, 3)
+    bm.free(a)
+    assert bm.match_prefix(make_seq(1, [4, 5, 6])) == 0  # same key, other tokens: a miss, not false sharing
+    assert bm.match_prefix(make_seq(2, [1, 2, 3])) == 2
+    bm.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    page_size=st.integers(1, 4),
+    first=st.lists(st.integers(0, 1), min_size=1, max_size=16),
+    cut=st.integers(0, 16),
+    suffix=st.lists(st.integers(0, 1), max_size=6),
+)
+def test_prefix_hit_is_the_longest_matching_chain(page_size, first, cut, suffix):
+    bm = BlockManager(num_pages=64, page_size=page_size)  # large enough that nothing is evicted
+    a = make_seq(0, first)
+    assert run_chunk(bm, a, len(first))
+    bm.free(a)
+    second = first[:cut] + suffix or [0]
+    b = make_seq(1, second)
+    matched = bm.match_prefix(b)
+    expected = 0
+    while (
+        expected + 1 <= min(len(first) // page_size, (len(second) - 1) // page_size)
+        and first[: (expected + 1) * page_size] == second[: (expected + 1) * page_size]
+    ):
+        expected += 1
+    assert matched == expected * page_size == b.num_computed_tokens
+    for i, page in enumerate(b.block_table):
+        assert bm._page_key[page][1] == tuple(second[i * page_size : (i + 1) * page_size])
+    bm.check_invariants()
+
+
+PREFIXES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [1, 2, 3, 4, 5, 6, 20, 21, 22, 23, 24, 25],
+    [7] * 12,
+]
+MAX_LIVE = 6
+pick = st.integers(0, 1 << 16)
+
+
+def kv_of(seq: Sequence, pos: int) -> tuple[int, ...]:
+    """What the K/V of token `pos` depends on: every token up to it (equal tokens after other prefixes differ)."""
+    return tuple(seq.token_ids[: pos + 1])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives the block manager like an engine. `pool` is a shadow of the device KV pool: pool[page][offset] is what
+    the K/V in that slot depends on, the tokens up to and including its own. Every live sequence's computed tokens
+    must be intact in the pages its table names (catches a missing copy-on-write, a page handed out while
+    referenced, a stale or unchained prefix-cache entry)."""
+
+    @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), prefix_caching=st.booleans())
+    def setup(self, num_pages, page_size, prefix_caching):
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
+        self.pool = [[None] * page_size for _ in range(num_pages)]
+        self.seqs: dict[int, Sequence] = {}
+        self.next_id = 0
+
+    def _pick(self, index, cond=lambda s: True):
+        candidates = [s for s in self.seqs.values() if cond(s)]
+        return candidates[index % len(candidates)]
+
+    def _admit(self, seq):
+        bm, ps = self.bm, self.bm.page_size
+        matched = bm.match_prefix(seq)
+        assert matched == seq.num_computed_tokens == len(seq.block_table) * ps
+        assert matched <= (seq.num_prompt_tokens - 1) // ps * ps
+        assert matched == 0 or bm.enable_prefix_caching
+        for i, page in enumerate(seq.block_table):
+            tokens = seq.token_ids[i * ps : (i + 1) * ps]
+            assert bm._page_key[page][1] == tuple(tokens)  # registered tokens equal the new prompt's
+            assert self.pool[page] == [kv_of(seq, pos) for pos in range(i * ps, (i + 1) * ps)]  # and the device's
+
+    @precondition(lambda self: len(self.seqs) < MAX_LIVE)
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 12), suffix=st.lists(st.integers(0, 2), max_size=5))
+    def add(self, prefix, cut, suffix):
+        seq = make_seq(self.next_id, prefix[:cut] + suffix or [0])
+        self.next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self._admit(seq)
+
+    @precondition(lambda self: any(s.num_uncomputed_tokens for s in self.seqs.values()))
+    @rule(index=pick, chunk=st.integers(1, 8))
+    def step(self, index, chunk):
+        bm, ps = self.bm, self.bm.page_size
+        seq = self._pick(index, lambda s: s.num_uncomputed_tokens > 0)
+        n = min(chunk, seq.num_uncomputed_tokens)
+        needed, free_before, used_before = bm.pages_needed(seq, n), bm.num_free_pages, bm.num_used_pages
+        table_before, computed_before = list(seq.block_table), seq.num_computed_tokens
+        if not bm.allocate_slots(seq, n):
+            assert needed > free_before
+            assert (seq.block_table, seq.num_computed_tokens) == (table_before, computed_before)
+            assert (bm.num_free_pages, bm.num_used_pages, bm.take_copies()) == (free_before, used_before, [])
+            return
+        assert needed <= free_before and bm.num_free_pages == free_before - needed
+        assert len(seq.block_table) * ps >= seq.num_computed_tokens + n
+        for src, dst in bm.take_copies():  # the device copies first, then writes the step's K/V
+            self.pool[dst] = list(self.pool[src])
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            self.pool[seq.block_table[pos // ps]][pos % ps] = kv_of(seq, pos)
+        seq.num_computed_tokens += n
+        bm.cache_full_pages(seq)
+
+    @precondition(lambda self: any(s.num_uncomputed_tokens == 0 for s in self.seqs.values()))
+    @rule(index=pick, token=st.integers(0, 2))
+    def decode(self, index, token):
+        self._pick(index, lambda s: s.num_uncomputed_tokens == 0).append_token(token)
+
+    @precondition(lambda self: 0 < len(self.seqs) < MAX_LIVE)
+    @rule(index=pick)
+    def fork(self, index):
+        parent = self._pick(index)
+        child = make_seq(self.next_id, parent.prompt_token_ids)
+        child.token_ids = list(parent.token_ids)
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        assert child.block_table == parent.block_table
+        assert child.num_computed_tokens == parent.num_computed_tokens
+        self.seqs[child.seq_id] = child
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=pick)
+    def free(self, index):
+        seq = self._pick(index)
+        self.bm.free(seq)
+        assert (seq.block_table, seq.num_computed_tokens) == ([], 0)
+        del self.seqs[seq.seq_id]
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=pick)
+    def preempt_and_readmit(self, index):
+        seq = self._pick(index)
+        self.bm.free(seq)
+        self._admit(seq)  # recompute from scratch, reusing whatever of its prompt is still cached
+
+    @invariant()
+    def pages_are_consistent(self):
+        bm, ps = self.bm, self.bm.page_size
+        bm.check_invariants()
+        num_free_list = bm.num_free_pages - bm.num_cached_pages
+        assert num_free_list + bm.num_used_pages + bm.num_cached_pages == bm.num_pages - 1
+        table_entries = collections.Counter(page for s in self.seqs.values() for page in s.block_table)
+        assert NULL_PAGE not in table_entries
+        assert len(table_entries) == bm.num_used_pages
+        assert all(bm._ref_counts[page] == count for page, count in table_entries.items())
+        for seq in self.seqs.values():
+            for pos in range(seq.num_computed_tokens):
+                assert self.pool[seq.block_table[pos // ps]][pos % ps] == kv_of(seq, pos)
+        assert 0.0 < bm.kv_utilization() <= 1.0
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in list(self.seqs.values()):
+            self.bm.free(seq)
+        self.bm.check_invariants()
+        assert self.bm.num_used_pages == 0
+        assert self.bm.num_free_pages == self.bm.num_pages - 1
+        assert self.bm.kv_utilization() == 1.0
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
