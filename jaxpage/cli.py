@@ -29,6 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpage", description="PagedAttention LLM serving on JAX/XLA.")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    generate = commands.add_parser("generate", help="generate a completion and stream it to stdout")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding (default 1.0)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    _add_model_options(generate)
+
     predict = commands.add_parser("predict", help="print the most likely next tokens after a prompt")
     predict.add_argument("prompt")
     predict.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -71,6 +82,43 @@ def _predict(args) -> None:
         print(f"{rank:>3}. {probs[token]:7.2%}  {token:>6}  {tokenizer.decode([int(token)])!r}")
 
 
+def _generate(args) -> None:
+    from jaxpage.llm import LLM
+    from jaxpage.sampling_params import SamplingParams
+    from jaxpage.tokenizer import encode_prompt
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1)
+    prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
+    printed = 0
+    final = None
+    for output in llm.generate_stream(prompt, params):
+        text = output.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+        final = output
+    sys.stdout.write("\n")
+    completion = final.outputs[0]
+    metrics = final.metrics
+    seconds = metrics.last_token_time - metrics.first_token_time
+    rate = (len(completion.token_ids) - 1) / seconds if seconds > 0 else float("nan")
+    print(
+        f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}, "
+        f"first token {metrics.first_token_time - metrics.arrival_time:.2f}s, {rate:.1f} tokens/s after it]",
+        file=sys.stderr,
+    )
+
+
 def _convert(args) -> None:
     from pathlib import Path
 
@@ -103,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpage.errors import ModelLoadError
 
     try:
-        {"predict": _predict, "convert": _convert}[args.command](args)
+        {"generate": _generate, "predict": _predict, "convert": _convert}[args.command](args)
     except (ModelLoadError, ValueError, FileExistsError) as e:
         print(f"jaxpage: error: {e}", file=sys.stderr)
         return 2

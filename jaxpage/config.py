@@ -153,3 +153,50 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     kwargs = {k: params[k] for k in keys if k in params} if rope_type == "llama3" else {"factor": params["factor"]}
     return theta, RopeScaling(rope_type=rope_type, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine arguments, in vLLM's names where vLLM has one.
+
+    KV pool size, first match wins: `num_pages`; `kv_cache_memory_bytes`; on GPU/TPU
+    `gpu_memory_utilization` of the device memory left after the weights; on CPU 2 GiB.
+    """
+
+    model: str | None = None  # HF directory, .gguf file, jaxpage checkpoint; None: SmolLM2-135M-Instruct
+    dtype: str | None = None  # float32 / bfloat16 / float16; default float32 on CPU, bfloat16 elsewhere
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds the requests that bring none
+
+    CPU_KV_CACHE_BYTES = 2 << 30
+
+    def __post_init__(self):
+        def fail(field: str, requirement: str) -> None:
+            raise ValueError(f"engine argument {field} must be {requirement}, got {getattr(self, field)!r}")
+
+        def positive_int(field: str, minimum: int = 1) -> None:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                fail(field, f"an integer >= {minimum}")
+
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            fail("dtype", "float32, bfloat16 or float16")
+        for field in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive_int(field)
+        if self.max_model_len is not None:
+            positive_int("max_model_len", 2)
+        if self.num_pages is not None:
+            positive_int("num_pages", 2)
+        if self.kv_cache_memory_bytes is not None:
+            positive_int("kv_cache_memory_bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", "in (0, 1]")
+        if not isinstance(self.seed, int):
+            fail("seed", "an integer")

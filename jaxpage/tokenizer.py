@@ -59,3 +59,35 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     except OSError:
         pass  # a read-only or full cache costs only speed
     return tokenizer
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of output tokens, one token at a time, correct across multi-byte characters.
+
+    A byte-level token may end in the middle of a UTF-8 character; its text is held back (decoding gives
+    U+FFFD) until the tokens that complete it arrive. The last few prompt tokens are decoded along as
+    context, so tokenizers that drop a leading space when decoding a lone token still get it right.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_token_ids[-self.CONTEXT_TOKENS :])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Appends a token; returns the text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,112 @@
+"""LLM: offline generation over the engine, in vLLM's API (`LLM(model).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from jaxpage.config import EngineConfig
+from jaxpage.llm_engine import LLMEngine
+from jaxpage.outputs import RequestOutput
+from jaxpage.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    """An engine with the convenience API: `generate`, `chat`, `generate_stream`.
+
+    `LLM(model=None, **engine_args)`: model is an HF directory, a .gguf file or a jaxpage checkpoint
+    (None: SmolLM2-135M-Instruct); engine_args are EngineConfig's fields (max_num_seqs, page_size, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (strings or {"prompt_token_ids": [...]}); outputs in prompt order.
+
+        All prompts are validated before any runs: a bad one raises ValueError and nothing is queued.
+        """
+        request_ids = self._add(prompts, sampling_params)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generate") as bar:
+            for output in self._run(request_ids):
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        return [finished[rid] for rid in request_ids]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput (cumulative text and tokens) each time a request progresses; the last one of
+        each request has finished=True. Closing the iterator early aborts what is still running."""
+        request_ids = self._add(prompts, sampling_params)
+        yield from self._run(request_ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(self, prompts, sampling_params) -> list[str]:
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        for prompt in prompts:  # validate everything first: a bad prompt must not leave others queued
+            self.engine._prompt_tokens(prompt)
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
+                self.engine.add_request(rid, prompt, p)
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            raise
+        return request_ids
+
+    def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(request_ids)
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:
+            if pending:
+                self.engine.abort_request(list(pending))

@@ -1,0 +1,302 @@
+"""LLMEngine: requests in, one scheduled + jitted step at a time, RequestOutputs out (vLLM's engine API)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+
+from jaxpage.block_manager import BlockManager
+from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.model_runner import ModelRunner
+from jaxpage.models.loader import load_model
+from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.scheduler import Scheduler, SchedulerConfig
+from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger("jaxpage")
+
+
+def kv_pool_pages(engine: EngineConfig, model: ModelConfig, dtype_bytes: int, max_model_len: int) -> int:
+    """Pages in the pool (the null page included), from the engine's size arguments; see EngineConfig."""
+    page_bytes = engine.page_size * model.kv_bytes_per_token(dtype_bytes)
+    if engine.num_pages is not None:
+        return engine.num_pages
+    if engine.kv_cache_memory_bytes is not None:
+        budget = engine.kv_cache_memory_bytes
+    elif jax.default_backend() == "cpu":
+        budget = EngineConfig.CPU_KV_CACHE_BYTES
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        budget = int(stats.get("bytes_limit", 0) * engine.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+    useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
+    pages = min(budget // page_bytes, useful)
+    if pages < 2:
+        raise ValueError(f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)")
+    return pages
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    completions: list[CompletionOutput]
+    metrics: RequestMetrics
+
+    def output(self) -> RequestOutput:
+        finished = all(c.finish_reason is not None for c in self.completions)
+        outputs = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in self.completions]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.metrics)
+
+
+class LLMEngine:
+    """The serving engine: `add_request`, then `step` until `has_unfinished_requests` is False."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config, params = load_model(config.model, dtype=config.dtype)
+        self.tokenizer = load_tokenizer(config.model)
+        model_max = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
+        dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
+        num_pages = kv_pool_pages(config, self.model_config, dtype_bytes, self.max_model_len)
+        logger.info(
+            "KV cache: %d bytes per token (2 * %d layers * %d kv heads * %d dims * %d bytes); %d pages of %d tokens, "
+            "%.2f GiB",
+            self.model_config.kv_bytes_per_token(dtype_bytes),
+            self.model_config.num_layers,
+            self.model_config.num_kv_heads,
+            self.model_config.head_dim,
+            dtype_bytes,
+            num_pages,
+            config.page_size,
+            num_pages * config.page_size * self.model_config.kv_bytes_per_token(dtype_bytes) / 2**30,
+        )
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
+        )
+        self.runner = ModelRunner(
+            self.model_config,
+            params,
+            num_pages=num_pages,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._requests: dict[str, _Request] = {}
+        self._request_of_seq: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+
+    @classmethod
+    def from_engine_args(cls, **engine_args) -> LLMEngine:
+        return cls(EngineConfig(**engine_args))
+
+    # ----- requests -----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request. `prompt` is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}).
+
+        Raises ValueError (and queues nothing) for a duplicate id, an empty or malformed prompt, token ids
+        outside the vocabulary, or a request that can never fit max_model_len or the page pool.
+        """
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._prompt_tokens(prompt)
+        max_len = self.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len {max_len} leaves no room to generate")
+        longest = min(len(token_ids) + (params.max_tokens or max_len), max_len)
+        pages = math.ceil(longest / self.block_manager.page_size)
+        if pages > self.block_manager.num_pages - 1:
+            raise ValueError(
+                f"request needs up to {pages} pages ({longest} tokens) but the KV pool has "
+                f"{self.block_manager.num_pages - 1}; lower max_tokens or enlarge the pool"
+            )
+        seqs = []
+        for index in range(params.n):
+            seed = params.seed + index if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+            seqs.append(Sequence(next(self._seq_ids), token_ids, sampling_params=params, seed=seed))
+        request = _Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            seqs,
+            [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) for _ in seqs],
+            [CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None) for i in range(params.n)],
+            RequestMetrics(arrival_time or time.time()),
+        )
+        for completion in request.completions:
+            completion.logprobs = [] if params.logprobs is not None else None
+        self._requests[request_id] = request
+        for seq in seqs:
+            self._request_of_seq[seq.seq_id] = request
+            self.scheduler.add(seq)
+
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not ids:
+                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int | np.integer) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids holds {bad[0]!r}, not a token id in [0, {vocab})")
+            return prompt.get("prompt"), [int(t) for t in ids]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._prompt_tokens(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Ends the request(s) now with finish_reason "abort"; unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            request = self._requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq, completion in zip(request.seqs, request.completions, strict=True):
+                if completion.finish_reason is None:
+                    completion.finish_reason = "abort"
+                    self._finish_seq(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def warmup(self) -> None:
+        """Compiles the step for every bucket so that serving compiles nothing."""
+        self.runner.warmup()
+
+    # ----- the step -----
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the outputs of the requests that progressed or finished."""
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return []
+        now = time.time()
+        for item in output.scheduled:
+            metrics = self._request_of_seq[item.seq.seq_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        result = self.runner.execute(output)
+        self.scheduler.commit(output)
+        now = time.time()
+        progressed: dict[str, _Request] = {}
+        for row, item in enumerate(output.scheduled):
+            if not item.samples:
+                continue
+            seq = item.seq
+            request = self._request_of_seq[seq.seq_id]
+            index = request.seqs.index(seq)
+            token = int(result.token_ids[row])
+            seq.append_token(token)
+            completion = request.completions[index]
+            completion.token_ids.append(token)
+            if result.logprobs is not None and request.params.logprobs is not None:
+                self._record_logprobs(completion, request.params.logprobs, token, result, row)
+            delta = request.detokenizers[index].add(token)
+            completion.text = request.detokenizers[index].text
+            self._check_stop(seq, completion, token, delta)
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            request.metrics.last_token_time = now
+            if completion.finish_reason is not None:
+                self._finish_seq(seq)
+            progressed[request.request_id] = request
+        outputs = []
+        for request in progressed.values():
+            out = request.output()
+            if out.finished:
+                request.metrics.finished_time = now
+                del self._requests[request.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, row: int) -> None:
+        decode = self.tokenizer.decode
+        entry = {token: Logprob(float(result.logprobs[row]), None, decode([token]))}
+        top = zip(result.top_logprob_ids[row][:num], result.top_logprobs[row][:num], strict=True)
+        for rank, (tid, value) in enumerate(top, 1):
+            entry[int(tid)] = Logprob(float(value), rank, decode([int(tid)]))
+        if entry[token].rank is None:
+            ranks = [i for i, t in enumerate(result.top_logprob_ids[row], 1) if int(t) == token]
+            entry[token] = dataclasses.replace(entry[token], rank=ranks[0] if ranks else None)
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob += float(result.logprobs[row])
+
+    def _check_stop(self, seq: Sequence, completion: CompletionOutput, token: int, delta: str) -> None:
+        params = seq.sampling_params
+        if token in params.stop_token_ids:
+            completion.finish_reason, completion.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            completion.finish_reason = "stop"
+        elif delta and params.stop:
+            # A stop string can only be new if it overlaps the delta: search the tail that could hold it.
+            longest = max(map(len, params.stop))
+            tail_start = max(0, len(completion.text) - len(delta) - longest + 1)
+            hits = [(completion.text.find(s, tail_start), s) for s in params.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, stop = min(hits)
+                completion.text = completion.text[:pos]
+                completion.finish_reason, completion.stop_reason = "stop", stop
+        if completion.finish_reason is None:
+            if params.max_tokens is not None and len(completion.token_ids) >= params.max_tokens:
+                completion.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                completion.finish_reason = "length"
+            elif params.stop:
+                # Hold back what could be the start of a stop string, so a stream never shows text it takes back.
+                held = max(map(len, params.stop)) - 1
+                completion.text = completion.text[: len(completion.text) - held] if held else completion.text
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(seq)
+        self._request_of_seq.pop(seq.seq_id, None)
+
+    # ----- statistics -----
+
+    def kv_stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "used_pages": bm.num_used_pages,
+            "cached_pages": bm.num_cached_pages,
+            "free_pages": bm.num_free_pages - bm.num_cached_pages,
+            "kv_utilization": bm.kv_utilization(),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }

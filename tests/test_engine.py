@@ -1,0 +1,90 @@
+"""The paged engine end to end on the default model: token-for-token agreement with transformers' greedy
+decoding, whatever the pool size, page size, chunking or prefix caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jaxpage.llm import LLM
+from jaxpage.sampling_params import SamplingParams
+
+NEW_TOKENS = 32
+SYSTEM = (  # about 80 tokens: full pages of 8, 16 and 32 tokens for the prefix cache to share
+    "You are a careful assistant who answers questions about the natural world. Answer in one short paragraph "
+    "of plain sentences, never use lists or headings, avoid jargon, and when a question has a simple answer, "
+    "give that answer first and then one sentence that explains it to a curious twelve-year-old. Question: "
+)
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(items):\n",
+    "Once upon a time",
+    "List three colors of the rainbow:",
+    SYSTEM + "Why is the sky blue?",
+    SYSTEM + "What do bees make?",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Again: The quick",
+    "Translate to French: Good morning, my friend. How are you today? I hope the weather is nice where you are.",
+]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm2_path, smollm2_hf):
+    """transformers' greedy continuations (NEW_TOKENS each, EOS ignored) of PROMPTS, one prompt at a time."""
+    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
+    results = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt)
+        results.append(hf_greedy_continuation(smollm2_hf, ids, NEW_TOKENS))
+    return results
+
+
+def hf_greedy_continuation(model, ids: list[int], num_tokens: int) -> list[int]:
+    """Plain argmax decoding with transformers' KV cache. (generate's min_new_tokens would mask EOS, which
+    vLLM's ignore_eos does not: it only keeps going after EOS.)"""
+    tokens = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(num_tokens):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+ENGINE_VARIANTS = {
+    "default": dict(),
+    "page-size-8": dict(page_size=8),
+    "page-size-32": dict(page_size=32),
+    "every-prompt-chunked": dict(max_num_batched_tokens=16),
+    "preemption": dict(num_pages=12, max_num_batched_tokens=64),  # 11 pages of 16: not enough for all at once
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS), ids=list(ENGINE_VARIANTS))
+def test_greedy_equals_transformers(variant, smollm2_path, hf_greedy):
+    llm = LLM(str(smollm2_path), max_model_len=256, **ENGINE_VARIANTS[variant])
+    # Two calls, so the second system-prompt request finds the first one's pages in the prefix cache.
+    outputs = llm.generate(PROMPTS[:5], GREEDY) + llm.generate(PROMPTS[5:], GREEDY)
+    for prompt, output, expected in zip(PROMPTS, outputs, hf_greedy, strict=True):
+        assert output.outputs[0].token_ids == expected, prompt
+        assert output.outputs[0].finish_reason == "length"
+    engine = llm.engine
+    if variant == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if variant == "no-prefix-caching":
+        assert engine.scheduler.num_prefix_hit_tokens == 0
+    else:  # the second system-prompt request reuses every full page of the prefix it shares with the first
+        first, second = (outputs[i].prompt_token_ids for i in (4, 5))
+        common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        page_size = engine.block_manager.page_size
+        shared = common // page_size * page_size
+        assert common > 32 and engine.scheduler.num_prefix_hit_tokens >= shared
+        if variant != "preemption":  # a preempted request also finds its own pages again when it comes back
+            assert engine.scheduler.num_prefix_hit_tokens == shared
+    assert engine.block_manager.num_used_pages == 0  # everything returned
