@@ -1,0 +1,260 @@
+"""The engine's behaviour on a tiny random model: stops, seeds, logprobs, errors, poisoned pages, compilations."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_FAMILIES
+
+from jaxpage.kv_cache import KVCache
+from jaxpage.llm import LLM
+from jaxpage.model_runner import top_logprobs
+from jaxpage.models import forward, load_model
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+FAMILY = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
+PROMPTS = [[5, 9, 13, 2, 40], list(range(10, 60)), [77], [(7 * i) % 90 + 3 for i in range(23)]]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir, smollm2_path, tmp_path_factory):
+    """A tiny random model (vocab 96) with SmolLM2's tokenizer beside it, so its outputs decode to text."""
+    import shutil
+
+    directory = tmp_path_factory.mktemp("tiny-engine")
+    shutil.copytree(tiny_model_dir(FAMILY)[0], directory, dirs_exist_ok=True)
+    load_tokenizer(smollm2_path).save_pretrained(str(directory))
+    return str(directory)
+
+
+def make_llm(tiny_dir, **engine_args) -> LLM:
+    args = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8) | engine_args
+    return LLM(tiny_dir, **args)
+
+
+def dense_greedy(tiny_dir, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding with the cache-free forward pass (checked against transformers elsewhere)."""
+    config, params = load_model(tiny_dir)
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(int(np.asarray(forward(config, params, [tokens]))[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def token_prompts(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def expected_greedy(tiny_dir):
+    return [dense_greedy(tiny_dir, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_greedy_equals_the_dense_forward(tiny_dir, expected_greedy):
+    outputs = make_llm(tiny_dir).generate(token_prompts(PROMPTS), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected_greedy
+
+
+def test_poisoned_free_pages_change_no_output(tiny_dir, expected_greedy):
+    """Every page no sequence holds (the null page included) is NaN before every step."""
+    llm = make_llm(tiny_dir, enable_prefix_caching=False, num_pages=40)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        held = {page for seq in engine.scheduler.running for page in seq.block_table}
+        free = np.array([p for p in range(engine.block_manager.num_pages) if p not in held], np.int32)
+        cache = engine.runner.kv_cache
+        engine.runner.kv_cache = KVCache(k=cache.k.at[:, free].set(jnp.nan), v=cache.v.at[:, free].set(jnp.nan))
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.outputs[0].token_ids
+    assert [finished[i] for i in range(len(PROMPTS))] == expected_greedy
+    assert np.isnan(np.asarray(engine.runner.kv_cache.k)).any()  # the poison was really there
+
+
+def test_no_compilation_after_warmup(tiny_dir):
+    llm = make_llm(tiny_dir)
+    llm.engine.warmup()
+    compiled = llm.engine.runner.num_compilations
+    assert compiled == len(llm.engine.runner.token_buckets) * len(llm.engine.runner.page_buckets)
+    logprob_shapes = top_logprobs._cache_size()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 96, rng.integers(1, 100)).tolist() for _ in range(20)]
+    params = [
+        SamplingParams(
+            temperature=float(rng.uniform(0, 1.5)),
+            top_p=0.9,
+            max_tokens=int(rng.integers(1, 27)),
+            logprobs=2 if i % 3 == 0 else None,
+            ignore_eos=True,
+        )
+        for i in range(20)
+    ]
+    outputs = llm.generate(token_prompts(prompts), params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert llm.engine.runner.num_compilations == compiled
+    assert top_logprobs._cache_size() == logprob_shapes
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_dir):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234, max_tokens=15, ignore_eos=True)
+    alone = make_llm(tiny_dir).generate(token_prompts(PROMPTS[1:2]), seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True)
+    crowd = make_llm(tiny_dir).generate(token_prompts(PROMPTS), [others, seeded, others, others])
+    assert crowd[1].outputs[0].token_ids == alone
+    unseeded = make_llm(tiny_dir).generate(token_prompts(PROMPTS[1:2]) * 2, others)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids  # distinct default seeds
+
+
+def test_n_samples_of_one_prompt(tiny_dir, expected_greedy):
+    [greedy] = make_llm(tiny_dir).generate(
+        token_prompts(PROMPTS[:1]), SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    assert [c.index for c in greedy.outputs] == [0, 1, 2]
+    assert all(c.token_ids == expected_greedy[0] for c in greedy.outputs)
+    [sampled] = make_llm(tiny_dir).generate(
+        token_prompts(PROMPTS[:1]), SamplingParams(n=3, seed=5, max_tokens=12, ignore_eos=True)
+    )
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) == 3
+
+
+def test_stop_token_ids_eos_and_max_tokens(tiny_dir, expected_greedy):
+    llm = make_llm(tiny_dir)
+    expected = expected_greedy[1]
+    stop_at = next(i for i in range(3, len(expected)) if expected[i] not in expected[:i])  # a first occurrence
+    token = expected[stop_at]
+    out = llm.generate(
+        token_prompts(PROMPTS[1:2]), SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[token])
+    )
+    completion = out[0].outputs[0]
+    assert completion.token_ids == expected[: stop_at + 1]  # the stop token is kept in token_ids
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", token)
+
+    llm.engine.eos_token_ids = {token}
+    out = llm.generate(token_prompts(PROMPTS[1:2]), SamplingParams(temperature=0, max_tokens=12))
+    assert out[0].outputs[0].token_ids == expected[: stop_at + 1] and out[0].outputs[0].finish_reason == "stop"
+    out = llm.generate(token_prompts(PROMPTS[1:2]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected and out[0].outputs[0].finish_reason == "length"
+
+
+def test_max_model_len_ends_a_request(tiny_dir):
+    llm = make_llm(tiny_dir, max_model_len=56)
+    [out] = llm.generate(token_prompts(PROMPTS[1:2]), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 56
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_stop_strings_are_cut_from_the_text(tiny_dir):
+    llm = make_llm(tiny_dir)
+    full = llm.generate(token_prompts(PROMPTS[3:4]), GREEDY)[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert len(stop) == 2 and stop.strip()
+    cut = full[: full.find(stop)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop, "never appears 123"])
+    completion = llm.generate(token_prompts(PROMPTS[3:4]), params)[0].outputs[0]
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == (cut, "stop", stop)
+    streamed = [o.outputs[0].text for o in llm.generate_stream(token_prompts(PROMPTS[3:4]), params)]
+    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:], strict=False))  # never takes text back
+    assert streamed[-1] == cut
+
+
+def test_streaming_yields_growing_outputs(tiny_dir):
+    llm = make_llm(tiny_dir)
+    outputs = list(llm.generate_stream(token_prompts(PROMPTS[:2]), GREEDY))
+    for rid in {o.request_id for o in outputs}:
+        mine = [o for o in outputs if o.request_id == rid]
+        assert [len(o.outputs[0].token_ids) for o in mine] == list(range(1, 13))
+        assert [o.finished for o in mine] == [False] * 11 + [True]
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_logprobs_are_those_of_the_model(tiny_dir):
+    llm = make_llm(tiny_dir)
+    [out] = llm.generate(
+        token_prompts(PROMPTS[:1]), SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )
+    completion = out.outputs[0]
+    config, params = load_model(tiny_dir)
+    tokens = PROMPTS[0] + completion.token_ids
+    reference = np.asarray(jax.nn.log_softmax(forward(config, params, [tokens])[0]))
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        row = reference[len(PROMPTS[0]) - 1 + i]
+        assert entry[token].logprob == pytest.approx(row[token], abs=1e-4)
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        top = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert len(top) == 3
+        np.testing.assert_allclose([lp.logprob for lp in top], np.sort(row)[::-1][:3], atol=1e-4)
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True)), abs=1e-4
+    )
+
+
+def test_abort_returns_the_pages(tiny_dir):
+    engine = make_llm(tiny_dir).engine
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    engine.step()
+    assert engine.block_manager.num_used_pages > 0
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", None, "prompt is empty"),
+        ({"prompt_token_ids": []}, None, "non-empty list"),
+        ({"prompt_token_ids": [1, 96]}, None, r"holds 96, not a token id in \[0, 96\)"),
+        ({"prompt_token_ids": [1, -1]}, None, "holds -1"),
+        ({"prompt_token_ids": list(range(3, 93)) * 2}, None, "prompt is 180 tokens; max_model_len 128"),
+        ({"prompt_token_ids": [5]}, dict(max_tokens=127, num_pages=8), "needs up to 16 pages"),
+        (42, None, "prompt must be a string or a dict"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_rest_goes_on(tiny_dir, expected_greedy, prompt, params, message):
+    engine_args = {"num_pages": params.pop("num_pages")} if params and "num_pages" in params else {}
+    llm = make_llm(tiny_dir, **engine_args)
+    sampling = SamplingParams(**params) if params else None
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}, prompt], sampling)
+    assert not llm.engine.has_unfinished_requests()  # nothing of the failed call stays queued
+    if not engine_args:
+        assert llm.generate(token_prompts(PROMPTS[:1]), GREEDY)[0].outputs[0].token_ids == expected_greedy[0]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("top_k", -3),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("logprobs", 21),
+        ("stop", [""]),
+        ("seed", 1.5),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_incremental_detokenizer_across_multibyte_characters(smollm2_path):
+    tokenizer = load_tokenizer(smollm2_path)
+    text = "Zoë said: 東京は晴れ 🙂🙃, naïve café — ok!"
+    ids = tokenizer(text).input_ids
+    detokenizer = IncrementalDetokenizer(tokenizer, [1, 2, 3], skip_special_tokens=True)
+    deltas = [detokenizer.add(token) for token in ids]
+    assert "".join(deltas) == detokenizer.text == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert deltas.count("") > 0  # some tokens ended inside a character and were held back
