@@ -88,3 +88,19 @@ def test_greedy_equals_transformers(variant, smollm2_path, hf_greedy):
         if variant != "preemption":  # a preempted request also finds its own pages again when it comes back
             assert engine.scheduler.num_prefix_hit_tokens == shared
     assert engine.block_manager.num_used_pages == 0  # everything returned
+
+
+def test_chat_reply_equals_transformers(smollm2_path, smollm2_hf):
+    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+
+    llm = LLM(str(smollm2_path), max_model_len=256)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [output] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16))
+    ids = encode_prompt(load_tokenizer(smollm2_path), messages[0]["content"], chat=True)
+    assert output.prompt_token_ids == ids
+    expected = hf_greedy_continuation(smollm2_hf, ids, 16)
+    completion = output.outputs[0]
+    if completion.finish_reason == "stop":  # <|im_end|>: the reply ended before 16 tokens
+        expected = expected[: len(completion.token_ids)]
+    assert completion.token_ids == expected
+    assert "Paris" in completion.text

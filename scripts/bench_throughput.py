@@ -1,0 +1,481 @@
+"""Offline throughput of jaxpage against Hugging Face transformers, on one mixed-length workload.
+
+    python scripts/bench_throughput.py [--workload FILE.jsonl] [--model SRC] [--num-requests 64]
+        [--write-workload FILE.jsonl] [--max-num-batched-tokens 512] [--max-num-seqs 64] [--max-model-len N]
+        [--hf-batch-size 16] [--skip-hf-static] [--skip-hf-continuous] [--seed 0]
+
+A workload is a JSONL file of rows {"id", "prompt_token_ids", "max_tokens"}. Without --workload one is made:
+--num-requests requests whose prompts are windows, at seeded random offsets, of a varied text (the docstrings of a
+fixed list of Python standard-library modules, tokenized with the model's tokenizer), prompt lengths uniform in
+16..512 and max_tokens uniform in 16..256 (seed --seed); --write-workload saves it. Every request is generated
+greedily to exactly its max_tokens (EOS ignored), by three systems on the same weights, one after the other:
+
+  jaxpage        LLMEngine: add_request for every row, then engine.step() until done. Warm-up (engine.warmup(),
+                 which compiles every bucket) runs first and is not timed; compilations during the timed run are
+                 counted (must be 0). After every step the KV utilization (block_manager.kv_utilization(): filled
+                 slots / slots of referenced pages) and the pages in use are sampled while requests hold pages.
+  hf_static      model.generate() over padded static batches of --hf-batch-size rows in workload order: left
+                 padding, greedy, EOS disabled, max_new_tokens = the batch's largest max_tokens. Only each row's own
+                 max_tokens count as useful output tokens; the extra tokens a row generates are waste.
+  hf_continuous  transformers' continuous batching: model.continuous_batching_context_manager(...) and
+                 manager.add_request(ids, request_id=..., max_new_tokens=<the row's>, eos_token_id=-1), results
+                 read with manager.get_result(); same token budget, row limit and KV capacity as jaxpage.
+
+Throughput is useful output tokens (the sum of the rows' max_tokens) / wall time from the first request queued to
+the last token back. The HF model is loaded in float32 (a GGUF file is dequantized by transformers, as jaxpage
+does); torch keeps its default thread count. Progress goes to stderr; a table and, as the last line, one JSON object
+with every figure go to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import inspect
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Standard-library modules whose docstrings make the prompt text: prose and code, in varied styles.
+TEXT_MODULES = (
+    "argparse",
+    "collections",
+    "json",
+    "re",
+    "textwrap",
+    "pathlib",
+    "functools",
+    "itertools",
+    "logging",
+    "email.message",
+    "http.client",
+    "unittest",
+    "datetime",
+    "decimal",
+    "fractions",
+    "statistics",
+    "string",
+    "difflib",
+    "heapq",
+    "csv",
+)
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ----- workload -----
+
+
+def corpus_text() -> str:
+    """Docstrings of TEXT_MODULES and their public members, in a fixed order."""
+    parts = []
+    for name in TEXT_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for member_name in sorted(vars(module)):
+            if member_name.startswith("_"):
+                continue
+            doc = inspect.getdoc(getattr(module, member_name))
+            if doc and len(doc) > 40:
+                parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def make_workload(tokenizer, num_requests: int, seed: int, prompt_lens=(16, 512), max_tokens=(16, 256)) -> list[dict]:
+    """Mixed-length requests whose prompts are windows of the tokenized corpus at seeded random offsets."""
+    import numpy as np
+
+    corpus = list(tokenizer(corpus_text()).input_ids)
+    if len(corpus) < 2 * prompt_lens[1]:
+        raise SystemExit(f"the prompt corpus is only {len(corpus)} tokens")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(num_requests):
+        length = int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))
+        start = int(rng.integers(0, len(corpus) - length))
+        rows.append(
+            {
+                "id": f"req-{i}",
+                "prompt_token_ids": corpus[start : start + length],
+                "max_tokens": int(rng.integers(max_tokens[0], max_tokens[1] + 1)),
+            }
+        )
+    return rows
+
+
+def read_workload(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        if set(row) < {"id", "prompt_token_ids", "max_tokens"}:
+            raise SystemExit(f"{path}: a row lacks id, prompt_token_ids or max_tokens: {sorted(row)}")
+        row["id"] = str(row["id"])
+    if not rows:
+        raise SystemExit(f"{path}: no rows")
+    return rows
+
+
+def write_workload(rows: list[dict], path: Path) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def describe(rows: list[dict]) -> dict:
+    prompts = [len(r["prompt_token_ids"]) for r in rows]
+    outputs = [r["max_tokens"] for r in rows]
+    return {
+        "num_requests": len(rows),
+        "prompt_tokens": sum(prompts),
+        "output_tokens": sum(outputs),
+        "prompt_len_min_mean_max": [min(prompts), round(statistics.mean(prompts), 1), max(prompts)],
+        "max_tokens_min_mean_max": [min(outputs), round(statistics.mean(outputs), 1), max(outputs)],
+        "longest_request": max(p + o for p, o in zip(prompts, outputs, strict=True)),
+    }
+
+
+# ----- jaxpage -----
+
+
+def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[str, list[int]]]:
+    from jaxpage.llm import LLM
+    from jaxpage.sampling_params import SamplingParams
+
+    log("jaxpage: loading the model")
+    start = time.perf_counter()
+    llm = LLM(
+        model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine = llm.engine
+    load_s = time.perf_counter() - start
+    runner, bm = engine.runner, engine.block_manager
+    buckets = len(runner.token_buckets) * len(runner.page_buckets)
+    log(
+        f"jaxpage: loaded in {load_s:.1f}s; warming up {buckets} buckets (token {runner.token_buckets} x pages "
+        f"{runner.page_buckets})"
+    )
+    start = time.perf_counter()
+    engine.warmup()
+    warmup_s = time.perf_counter() - start
+    compilations_warmup = runner.num_compilations
+    log(f"jaxpage: warm-up took {warmup_s:.1f}s, {compilations_warmup} compilations")
+
+    utilization: list[float] = []
+    used_pages: list[int] = []
+    step_times: list[float] = []
+    outputs: dict[str, list[int]] = {}
+    total = len(rows)
+    start = time.perf_counter()
+    for row in rows:
+        params = SamplingParams(temperature=0, max_tokens=row["max_tokens"], ignore_eos=True)
+        engine.add_request(row["id"], {"prompt_token_ids": row["prompt_token_ids"]}, params)
+    last_report = start
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        now = time.perf_counter()
+        step_times.append(now - step_start)
+        if bm.num_used_pages:  # requests still hold pages (after the last step none does: utilization is moot)
+            utilization.append(bm.kv_utilization())
+            used_pages.append(bm.num_used_pages)
+        if now - last_report > 10:
+            log(f"jaxpage: {len(outputs)}/{total} done, {len(step_times)} steps, {now - start:.0f}s")
+            last_report = now
+    wall_s = time.perf_counter() - start
+    compilations_run = runner.num_compilations - compilations_warmup
+    tokens = sum(len(t) for t in outputs.values())
+    log(f"jaxpage: {tokens} tokens in {wall_s:.1f}s, {len(step_times)} steps, {compilations_run} compilations")
+    result = {
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(tokens / wall_s, 2),
+        "load_s": round(load_s, 2),
+        "warmup_s": round(warmup_s, 2),
+        "compilations_warmup": compilations_warmup,
+        "compilations_after_warmup": compilations_run,
+        "kv_utilization_mean": round(statistics.mean(utilization), 4) if utilization else None,
+        "kv_utilization_min": round(min(utilization), 4) if utilization else None,
+        "kv_peak_pages_in_use": max(used_pages, default=0),
+        "kv_pool_pages": bm.num_pages - 1,
+        "page_size": bm.page_size,
+        "steps": len(step_times),
+        "step_ms_median": round(1000 * statistics.median(step_times), 2),
+        "step_ms_max": round(1000 * max(step_times), 2),
+        "preemptions": engine.scheduler.num_preemptions,
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    del llm, engine, runner
+    gc.collect()
+    return result, outputs
+
+
+# ----- Hugging Face -----
+
+
+def load_hf_model(model: str | None):
+    import torch
+    import transformers
+
+    from jaxpage.models.default_model import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    if path.suffix == ".gguf":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    elif (path / "config.json").is_file() and any(path.glob("*.safetensors*")):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        raise SystemExit(f"transformers cannot load {path}: give a .gguf file or an HF directory, or skip the HF runs")
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # generate to max_new_tokens, like ignore_eos
+    return hf
+
+
+def run_hf_static(hf, rows: list[dict], batch_size: int) -> tuple[dict, dict[str, list[int]]]:
+    import torch
+    from transformers import GenerationConfig
+
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    outputs: dict[str, list[int]] = {}
+    generated = 0
+    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    start = time.perf_counter()
+    for index, batch in enumerate(batches):
+        width = max(len(r["prompt_token_ids"]) for r in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, row in enumerate(batch):  # left padding
+            ids = row["prompt_token_ids"]
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            mask[i, width - len(ids) :] = 1
+        max_new = max(r["max_tokens"] for r in batch)
+        config = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+        batch_start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        new = out[:, width:]
+        if new.shape[1] != max_new:
+            raise SystemExit(f"hf_static: batch {index} generated {new.shape[1]} tokens, expected {max_new}")
+        generated += new.numel()
+        for i, row in enumerate(batch):
+            outputs[row["id"]] = new[i, : row["max_tokens"]].tolist()
+        log(
+            f"hf_static: batch {index + 1}/{len(batches)} ({len(batch)} rows, width {width}, {max_new} new tokens) "
+            f"in {time.perf_counter() - batch_start:.1f}s"
+        )
+    wall_s = time.perf_counter() - start
+    useful = sum(len(t) for t in outputs.values())
+    return {
+        "output_tokens": useful,
+        "generated_tokens_incl_waste": generated,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(useful / wall_s, 2),
+        "batch_size": batch_size,
+        "attn_implementation": hf.config._attn_implementation,
+    }, outputs
+
+
+def run_hf_continuous(hf, rows: list[dict], args, kv_tokens: int) -> tuple[dict, dict[str, list[int]]]:
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    page_size = ContinuousBatchingConfig().page_size
+    cb_config = ContinuousBatchingConfig(
+        max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs,
+        num_blocks=math.ceil(kv_tokens / page_size),  # the same KV capacity as jaxpage's pool
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r["prompt_token_ids"]) for r in rows),
+        max_generated_length=max(r["max_tokens"] for r in rows),
+        num_requests=len(rows),
+    )
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in rows), eos_token_id=-1)
+    outputs: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    attn_before = hf.config._attn_implementation
+    log("hf_continuous: starting the manager (not timed)")
+    setup_start = time.perf_counter()
+    with (
+        torch.inference_mode(),
+        hf.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints, block=True
+        ) as manager,
+    ):
+        setup_s = time.perf_counter() - setup_start
+        attn_used = hf.config._attn_implementation
+        log(f"hf_continuous: manager ready in {setup_s:.1f}s (attn {attn_used}); queuing {len(rows)} requests")
+        start = time.perf_counter()
+        for row in rows:
+            manager.add_request(
+                row["prompt_token_ids"], request_id=row["id"], max_new_tokens=row["max_tokens"], eos_token_id=-1
+            )
+        last_report = start
+        while len(outputs) + len(errors) < len(rows):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise SystemExit("hf_continuous: the generation thread stopped before every request finished")
+            elif result.is_finished():
+                if result.error is not None:
+                    errors[result.request_id] = str(result.error)
+                else:
+                    outputs[result.request_id] = list(result.generated_tokens)
+            now = time.perf_counter()
+            if now - last_report > 10:
+                log(f"hf_continuous: {len(outputs)}/{len(rows)} done, {now - start:.0f}s")
+                last_report = now
+        wall_s = time.perf_counter() - start
+        resolved = manager.continuous_batching_config
+    if errors:
+        first = next(iter(errors.items()))
+        raise SystemExit(f"hf_continuous: {len(errors)} requests failed, e.g. {first}")
+    tokens = sum(len(t) for t in outputs.values())
+    return {
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(tokens / wall_s, 2),
+        "setup_s": round(setup_s, 2),
+        "attn_implementation": attn_used,
+        "attn_implementation_loaded": attn_before,
+        "page_size": resolved.page_size,
+        "num_blocks": resolved.num_blocks,
+        "max_batch_tokens": resolved.max_batch_tokens,
+        "max_requests_per_batch": resolved.max_requests_per_batch,
+    }, outputs
+
+
+# ----- report -----
+
+
+def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict:
+    """How far greedy outputs agree: requests identical, and the mean fraction of leading tokens that match."""
+    prefix_fractions, identical = [], 0
+    for rid, tokens in a.items():
+        other = b.get(rid, [])
+        n = 0
+        while n < min(len(tokens), len(other)) and tokens[n] == other[n]:
+            n += 1
+        prefix_fractions.append(n / max(len(tokens), 1))
+        identical += tokens == other
+    return {"identical_requests": identical, "mean_common_prefix_fraction": round(statistics.mean(prefix_fractions), 4)}
+
+
+def print_table(results: dict[str, dict]) -> None:
+    header = f"{'system':<15}{'output tok':>12}{'wall s':>10}{'tok/s':>10}{'vs jaxpage':>12}"
+    print(header)
+    print("-" * len(header))
+    jax_rate = results.get("jaxpage", {}).get("output_tokens_per_s")
+    for name, r in results.items():
+        ratio = f"{jax_rate / r['output_tokens_per_s']:.2f}x" if jax_rate and name != "jaxpage" else ""
+        print(f"{name:<15}{r['output_tokens']:>12}{r['wall_s']:>10.1f}{r['output_tokens_per_s']:>10.1f}{ratio:>12}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", type=Path, help="JSONL rows {id, prompt_token_ids, max_tokens}")
+    parser.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write-workload", type=Path, help="save the workload used as JSONL")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, help="default: 1024, or the next power of two that fits")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--skip-hf-static", action="store_true")
+    parser.add_argument("--skip-hf-continuous", action="store_true")
+    args = parser.parse_args()
+
+    import jax
+    import torch
+
+    from jaxpage.tokenizer import load_tokenizer
+
+    if args.workload:
+        rows = read_workload(args.workload)
+    else:
+        rows = make_workload(load_tokenizer(args.model), args.num_requests, args.seed)
+    if args.write_workload:
+        write_workload(rows, args.write_workload)
+        log(f"workload written to {args.write_workload}")
+    workload = describe(rows)
+    if args.max_model_len is None:
+        args.max_model_len = max(1024, 1 << (workload["longest_request"] - 1).bit_length())
+    log(f"workload: {workload}")
+
+    results: dict[str, dict] = {}
+    results["jaxpage"], jax_out = run_jaxpage(args.model, rows, args)
+    kv_tokens = results["jaxpage"]["kv_pool_pages"] * results["jaxpage"]["page_size"]
+    hf_outputs = {}
+    if not (args.skip_hf_static and args.skip_hf_continuous):
+        log("hf: loading the model")
+        hf = load_hf_model(args.model)
+        if not args.skip_hf_static:
+            results["hf_static"], hf_outputs["hf_static"] = run_hf_static(hf, rows, args.hf_batch_size)
+        if not args.skip_hf_continuous:
+            results["hf_continuous"], hf_outputs["hf_continuous"] = run_hf_continuous(hf, rows, args, kv_tokens)
+
+    summary = {
+        "output_tokens_per_s": {name: r["output_tokens_per_s"] for name, r in results.items()},
+        "ratios": {
+            f"jaxpage/{name}": round(
+                results["jaxpage"]["output_tokens_per_s"] / results[name]["output_tokens_per_s"], 3
+            )
+            for name in ("hf_continuous", "hf_static")
+            if name in results
+        },
+        "kv_utilization": {
+            key: results["jaxpage"][key]
+            for key in ("kv_utilization_mean", "kv_utilization_min", "kv_peak_pages_in_use", "kv_pool_pages")
+        },
+        "compilations_after_warmup": results["jaxpage"]["compilations_after_warmup"],
+        "wall_s": {name: r["wall_s"] for name, r in results.items()},
+        "greedy_agreement_with_jaxpage": {name: agreement(jax_out, out) for name, out in hf_outputs.items()},
+        "systems": results,
+        "workload": {**workload, "source": str(args.workload) if args.workload else f"generated, seed {args.seed}"},
+        "settings": {
+            "model": args.model or "SmolLM2-135M-Instruct (default GGUF)",
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "hf_batch_size": args.hf_batch_size,
+            "jax_backend": jax.default_backend(),
+            "jax_version": jax.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "transformers_version": importlib.import_module("transformers").__version__,
+            "dtype": "float32",
+        },
+        "notes": "output tokens = sum of rows' max_tokens (EOS ignored); hf_static pads each batch to its largest "
+        "max_tokens and counts only each row's own max_tokens; warm-up and model loading are not timed",
+    }
+    print()
+    print_table(results)
+    j = results["jaxpage"]
+    print(
+        f"\njaxpage: warm-up {j['warmup_s']:.1f}s ({j['compilations_warmup']} compilations), "
+        f"{j['compilations_after_warmup']} compilations after warm-up; KV utilization mean "
+        f"{j['kv_utilization_mean']}, min {j['kv_utilization_min']}; peak {j['kv_peak_pages_in_use']} of "
+        f"{j['kv_pool_pages']} pages in use; {j['steps']} steps, median {j['step_ms_median']} ms, "
+        f"max {j['step_ms_max']} ms; {j['preemptions']} preemptions"
+    )
+    for name, agree in summary["greedy_agreement_with_jaxpage"].items():
+        print(f"greedy agreement jaxpage vs {name}: {agree}")
+    print(f"torch threads: {torch.get_num_threads()}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
