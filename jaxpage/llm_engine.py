@@ -88,7 +88,7 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
         self.runner = ModelRunner(
             self.model_config,

@@ -26,12 +26,10 @@ from jaxpage.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1, self.max_num_seqs
         assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
-        assert self.max_model_len >= 2, self.max_model_len
 
 
 @dataclasses.dataclass(frozen=True)

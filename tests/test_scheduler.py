@@ -15,9 +15,9 @@ from jaxpage.sequence import Sequence, SequenceStatus
 PAGE_SIZE = 4
 
 
-def make_scheduler(num_pages=24, max_num_seqs=4, max_tokens=16, max_model_len=64, prefix_caching=True):
+def make_scheduler(num_pages=24, max_num_seqs=4, max_tokens=16, prefix_caching=True):
     block_manager = BlockManager(num_pages, PAGE_SIZE, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens, max_model_len), block_manager)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens), block_manager)
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
