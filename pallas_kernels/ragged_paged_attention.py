@@ -29,6 +29,7 @@ KV_BLOCK = 128  # keys per step of the loops over key blocks (rounded down to wh
 # Up to this many kv heads the products over many sequences pair every query head with every kv head (see
 # `attend`): measured on CPU, still ~2x faster than per-kv-head products at 16 kv heads, slower at 32.
 ALL_PAIRS_MAX_KV_HEADS = 16
+DECODE_ROW_GROUP = 16  # sequences whose last query rows are attended together
 
 # A finite "minus infinity" for masked logits: exp(MASK - MASK) = 1 keeps the online softmax free of NaN for
 # rows that have seen no key yet; their probabilities are zeroed by the mask, not by the exponential.
@@ -245,17 +246,31 @@ def _ragged_paged_attention(
 
     # 1. The last row of every sequence, all at once. It sits at position kv_len - 1 and sees the whole cache (or
     # window); for a decode row (q_len == 1) that is the whole job.
+    # Sequences go longest first in groups of DECODE_ROW_GROUP, each group reading only as many key blocks as its
+    # own longest sequence needs: with mixed lengths, one batch-wide loop would read the longest length for all.
     last_row = cu_q_lens[1:] - 1  # [S]
     q_last = q[jnp.clip(last_row, 0, num_tokens - 1)].reshape(num_seq_rows, 1, num_kv_heads, group, head_dim)
     last_pos = kv_lens - 1
-    out_last = attend(
-        q_last,
-        last_pos[:, None],
-        tables,
-        kv_lens,
-        first_block_for(jnp.min(jnp.where(kv_lens > 0, last_pos, jnp.iinfo(jnp.int32).max))),
-        jnp.max(last_pos) // kv_block,
-    )[:, 0]
+    rows_per_group = min(DECODE_ROW_GROUP, num_seq_rows)
+    num_groups = -(-num_seq_rows // rows_per_group)
+    order = jnp.argsort(-kv_lens)  # live sequences (kv_len >= 1) first, padding rows (kv_len 0) last
+    order = jnp.pad(order, (0, num_groups * rows_per_group - num_seq_rows), mode="edge")  # repeats: same result
+
+    def group_step(g, out_last):
+        rows = lax.dynamic_slice_in_dim(order, g * rows_per_group, rows_per_group)
+        pos, lens = last_pos[rows], kv_lens[rows]
+        o = attend(
+            q_last[rows],
+            pos[:, None],
+            tables[rows],
+            lens,
+            first_block_for(jnp.min(jnp.where(lens > 0, pos, jnp.iinfo(jnp.int32).max))),
+            jnp.max(pos) // kv_block,
+        )[:, 0]
+        return out_last.at[rows].set(o)
+
+    live_groups = -(-jnp.sum(kv_lens > 0) // rows_per_group)
+    out_last = lax.fori_loop(0, live_groups, group_step, jnp.zeros((num_seq_rows, num_heads, head_dim), jnp.float32))
 
     # 2. The other rows of sequences with q_len > 1, q_block rows at a time. q and out get q_block extra rows so
     # that a block starting at any row in [0, T) fits: dynamic_slice would otherwise clamp its start.
