@@ -23,8 +23,10 @@ greedily to exactly its max_tokens (EOS ignored), by three systems on the same w
 
 Throughput is useful output tokens (the sum of the rows' max_tokens) / wall time from the first request queued to
 the last token back. The HF model is loaded in float32 (a GGUF file is dequantized by transformers, as jaxpage
-does); torch keeps its default thread count. Progress goes to stderr; a table and, as the last line, one JSON object
-with every figure go to stdout.
+does); torch keeps its default thread count. Each system also reports the cores this process kept busy and the
+1-minute load average after it: other work on the machine lowers the figures, so compare runs on an idle machine.
+Outputs are compared too (greedy agreement with jaxpage). Progress goes to stderr; a table and, as the last line,
+one JSON object with every figure go to stdout.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import importlib
 import inspect
 import json
 import math
+import os
+import resource
 import statistics
 import sys
 import time
@@ -63,6 +67,18 @@ TEXT_MODULES = (
     "heapq",
     "csv",
 )
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_load(cpu_s: float, wall_s: float) -> dict:
+    """This process's mean busy cores over a run and the 1-minute load average after it: a load well above the
+    process's own cores means other work shared the machine and the figures are low."""
+    return {"process_cores_busy": round(cpu_s / wall_s, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2)}
 
 
 def log(message: str) -> None:
@@ -171,7 +187,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
     step_times: list[float] = []
     outputs: dict[str, list[int]] = {}
     total = len(rows)
-    start = time.perf_counter()
+    cpu_start, start = cpu_seconds(), time.perf_counter()
     for row in rows:
         params = SamplingParams(temperature=0, max_tokens=row["max_tokens"], ignore_eos=True)
         engine.add_request(row["id"], {"prompt_token_ids": row["prompt_token_ids"]}, params)
@@ -190,6 +206,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
             log(f"jaxpage: {len(outputs)}/{total} done, {len(step_times)} steps, {now - start:.0f}s")
             last_report = now
     wall_s = time.perf_counter() - start
+    load = machine_load(cpu_seconds() - cpu_start, wall_s)
     compilations_run = runner.num_compilations - compilations_warmup
     tokens = sum(len(t) for t in outputs.values())
     log(f"jaxpage: {tokens} tokens in {wall_s:.1f}s, {len(step_times)} steps, {compilations_run} compilations")
@@ -208,11 +225,13 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         "page_size": bm.page_size,
         "steps": len(step_times),
         "step_ms_median": round(1000 * statistics.median(step_times), 2),
+        "step_ms_p90": round(1000 * statistics.quantiles(step_times, n=10)[-1], 2) if len(step_times) > 1 else None,
         "step_ms_max": round(1000 * max(step_times), 2),
         "preemptions": engine.scheduler.num_preemptions,
         "max_model_len": engine.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        **load,
     }
     del llm, engine, runner
     gc.collect()
@@ -222,21 +241,26 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
 # ----- Hugging Face -----
 
 
-def load_hf_model(model: str | None):
-    import torch
-    import transformers
-
+def hf_source(model: str | None) -> Path:
+    """The .gguf file or HF directory transformers loads; exits early for a source it cannot read."""
     from jaxpage.models.default_model import default_model_path
 
     path = Path(model) if model else default_model_path()
+    if path.suffix != ".gguf" and not ((path / "config.json").is_file() and any(path.glob("*.safetensors*"))):
+        raise SystemExit(f"transformers cannot load {path}: give a .gguf file or an HF directory, or skip the HF runs")
+    return path
+
+
+def load_hf_model(path: Path):
+    import torch
+    import transformers
+
     if path.suffix == ".gguf":
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         )
-    elif (path / "config.json").is_file() and any(path.glob("*.safetensors*")):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     else:
-        raise SystemExit(f"transformers cannot load {path}: give a .gguf file or an HF directory, or skip the HF runs")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     hf.eval()
     hf.generation_config.eos_token_id = None  # generate to max_new_tokens, like ignore_eos
     return hf
@@ -250,7 +274,7 @@ def run_hf_static(hf, rows: list[dict], batch_size: int) -> tuple[dict, dict[str
     outputs: dict[str, list[int]] = {}
     generated = 0
     batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
-    start = time.perf_counter()
+    cpu_start, start = cpu_seconds(), time.perf_counter()
     for index, batch in enumerate(batches):
         width = max(len(r["prompt_token_ids"]) for r in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -283,6 +307,7 @@ def run_hf_static(hf, rows: list[dict], batch_size: int) -> tuple[dict, dict[str
         "output_tokens_per_s": round(useful / wall_s, 2),
         "batch_size": batch_size,
         "attn_implementation": hf.config._attn_implementation,
+        **machine_load(cpu_seconds() - cpu_start, wall_s),
     }, outputs
 
 
@@ -317,7 +342,7 @@ def run_hf_continuous(hf, rows: list[dict], args, kv_tokens: int) -> tuple[dict,
         setup_s = time.perf_counter() - setup_start
         attn_used = hf.config._attn_implementation
         log(f"hf_continuous: manager ready in {setup_s:.1f}s (attn {attn_used}); queuing {len(rows)} requests")
-        start = time.perf_counter()
+        cpu_start, start = cpu_seconds(), time.perf_counter()
         for row in rows:
             manager.add_request(
                 row["prompt_token_ids"], request_id=row["id"], max_new_tokens=row["max_tokens"], eos_token_id=-1
@@ -338,6 +363,7 @@ def run_hf_continuous(hf, rows: list[dict], args, kv_tokens: int) -> tuple[dict,
                 log(f"hf_continuous: {len(outputs)}/{len(rows)} done, {now - start:.0f}s")
                 last_report = now
         wall_s = time.perf_counter() - start
+        load = machine_load(cpu_seconds() - cpu_start, wall_s)
         resolved = manager.continuous_batching_config
     if errors:
         first = next(iter(errors.items()))
@@ -354,6 +380,7 @@ def run_hf_continuous(hf, rows: list[dict], args, kv_tokens: int) -> tuple[dict,
         "num_blocks": resolved.num_blocks,
         "max_batch_tokens": resolved.max_batch_tokens,
         "max_requests_per_batch": resolved.max_requests_per_batch,
+        **load,
     }, outputs
 
 
@@ -374,13 +401,16 @@ def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    header = f"{'system':<15}{'output tok':>12}{'wall s':>10}{'tok/s':>10}{'vs jaxpage':>12}"
+    header = f"{'system':<15}{'output tok':>12}{'wall s':>10}{'tok/s':>10}{'jaxpage/this':>14}{'cores busy':>12}"
     print(header)
     print("-" * len(header))
     jax_rate = results.get("jaxpage", {}).get("output_tokens_per_s")
     for name, r in results.items():
         ratio = f"{jax_rate / r['output_tokens_per_s']:.2f}x" if jax_rate and name != "jaxpage" else ""
-        print(f"{name:<15}{r['output_tokens']:>12}{r['wall_s']:>10.1f}{r['output_tokens_per_s']:>10.1f}{ratio:>12}")
+        print(
+            f"{name:<15}{r['output_tokens']:>12}{r['wall_s']:>10.1f}{r['output_tokens_per_s']:>10.1f}{ratio:>14}"
+            f"{r['process_cores_busy']:>12.2f}"
+        )
 
 
 def main() -> None:
@@ -397,6 +427,7 @@ def main() -> None:
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     args = parser.parse_args()
+    load_at_start = round(os.getloadavg()[0], 2)
 
     import jax
     import torch
@@ -415,13 +446,15 @@ def main() -> None:
         args.max_model_len = max(1024, 1 << (workload["longest_request"] - 1).bit_length())
     log(f"workload: {workload}")
 
+    run_hf = not (args.skip_hf_static and args.skip_hf_continuous)
+    hf_path = hf_source(args.model) if run_hf else None
     results: dict[str, dict] = {}
     results["jaxpage"], jax_out = run_jaxpage(args.model, rows, args)
     kv_tokens = results["jaxpage"]["kv_pool_pages"] * results["jaxpage"]["page_size"]
     hf_outputs = {}
-    if not (args.skip_hf_static and args.skip_hf_continuous):
+    if run_hf:
         log("hf: loading the model")
-        hf = load_hf_model(args.model)
+        hf = load_hf_model(hf_path)
         if not args.skip_hf_static:
             results["hf_static"], hf_outputs["hf_static"] = run_hf_static(hf, rows, args.hf_batch_size)
         if not args.skip_hf_continuous:
@@ -454,6 +487,8 @@ def main() -> None:
             "jax_backend": jax.default_backend(),
             "jax_version": jax.__version__,
             "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_1m_at_start": load_at_start,
             "torch_version": torch.__version__,
             "transformers_version": importlib.import_module("transformers").__version__,
             "dtype": "float32",
