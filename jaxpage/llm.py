@@ -87,8 +87,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        for prompt in prompts:  # validate everything first: a bad prompt must not leave others queued
-            self.engine._prompt_tokens(prompt)
+        # Tokenize and validate everything first (once): a bad prompt must not leave others queued.
+        prompts = [
+            dict(zip(("prompt", "prompt_token_ids"), self.engine._prompt_tokens(p), strict=True)) for p in prompts
+        ]
         request_ids = [str(next(self._ids)) for _ in prompts]
         try:
             for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
