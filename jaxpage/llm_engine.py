@@ -44,6 +44,23 @@ def kv_pool_pages(engine: EngineConfig, model: ModelConfig, dtype_bytes: int, ma
     return pages
 
 
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one engine step held and where its time went (seconds, wall clock)."""
+
+    num_seqs: int
+    num_tokens: int  # scheduled tokens (before padding to the bucket)
+    num_decodes: int  # sequences with one new token
+    schedule_s: float  # host: the scheduler
+    prepare_s: float  # host: the step's arrays
+    device_s: float  # dispatch until the sampled tokens are on the host
+    postprocess_s: float  # host: commit, appending tokens, detokenizing, stop checks, outputs
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.postprocess_s
+
+
 @dataclasses.dataclass
 class _Request:
     request_id: str
@@ -106,6 +123,7 @@ class LLMEngine:
         self._request_of_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
+        self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> LLMEngine:
@@ -205,9 +223,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests that progressed or finished."""
+        start = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
+        scheduled = time.perf_counter()
         now = time.time()
         for item in output.scheduled:
             metrics = self._request_of_seq[item.seq.seq_id].metrics
@@ -243,6 +263,15 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
             outputs.append(out)
+        self.last_step_stats = StepStats(
+            num_seqs=len(output.scheduled),
+            num_tokens=output.num_batched_tokens,
+            num_decodes=sum(item.num_new_tokens == 1 for item in output.scheduled),
+            schedule_s=scheduled - start,
+            prepare_s=result.prepare_s,
+            device_s=result.device_s,
+            postprocess_s=time.perf_counter() - scheduled - result.prepare_s - result.device_s,
+        )
         return outputs
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, row: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,8 @@ class StepOutput:
     logprobs: np.ndarray | None  # [num scheduled] float32, log-prob of the sampled token
     top_logprob_ids: np.ndarray | None  # [num scheduled, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None
+    prepare_s: float = 0.0  # host: building the step's arrays
+    device_s: float = 0.0  # dispatch until the sampled tokens are back on the host
 
 
 MAX_LOGPROBS = 20
@@ -154,22 +157,20 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepOutput:
         if output.page_copies:
             self.copy_pages(output.page_copies)
+        start = time.perf_counter()
         step = self.prepare(output)
+        dispatched = time.perf_counter()
         token_ids, logits, self.kv_cache = self._step(self.params, self.kv_cache, step)
         count = len(output.scheduled)
         want_logprobs = any(
             item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
             for item in output.scheduled
         )
-        if not want_logprobs:
-            return StepOutput(np.asarray(token_ids)[:count], None, None, None)
-        sampled, ids, values = top_logprobs(logits, token_ids)
-        return StepOutput(
-            np.asarray(token_ids)[:count],
-            np.asarray(sampled)[:count],
-            np.asarray(ids)[:count],
-            np.asarray(values)[:count],
-        )
+        logprobs = (None, None, None)
+        if want_logprobs:
+            logprobs = tuple(np.asarray(x)[:count] for x in top_logprobs(logits, token_ids))
+        token_ids = np.asarray(token_ids)[:count]
+        return StepOutput(token_ids, *logprobs, dispatched - start, time.perf_counter() - dispatched)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         size = max(8, 1 << (len(copies) - 1).bit_length())  # padded with (0, 0): copies of the null page

@@ -185,6 +185,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
     utilization: list[float] = []
     used_pages: list[int] = []
     step_times: list[float] = []
+    step_stats = []
     outputs: dict[str, list[int]] = {}
     total = len(rows)
     cpu_start, start = cpu_seconds(), time.perf_counter()
@@ -199,6 +200,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
         now = time.perf_counter()
         step_times.append(now - step_start)
+        step_stats.append(engine.last_step_stats)
         if bm.num_used_pages:  # requests still hold pages (after the last step none does: utilization is moot)
             utilization.append(bm.kv_utilization())
             used_pages.append(bm.num_used_pages)
@@ -227,6 +229,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         "step_ms_median": round(1000 * statistics.median(step_times), 2),
         "step_ms_p90": round(1000 * statistics.quantiles(step_times, n=10)[-1], 2) if len(step_times) > 1 else None,
         "step_ms_max": round(1000 * max(step_times), 2),
+        "steps_by_token_bucket": steps_by_token_bucket(step_stats, runner.token_buckets),
         "preemptions": engine.scheduler.num_preemptions,
         "max_model_len": engine.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -236,6 +239,26 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
     del llm, engine, runner
     gc.collect()
     return result, outputs
+
+
+def steps_by_token_bucket(stats: list, token_buckets: list[int]) -> dict[int, dict]:
+    """Per token bucket: steps, total seconds, mean sequences, mean host and device milliseconds per step."""
+    from jaxpage.model_runner import bucket_for
+
+    groups: dict[int, list] = {}
+    for s in stats:
+        groups.setdefault(bucket_for(s.num_tokens, token_buckets), []).append(s)
+    return {
+        bucket: {
+            "steps": len(g),
+            "seconds": round(sum(s.host_s + s.device_s for s in g), 2),
+            "mean_seqs": round(statistics.mean(s.num_seqs for s in g), 1),
+            "mean_tokens": round(statistics.mean(s.num_tokens for s in g), 1),
+            "host_ms": round(1000 * statistics.mean(s.host_s for s in g), 2),
+            "device_ms": round(1000 * statistics.mean(s.device_s for s in g), 2),
+        }
+        for bucket, g in sorted(groups.items())
+    }
 
 
 # ----- Hugging Face -----
