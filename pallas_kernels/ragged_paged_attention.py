@@ -24,11 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-Q_BLOCK = 32  # query rows per step of the prefill loop
+Q_BLOCK = 64  # query rows per step of the prefill loop
 KV_BLOCK = 128  # keys per step of the loops over key blocks (rounded down to whole pages, at least one page)
 # Up to this many kv heads the products over many sequences pair every query head with every kv head (see
 # `attend`): measured on CPU, still ~2x faster than per-kv-head products at 16 kv heads, slower at 32.
 ALL_PAIRS_MAX_KV_HEADS = 16
+# ... and only when their query rows times heads is a multiple of this: narrower pair products (SmolLM2's 9 heads
+# decoding) run several times slower, and per kv head is then ~15% faster.
+PAIR_ROWS_MULTIPLE = 8
 DECODE_ROW_GROUP = 16  # sequences whose last query rows are attended together
 
 # A finite "minus infinity" for masked logits: exp(MASK - MASK) = 1 keeps the online softmax free of NaN for
@@ -185,7 +188,7 @@ def _ragged_paged_attention(
         # K/V into a transposed layout, which on CPU costs several times the products themselves. With few kv
         # heads it is cheaper to pair every query head with every kv head, batched over sequences only with K/V
         # in the pool's own layout, and keep the matching pairs: kv_heads times the (cheap) flops.
-        pairs = all_pairs and n > 1
+        pairs = all_pairs and n > 1 and (rows * num_heads) % PAIR_ROWS_MULTIPLE == 0
         q_rows = q_rows.astype(jnp.float32).transpose(0, 2, 1, 3, 4)  # [n, kv_heads, rows, group, head_dim]
         q_rows = q_rows.reshape(n, num_kv_heads, rows * group, head_dim)
         same_head = jnp.eye(num_kv_heads, dtype=bool)[:, None, :, None]  # [kv_heads, 1, kv_heads, 1]

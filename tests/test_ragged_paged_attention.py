@@ -194,7 +194,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
 @pytest.mark.parametrize(
     ("layout", "all_pairs", "options"),
     [
-        (LAYOUTS[0], True, dict(sliding_window=20, soft_cap=2.0)),
+        (LAYOUTS[5], True, dict(sliding_window=20, soft_cap=2.0)),  # 8 heads: pair products (see `attend`)
         (LAYOUTS[5], False, dict(sliding_window=None, soft_cap=None)),
         (LAYOUTS[5], False, dict(sliding_window=20, soft_cap=2.0)),
     ],
