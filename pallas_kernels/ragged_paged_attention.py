@@ -193,21 +193,22 @@ def _ragged_paged_attention(
         q_rows = q_rows.reshape(n, num_kv_heads, rows * group, head_dim)
         same_head = jnp.eye(num_kv_heads, dtype=bool)[:, None, :, None]  # [kv_heads, 1, kv_heads, 1]
 
-        def scores(keys):  # [n, kv_block, kv_heads, head_dim] -> [n, kv_block, kv_heads, rows * group]
+        def scores(keys):  # [n, kv_block, kv_heads, head_dim] -> [n, kv_heads, rows * group, kv_block]
             if not pairs:
-                return jnp.einsum("nlkd,nkhd->nlkh", keys, q_rows)
+                return jnp.einsum("nlkd,nkhd->nkhl", keys, q_rows)
             s = jnp.einsum(
                 "nmd,nhd->nmh",
                 keys.reshape(n, kv_block * num_kv_heads, head_dim),
                 q_rows.reshape(n, num_heads * rows, head_dim),
             )
             # [n, kv_block, kv_head x query's kv_head, rows * group]: keep the diagonal, every (kv_heads + 1)-th.
-            return s.reshape(n, kv_block, num_kv_heads**2, rows * group)[:, :, :: num_kv_heads + 1]
+            s = s.reshape(n, kv_block, num_kv_heads**2, rows * group)[:, :, :: num_kv_heads + 1]
+            return s.transpose(0, 2, 3, 1)
 
-        def weighted_values(p, values):  # [n, kv_block, kv_heads, rows * group] -> [n, kv_heads, rows * group, d]
+        def weighted_values(p, values):  # [n, kv_heads, rows * group, kv_block] -> [n, kv_heads, rows * group, d]
             if not pairs:
-                return jnp.einsum("nlkh,nlkd->nkhd", p, values)
-            pv = jnp.einsum("nlh,nlm->nhm", p.reshape(n, kv_block, -1), values.reshape(n, kv_block, -1))
+                return jnp.einsum("nkhl,nlkd->nkhd", p, values)
+            pv = jnp.einsum("nhl,nlm->nhm", p.reshape(n, -1, kv_block), values.reshape(n, kv_block, -1))
             pv = pv.reshape(n, num_kv_heads, rows * group, num_kv_heads, head_dim)
             return jnp.where(same_head, pv, 0.0).sum(axis=3)
 
@@ -224,19 +225,20 @@ def _ragged_paged_attention(
             in_cache = key_pos[None, :] < seq_kv_lens[:, None]  # [n, kv_block]
             page_ids = lax.dynamic_slice_in_dim(seq_tables, j * pages_per_kv_block, pages_per_kv_block, axis=1)
             keys, values = load(k_pages, page_ids, in_cache), load(v_pages, page_ids, in_cache)
-            s = scores(keys).reshape(n, kv_block, num_kv_heads, rows, group) * sm_scale
+            # Keys on the minor axis: the softmax reductions run along contiguous memory.
+            s = scores(keys).reshape(n, num_kv_heads, rows, group, kv_block) * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            mask = in_cache[:, :, None] & (key_pos[None, :, None] <= query_pos[:, None, :])  # [n, kv_block, rows]
+            mask = in_cache[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])  # [n, rows, kv_block]
             if sliding_window is not None:
-                mask &= key_pos[None, :, None] > query_pos[:, None, :] - sliding_window
-            mask = mask[:, :, None, :, None]
+                mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+            mask = mask[:, None, :, None, :]
             s = jnp.where(mask, s, _MASK_VALUE)
-            new_max = jnp.maximum(row_max, s.max(axis=1))
+            new_max = jnp.maximum(row_max, s.max(axis=-1))
             alpha = jnp.exp(row_max - new_max)
-            p = jnp.where(mask, jnp.exp(s - new_max[:, None]), 0.0)
-            pv = weighted_values(p.reshape(n, kv_block, num_kv_heads, rows * group), values)
-            return new_max, alpha * row_sum + p.sum(axis=1), alpha[..., None] * acc + pv.reshape(acc.shape)
+            p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
+            pv = weighted_values(p.reshape(n, num_kv_heads, rows * group, kv_block), values)
+            return new_max, alpha * row_sum + p.sum(axis=-1), alpha[..., None] * acc + pv.reshape(acc.shape)
 
         row_max = jnp.full((n, num_kv_heads, rows, group), _MASK_VALUE, jnp.float32)
         init = (row_max, jnp.zeros_like(row_max), jnp.zeros((*row_max.shape, head_dim), jnp.float32))
