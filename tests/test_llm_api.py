@@ -206,6 +206,25 @@ def test_abort_returns_the_pages(tiny_dir):
     assert not engine.has_unfinished_requests() and engine.block_manager.num_used_pages == 0
 
 
+def test_step_stats_describe_each_step(tiny_dir):
+    engine = make_llm(tiny_dir, max_num_batched_tokens=32).engine  # PROMPTS[1] (50 tokens) takes two chunks
+    assert engine.last_step_stats is None
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append(engine.last_step_stats)
+    first = seen[0]
+    assert (first.num_seqs, first.num_tokens, first.num_decodes) == (2, 32, 0)  # 5 prompt tokens + 27 of 50
+    # then a decode, the last 23 prompt tokens and the 1-token prompt; then decodes until each has 3 tokens
+    assert [s.num_tokens for s in seen] == [32, 1 + 23 + 1, 3, 2]
+    assert all(s.num_decodes <= s.num_seqs for s in seen)
+    for s in seen:
+        assert min(s.schedule_s, s.prepare_s, s.device_s, s.postprocess_s) >= 0
+        assert s.host_s == pytest.approx(s.schedule_s + s.prepare_s + s.postprocess_s)
+
+
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
