@@ -1,0 +1,161 @@
+"""Decode paged attention for NVIDIA GPUs: a Pallas kernel (Triton lowering) with split-K.
+
+One query token per sequence attends to that sequence's keys in the paged KV pool.
+
+Why the Triton lowering and not Mosaic GPU: Mosaic GPU targets Hopper only and does not run in Pallas' generic
+interpreter, so none of its code could be checked on a CPU machine. The Triton lowering runs on every NVIDIA GPU
+jax supports and, with `interpret=True`, the very same kernel body runs on CPU, which is how the tests check it
+against the reference. (jax marks the Triton lowering deprecated; moving to Mosaic GPU is a change of this file.)
+
+Grid (sequence, kv head, split). A program takes the query heads of one kv head (GQA: padded to at least 16
+rows, the smallest Triton dot) and one of `num_splits` equal slices of the sequence's block table; it walks its
+pages `pages_per_block` at a time -- gathering their rows through the block table, which the Triton lowering has
+no scalar prefetch for, so the table is an ordinary operand -- with an online softmax in float32. Each split
+writes its normalized partial output with its row max and row sum; the splits are merged outside the kernel with
+a log-sum-exp weighting. Splits keep the GPU busy when the batch is small and sequences long.
+
+K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may hold NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _decode_kernel(
+    kv_lens_ref,  # [1] int32: this sequence's kv length
+    tables_ref,  # [pages_per_seq] int32: its block table (page ids into the flattened pool)
+    q_ref,  # [rows, head_dim]: its query heads of this kv head, padded to `rows`
+    k_ref,  # [total_pages, page_size, head_dim]: this kv head's K pool
+    v_ref,  # [total_pages, page_size, head_dim]
+    o_ref,  # [rows, head_dim] float32: this split's normalized partial output
+    m_ref,  # [rows] float32: row max of the logits seen (MASK where none)
+    l_ref,  # [rows] float32: row sum of exp(logits - max) (0 where none)
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    pages_per_block: int,
+):
+    split = pl.program_id(2)
+    pages_per_split = tables_ref.shape[0] // pl.num_programs(2)
+    page_size, head_dim = k_ref.shape[1:]
+    rows = q_ref.shape[0]
+    block_keys = pages_per_block * page_size
+    kv_len = kv_lens_ref[0]
+    query_pos = kv_len - 1
+
+    first_page = split * pages_per_split
+    last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_len, page_size))  # exclusive
+    q = q_ref[...].astype(jnp.float32)
+
+    def block(j, carry):
+        acc, row_max, row_sum = carry
+        start_page = first_page + j * pages_per_block
+        page_ids = tables_ref[pl.ds(start_page, pages_per_block)]
+        key_pos = start_page * page_size + jnp.arange(block_keys)
+        visible = key_pos < kv_len
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        in_cache = (key_pos < kv_len)[:, None]
+        # Zeroed, not only masked: NaN in a stale slot times a zero probability is still NaN.
+        keys = jnp.where(in_cache, k_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
+        values = jnp.where(in_cache, v_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
+        logits = plgpu.dot(q, keys, trans_b=True) * sm_scale  # [rows, block_keys]
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(visible[None, :], logits, _MASK_VALUE)
+        new_max = jnp.maximum(row_max, logits.max(axis=1))
+        alpha = jnp.exp(row_max - new_max)
+        p = jnp.where(visible[None, :], jnp.exp(logits - new_max[:, None]), 0.0)
+        acc = alpha[:, None] * acc + plgpu.dot(p, values)
+        return acc, new_max, alpha * row_sum + p.sum(axis=1)
+
+    num_blocks = jnp.maximum(pl.cdiv(last_page - first_page, pages_per_block), 0)
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, row_max, row_sum = lax.fori_loop(0, num_blocks, block, init)
+    o_ref[...] = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+    m_ref[...] = row_max
+    l_ref[...] = row_sum
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits", "pages_per_block", "interpret")
+)
+def gpu_decode_attention(
+    q: jax.Array,  # [S, num_heads, head_dim]
+    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
+    block_tables: jax.Array,  # [S, pages_per_seq] int32, page ids into k_pages / v_pages
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    num_splits: int,
+    pages_per_block: int,
+    interpret: bool,
+) -> jax.Array:  # [S, num_heads, head_dim] in q's dtype
+    """The kernel call and the split merge. Shapes are checked by the public `paged_attention`.
+
+    pages_per_seq must be a multiple of num_splits, and pages_per_seq // num_splits of pages_per_block."""
+    num_seqs, num_heads, head_dim = q.shape
+    total_pages, page_size, num_kv_heads, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    group = num_heads // num_kv_heads
+    rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
+    q_rows = jnp.pad(q.reshape(num_seqs, num_kv_heads, group, head_dim), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        pages_per_block=pages_per_block,
+    )
+    pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, k, split: (0, 0, k, 0))
+    partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
+    out, row_max, row_sum = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda s, k, split: (s,)),
+            pl.BlockSpec((None, pages_per_seq), lambda s, k, split: (s, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, k, split: (s, k, 0, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, k, split: (s, k, split, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, k, split: (s, k, split, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, k, split: (s, k, split, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        interpret=interpret,
+        name="jaxpage_gpu_decode_attention",
+    )(kv_lens, block_tables, q_rows, k_pages, v_pages)
+
+    # Log-sum-exp merge of the splits: weight each by exp(its max - the overall max) times its row sum.
+    overall_max = row_max.max(axis=2, keepdims=True)
+    weights = jnp.where(row_sum > 0, jnp.exp(row_max - overall_max) * row_sum, 0.0)
+    total = weights.sum(axis=2)
+    merged = (weights[..., None] * out).sum(axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return merged[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
