@@ -1,11 +1,7 @@
 """Decode paged attention: one query token per sequence, the common serving step. The public entry point.
 
-`impl` picks the implementation:
-  "reference"  the pure-JAX ragged paged attention with one query row per sequence (the CPU path);
-  "pallas"     the Pallas kernel: on GPU the Triton-lowered kernel of `gpu_decode_attention`; on CPU the same
-               kernel needs `interpret=True` (the generic interpreter: for tests). The TPU (Mosaic) kernel is
-               not written yet: "pallas" on TPU raises NotImplementedError;
-  "auto"       "pallas" on GPU, "reference" elsewhere.
+`impl` ("auto", "reference", "pallas") and `interpret` pick the implementation as `pallas_kernels.impl` says; the
+Pallas kernel is `gpu_decode_attention`.
 """
 
 from __future__ import annotations
@@ -15,9 +11,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
+from pallas_kernels.impl import kernel_pool_view, resolve_impl
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-IMPLS = ("auto", "reference", "pallas")
 PAGES_PER_BLOCK = 8  # pages a kernel program reads per step (128 keys at page size 16)
 MAX_SPLITS = 8
 TARGET_PROGRAMS = 256  # split sequences until sequences x kv heads x splits reaches about this many programs
@@ -47,57 +43,28 @@ def paged_attention(
     Returns [S, num_heads, head_dim] in q's dtype. Raises ValueError for inconsistent shapes or dtypes or an
     unknown impl.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    impl = resolve_impl(impl, interpret)
     num_seqs = q.shape[0] if q.ndim == 3 else -1
     if q.ndim != 3 or kv_lens.shape != (num_seqs,):
         raise ValueError(f"q must be [S, num_heads, head_dim] and kv_lens [S], got {q.shape} and {kv_lens.shape}")
-    cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    args = (q, k_pages, v_pages, kv_lens, block_tables, jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs))
     if impl == "reference":
         return ragged_paged_attention(
-            q,
-            k_pages,
-            v_pages,
-            kv_lens,
-            block_tables,
-            cu_q_lens,
-            jnp.int32(num_seqs),
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
-            layer=layer,
+            *args, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer
         )
     # The checks of the reference (shapes, dtypes, options) hold for the kernel too; run them without computing.
     jax.eval_shape(
         lambda *a: ragged_paged_attention(
             *a, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer
         ),
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        jnp.int32(num_seqs),
+        *args,
     )
-    backend = jax.default_backend()
-    if backend == "tpu" and not interpret:
-        raise NotImplementedError("the Pallas TPU (Mosaic) decode kernel is not written yet: use impl='reference'")
-    if backend != "gpu" and not interpret:
-        raise ValueError(f"impl='pallas' on {backend} needs interpret=True (the GPU kernel in Pallas' interpreter)")
-    if layer is not None:
-        # One layer of the stacked pool without a copy: flatten (layer, page) into one page axis and offset the ids.
-        num_layers, num_pages = k_pages.shape[:2]
-        k_pages = k_pages.reshape(num_layers * num_pages, *k_pages.shape[2:])
-        v_pages = v_pages.reshape(num_layers * num_pages, *v_pages.shape[2:])
-        block_tables = block_tables + layer * num_pages
-    pages_per_seq = block_tables.shape[1]
+    pages_per_seq = block_tables.shape[-1]
     pages_per_block = min(PAGES_PER_BLOCK, pl.next_power_of_2(pages_per_seq))
-    num_splits = _num_splits(num_seqs * k_pages.shape[2], -(-pages_per_seq // pages_per_block))
-    padded = -(-pages_per_seq // (num_splits * pages_per_block)) * num_splits * pages_per_block
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))  # null pages: never visible
+    num_splits = _num_splits(num_seqs * k_pages.shape[-2], -(-pages_per_seq // pages_per_block))
+    k_pages, v_pages, block_tables = kernel_pool_view(
+        k_pages, v_pages, block_tables, layer, num_splits * pages_per_block
+    )
     return gpu_decode_attention(
         q,
         k_pages,

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.gpu_ragged_attention import gpu_ragged_attention
+from pallas_kernels.impl import kernel_pool_view, resolve_impl
+
 Q_BLOCK = 64  # query rows per step of the prefill loop
 KV_BLOCK = 128  # keys per step of the loops over key blocks (rounded down to whole pages, at least one page)
 # Up to this many kv heads the products over many sequences pair every query head with every kv head (see
@@ -33,13 +36,15 @@ ALL_PAIRS_MAX_KV_HEADS = 16
 # decoding) run several times slower, and per kv head is then ~15% faster.
 PAIR_ROWS_MULTIPLE = 8
 DECODE_ROW_GROUP = 16  # sequences whose last query rows are attended together
+GPU_Q_BLOCK = 16  # query rows of one program of the GPU kernel
+GPU_PAGES_PER_BLOCK = 8  # pages it reads per step
 
 # A finite "minus infinity" for masked logits: exp(MASK - MASK) = 1 keeps the online softmax free of NaN for
 # rows that have seen no key yet; their probabilities are zeroed by the mask, not by the exponential.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "impl", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]  query tokens of all sequences, back to back (padding at the end)
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]  one layer's K pool
@@ -53,8 +58,13 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
+    impl: str = "reference",
+    interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of each sequence's query rows to its cached keys, through the block tables.
+
+    `impl` and `interpret` pick the implementation as `pallas_kernels.impl` says ("reference" by default here;
+    the Pallas kernel is `gpu_ragged_attention`).
 
     With `layer` ([] int32), k_pages and v_pages are the whole stacked pool [num_layers, num_pages, page_size,
     num_kv_heads, head_dim] and the pages of that layer are read in place: slicing one layer out of a pool that
@@ -85,6 +95,23 @@ def ragged_paged_attention(
         k_shape = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)
         v_shape = jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype)
     _check_inputs(q, k_shape, v_shape, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window)
+    if resolve_impl(impl, interpret) == "pallas":
+        live = jnp.arange(kv_lens.shape[0]) < num_seqs
+        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, GPU_PAGES_PER_BLOCK)
+        return gpu_ragged_attention(
+            q,
+            k,
+            v,
+            jnp.where(live, kv_lens, 0),
+            tables,
+            jnp.minimum(cu_q_lens, cu_q_lens[num_seqs]),  # padding rows: q_len 0
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            q_block=GPU_Q_BLOCK,
+            pages_per_block=GPU_PAGES_PER_BLOCK,
+            interpret=interpret,
+        )
     return _ragged_paged_attention(
         q,
         k_pages,

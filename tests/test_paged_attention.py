@@ -1,5 +1,5 @@
-"""Decode paged attention: the Pallas GPU kernel (in Pallas' generic interpreter) and the reference path against
-the plain float64 reference, with NaN-poisoned stale slots and free pages."""
+"""Decode paged attention: the Pallas GPU kernel (natively on a GPU, else in Pallas' generic interpreter) and the
+reference path against the plain float64 reference, with NaN-poisoned stale slots and free pages."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from test_ragged_paged_attention import LAYOUTS, MAX_KV, NUM_SEQ_ROWS, Layout, m
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_dense_reference
+
+# On a GPU the kernel runs natively; elsewhere in Pallas' generic interpreter.
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def decode_case(page_size: int) -> list[tuple[int, int]]:
@@ -56,7 +59,7 @@ def test_matches_reference_with_poisoned_pages(layout, impl):
     # Every slot that holds no live position (stale slots, the null page, spare pages) is NaN.
     batch = make_batch(layout, decode_case(layout.page_size), poison=True)
     kwargs = dict(sm_scale=sm_scale(layout))
-    got = paged_attention(*decode_args(batch), **kwargs, impl=impl, interpret=True)
+    got = paged_attention(*decode_args(batch), **kwargs, impl=impl, interpret=INTERPRET)
     assert got.shape == (NUM_SEQ_ROWS, layout.num_heads, layout.head_dim) and got.dtype == layout.dtype
     assert_close(layout, got, expected(batch, **kwargs))
 
@@ -66,7 +69,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
     layout = LAYOUTS[1]
     batch = make_batch(layout, decode_case(layout.page_size), seed=2, poison=True)
     kwargs = dict(sm_scale=sm_scale(layout), sliding_window=sliding_window, soft_cap=soft_cap)
-    got = paged_attention(*decode_args(batch), **kwargs, impl="pallas", interpret=True)
+    got = paged_attention(*decode_args(batch), **kwargs, impl="pallas", interpret=INTERPRET)
     assert_close(layout, got, expected(batch, **kwargs))
 
 
@@ -77,7 +80,7 @@ def test_splits_and_blocks(num_splits, pages_per_block):
     batch = make_batch(layout, decode_case(layout.page_size), seed=3, poison=True, share_pages=0)
     kwargs = dict(sm_scale=sm_scale(layout), soft_cap=None, sliding_window=None)
     got = gpu_decode_attention(
-        *decode_args(batch), **kwargs, num_splits=num_splits, pages_per_block=pages_per_block, interpret=True
+        *decode_args(batch), **kwargs, num_splits=num_splits, pages_per_block=pages_per_block, interpret=INTERPRET
     )
     assert_close(layout, got, expected(batch, sm_scale=sm_scale(layout)))
 
@@ -89,7 +92,9 @@ def test_shared_prefix_pages():
     assert (np.asarray(batch.block_tables)[0, :2] == np.asarray(batch.block_tables)[1, :2]).all()
     kwargs = dict(sm_scale=sm_scale(layout))
     assert_close(
-        layout, paged_attention(*decode_args(batch), **kwargs, impl="pallas", interpret=True), expected(batch, **kwargs)
+        layout,
+        paged_attention(*decode_args(batch), **kwargs, impl="pallas", interpret=INTERPRET),
+        expected(batch, **kwargs),
     )
 
 
@@ -101,7 +106,7 @@ def test_one_layer_of_a_stacked_pool():
     q, _, _, kv_lens, block_tables = decode_args(layers[0])
     kwargs = dict(sm_scale=sm_scale(layout))
     for impl in ("pallas", "reference"):
-        run = functools.partial(paged_attention, **kwargs, impl=impl, interpret=True)
+        run = functools.partial(paged_attention, **kwargs, impl=impl, interpret=INTERPRET)
         got = run(q, k_pool, v_pool, kv_lens, block_tables, layer=jnp.int32(2))
         want = expected(dataclasses.replace(layers[0], k_pages=layers[2].k_pages, v_pages=layers[2].v_pages), **kwargs)
         assert_close(layout, got, want)
@@ -121,7 +126,11 @@ def test_auto_is_the_reference_on_cpu():
     ("change", "message"),
     [
         (dict(impl="triton"), "impl must be one of"),
-        (dict(impl="pallas", interpret=False), "needs interpret=True"),
+        pytest.param(
+            dict(impl="pallas", interpret=False),
+            "needs interpret=True",
+            marks=pytest.mark.skipif(not INTERPRET, reason="a CPU-only refusal: GPUs run the kernel natively"),
+        ),
         (dict(q=lambda b: b.q[:NUM_SEQ_ROWS, :, :-1]), "head_dim"),
         (dict(q=lambda b: b.q[: NUM_SEQ_ROWS - 1]), r"kv_lens \[S\]"),
         (dict(block_tables=lambda b: b.block_tables.astype(jnp.float32)), "block_tables must be int32"),
@@ -134,7 +143,7 @@ def test_bad_arguments_raise_value_error(change, message):
     batch = make_batch(layout, decode_case(layout.page_size))
     q, k_pages, v_pages, kv_lens, block_tables = decode_args(batch)
     args = dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kv_lens, block_tables=block_tables)
-    options = dict(sm_scale=1.0, impl="pallas", interpret=True)
+    options = dict(sm_scale=1.0, impl="pallas", interpret=INTERPRET)  # a change may override both
     for key, value in change.items():
         if key in args:
             args[key] = value(batch)

@@ -20,6 +20,10 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_dense_reference,
 )
 
+# Every implementation of the public function: the reference, and the Pallas GPU kernel (natively on a GPU, else in
+# Pallas' generic interpreter).
+IMPLS = {"reference": dict(impl="reference"), "pallas": dict(impl="pallas", interpret=jax.default_backend() != "gpu")}
+
 NUM_TOKENS = 128  # T: query rows per batch, padding included
 NUM_SEQ_ROWS = 8  # S: sequence rows per batch, padding included
 MAX_KV = 128  # the longest sequence a block table can hold
@@ -176,19 +180,21 @@ def test_reference_soft_cap_by_hand():
     np.testing.assert_allclose(float(out[0, 0, 0]), math.exp(0.8) / (1 + math.exp(0.8)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_matches_dense_reference(layout, case):
+def test_matches_dense_reference(impl, layout, case):
     batch = make_batch(layout, CASES[case](layout.page_size))
-    out = ragged_paged_attention(*batch.args, sm_scale=sm_scale(layout))
+    out = ragged_paged_attention(*batch.args, sm_scale=sm_scale(layout), **IMPLS[impl])
     assert_matches_reference(layout, batch, out, sm_scale=sm_scale(layout))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(5, None), (None, 1.5), (20, 2.0)])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+def test_sliding_window_and_soft_cap(impl, sliding_window, soft_cap):
     batch = make_batch(GQA, CASES["mixed"](GQA.page_size))
     kwargs = dict(sm_scale=sm_scale(GQA), sliding_window=sliding_window, soft_cap=soft_cap)
-    assert_matches_reference(GQA, batch, ragged_paged_attention(*batch.args, **kwargs), **kwargs)
+    assert_matches_reference(GQA, batch, ragged_paged_attention(*batch.args, **kwargs, **IMPLS[impl]), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -210,15 +216,17 @@ def test_small_blocks_match_dense_reference(layout, all_pairs, options):
     assert_matches_reference(layout, batch, out, sm_scale=0.3, **options)
 
 
-def test_shared_prefix_pages():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shared_prefix_pages(impl):
     p = GQA.page_size
     batch = make_batch(GQA, [(1, 3 * p + 2), (5, 2 * p + 7)], share_pages=2)
     tables = np.asarray(batch.block_tables)
     assert (tables[0, :2] == tables[1, :2]).all() and tables[0, 2] != tables[1, 2]
-    assert_matches_reference(GQA, batch, ragged_paged_attention(*batch.args, sm_scale=0.2), sm_scale=0.2)
+    assert_matches_reference(GQA, batch, ragged_paged_attention(*batch.args, sm_scale=0.2, **IMPLS[impl]), sm_scale=0.2)
 
 
-def test_stacked_pool_with_a_layer_index_reads_that_layer():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stacked_pool_with_a_layer_index_reads_that_layer(impl):
     seqs = CASES["mixed"](GQA.page_size)
     layers = [make_batch(GQA, seqs, seed=seed) for seed in range(3)]
     batch = layers[0]
@@ -226,35 +234,45 @@ def test_stacked_pool_with_a_layer_index_reads_that_layer():
     v_pool = jnp.stack([b.v_pages for b in layers])
     metadata = (batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
     for layer, per_layer in enumerate(layers):
-        expected = ragged_paged_attention(batch.q, per_layer.k_pages, per_layer.v_pages, *metadata, sm_scale=0.2)
-        out = ragged_paged_attention(batch.q, k_pool, v_pool, *metadata, sm_scale=0.2, layer=jnp.int32(layer))
+        expected = ragged_paged_attention(
+            batch.q, per_layer.k_pages, per_layer.v_pages, *metadata, sm_scale=0.2, **IMPLS[impl]
+        )
+        out = ragged_paged_attention(
+            batch.q, k_pool, v_pool, *metadata, sm_scale=0.2, layer=jnp.int32(layer), **IMPLS[impl]
+        )
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
     with pytest.raises(ValueError, match="with layer, k_pages and v_pages must be"):
-        ragged_paged_attention(batch.q, batch.k_pages, batch.v_pages, *metadata, sm_scale=0.2, layer=jnp.int32(0))
+        ragged_paged_attention(
+            batch.q, batch.k_pages, batch.v_pages, *metadata, sm_scale=0.2, layer=jnp.int32(0), **IMPLS[impl]
+        )
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", [GQA, LAYOUTS[4]], ids=str)
-def test_garbage_outside_the_sequences_is_never_read(layout):
+def test_garbage_outside_the_sequences_is_never_read(impl, layout):
     seqs = CASES["mixed"](layout.page_size)
-    clean = ragged_paged_attention(*make_batch(layout, seqs).args, sm_scale=0.2)
+    clean = ragged_paged_attention(*make_batch(layout, seqs).args, sm_scale=0.2, **IMPLS[impl])
     poisoned = make_batch(layout, seqs, poison=True)
     assert np.isnan(np.asarray(poisoned.k_pages, np.float32)).any()
-    out = ragged_paged_attention(*poisoned.args, sm_scale=0.2)
+    out = ragged_paged_attention(*poisoned.args, sm_scale=0.2, **IMPLS[impl])
     assert np.isfinite(np.asarray(out, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
 
 
-def test_padding_rows_are_zero():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_rows_are_zero(impl):
     seqs = CASES["mixed"](GQA.page_size)
     batch = make_batch(GQA, seqs)
-    out = np.asarray(ragged_paged_attention(*batch.args, sm_scale=0.2))
+    out = np.asarray(ragged_paged_attention(*batch.args, sm_scale=0.2, **IMPLS[impl]))
     num_rows = sum(q_len for q_len, _ in seqs)
     assert (out[num_rows:] == 0).all()
     assert (out[:num_rows] != 0).any(axis=(1, 2)).all()
     # The same batch with only its first two sequences live: the rows of the others are padding now.
-    out = np.asarray(ragged_paged_attention(*dataclasses.replace(batch, num_seqs=jnp.int32(2)).args, sm_scale=0.2))
+    out = np.asarray(
+        ragged_paged_attention(*dataclasses.replace(batch, num_seqs=jnp.int32(2)).args, sm_scale=0.2, **IMPLS[impl])
+    )
     assert (out[1:] == 0).all() and (out[0] != 0).all()  # sequence 0 has one row; sequence 1 none
-    out = ragged_paged_attention(*dataclasses.replace(batch, num_seqs=jnp.int32(0)).args, sm_scale=0.2)
+    out = ragged_paged_attention(*dataclasses.replace(batch, num_seqs=jnp.int32(0)).args, sm_scale=0.2, **IMPLS[impl])
     assert (np.asarray(out) == 0).all()
 
 
