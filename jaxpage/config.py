@@ -174,8 +174,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the requests that bring none
+    # The paged attention: "auto" (the Pallas kernel on GPU, the pure-JAX reference elsewhere), "reference",
+    # "pallas", or "pallas_interpret" (the Pallas kernel in Pallas' interpreter, on any backend: slow, for tests).
+    attention_impl: str = "auto"
 
     CPU_KV_CACHE_BYTES = 2 << 30
+    ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 
     def __post_init__(self):
         def fail(field: str, requirement: str) -> None:
@@ -200,3 +204,5 @@ class EngineConfig:
             fail("gpu_memory_utilization", "in (0, 1]")
         if not isinstance(self.seed, int):
             fail("seed", "an integer")
+        if self.attention_impl not in self.ATTENTION_IMPLS:
+            fail("attention_impl", " or ".join(self.ATTENTION_IMPLS))

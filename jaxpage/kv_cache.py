@@ -60,6 +60,7 @@ class PagedAttention:
 
     sm_scale: float
     sliding_window: int | None = None
+    impl: str = "auto"  # EngineConfig.attention_impl
 
     def __call__(self, q, k, v, batch: PagedBatch, kv_cache: KVCache, layer):
         # q [T, H, d]; k, v [T, K, d]
@@ -80,6 +81,8 @@ class PagedAttention:
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
             layer=layer,
+            impl="pallas" if self.impl == "pallas_interpret" else self.impl,
+            interpret=self.impl == "pallas_interpret",
         )
         return out, kv_cache
 

@@ -115,6 +115,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            attention_impl=config.attention_impl,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -85,6 +85,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        attention_impl: str = "auto",
     ):
         self.config = config
         self.params = params
@@ -95,7 +96,8 @@ class ModelRunner:
         self.token_buckets = powers_of_two(MIN_TOKEN_BUCKET, max(max_num_batched_tokens, MIN_TOKEN_BUCKET))
         max_pages = math.ceil(max_model_len / page_size)
         self.page_buckets = powers_of_two(min(MIN_PAGE_BUCKET, max_pages), max_pages)
-        self.model = build(config, PagedAttention(config.head_dim**-0.5, config.sliding_window), dtype)
+        attention = PagedAttention(config.head_dim**-0.5, config.sliding_window, attention_impl)
+        self.model = build(config, attention, dtype)
         self.num_compilations = 0  # traces of the step function: one per bucket shape
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))

@@ -1,4 +1,4 @@
-"""ModelConfig from HF configs, RoPE frequencies against transformers, and the parameter tree's shape."""
+"""ModelConfig from HF configs, RoPE frequencies against transformers, the parameter tree's shape, engine arguments."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import transformers
 from conftest import TINY_COMMON_CONFIG, TINY_FAMILIES
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from jaxpage.config import ModelConfig, RopeScaling
+from jaxpage.config import EngineConfig, ModelConfig, RopeScaling
 from jaxpage.models import load_model, param_shapes
 from jaxpage.models.rope import inverse_frequencies
 
@@ -82,3 +82,26 @@ def test_param_shapes_describe_loaded_parameters(family, tiny_model_dir):
     assert jax.tree.structure(shapes) == jax.tree.structure(params)
     for expected, actual in zip(jax.tree.leaves(shapes), jax.tree.leaves(params), strict=True):
         assert (expected.shape, expected.dtype) == (actual.shape, actual.dtype)
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "field"),
+    [
+        (dict(page_size=0), "page_size"),
+        (dict(max_num_seqs=2.5), "max_num_seqs"),
+        (dict(max_model_len=1), "max_model_len"),
+        (dict(num_pages=1), "num_pages"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(attention_impl="triton"), "attention_impl"),
+    ],
+)
+def test_bad_engine_arguments_name_the_field(engine_args, field):
+    with pytest.raises(ValueError, match=f"engine argument {field} must be"):
+        EngineConfig(**engine_args)
+
+
+def test_engine_arguments_accept_every_attention_impl():
+    assert [EngineConfig(attention_impl=impl).attention_impl for impl in EngineConfig.ATTENTION_IMPLS] == list(
+        EngineConfig.ATTENTION_IMPLS
+    )

@@ -61,6 +61,13 @@ def test_greedy_equals_the_dense_forward(tiny_dir, expected_greedy):
     assert [o.outputs[0].token_ids for o in outputs] == expected_greedy
 
 
+def test_pallas_kernels_give_the_same_greedy_outputs(tiny_dir, expected_greedy):
+    # The engine with the Pallas GPU kernel run in Pallas' interpreter, through one chunked prompt and decodes.
+    llm = make_llm(tiny_dir, attention_impl="pallas_interpret", max_num_batched_tokens=32)
+    outputs = llm.generate(token_prompts(PROMPTS), GREEDY)
+    assert [out.outputs[0].token_ids for out in outputs] == expected_greedy
+
+
 def test_poisoned_free_pages_change_no_output(tiny_dir, expected_greedy):
     """Every page no sequence holds (the null page included) is NaN before every step."""
     llm = make_llm(tiny_dir, enable_prefix_caching=False, num_pages=40)
