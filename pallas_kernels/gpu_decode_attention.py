@@ -71,14 +71,14 @@ def _decode_kernel(
         # Zeroed, not only masked: NaN in a stale slot times a zero probability is still NaN.
         keys = jnp.where(in_cache, k_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
         values = jnp.where(in_cache, v_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-        logits = plgpu.dot(q, keys, trans_b=True) * sm_scale  # [rows, block_keys]
+        logits = plgpu.dot(q, keys, trans_b=True, allow_tf32=False) * sm_scale  # [rows, block_keys]
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logits = jnp.where(visible[None, :], logits, _MASK_VALUE)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         alpha = jnp.exp(row_max - new_max)
         p = jnp.where(visible[None, :], jnp.exp(logits - new_max[:, None]), 0.0)
-        acc = alpha[:, None] * acc + plgpu.dot(p, values)
+        acc = alpha[:, None] * acc + plgpu.dot(p, values, allow_tf32=False)
         return acc, new_max, alpha * row_sum + p.sum(axis=1)
 
     num_blocks = jnp.maximum(pl.cdiv(last_page - first_page, pages_per_block), 0)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Issue 4's device check, for a machine with an NVIDIA GPU and jax[cuda], flax, torch, transformers and pytest
+# already installed (it installs nothing). Runs the kernel tests natively (on a GPU the tests run the Pallas
+# kernels without the interpreter) and the decode kernel's bandwidth benchmark. Takes a few minutes.
+#   bash scripts/gpu_check.sh [OUT_DIR]      # OUT_DIR receives the logs (default: .)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-.}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import jax; print(jax.__version__, jax.devices()); assert jax.default_backend() == 'gpu'" | tee "$out/gpu_check_devices.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu_check_devices.log" || true
+python3 -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py tests/test_paged_attention.py \
+    2>&1 | tee "$out/gpu_check_tests.log"
+python3 scripts/bench_decode_kernel.py 2>&1 | tee "$out/gpu_check_bench.log"
