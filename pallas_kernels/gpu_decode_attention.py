@@ -23,13 +23,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
 
 
 def _decode_kernel(
@@ -59,36 +56,20 @@ def _decode_kernel(
     last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_len, page_size))  # exclusive
     q = q_ref[...].astype(jnp.float32)
 
-    def block(j, carry):
-        acc, row_max, row_sum = carry
+    def block(j, state):
         start_page = first_page + j * pages_per_block
         page_ids = tables_ref[pl.ds(start_page, pages_per_block)]
         key_pos = start_page * page_size + jnp.arange(block_keys)
         visible = key_pos < kv_len
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
-        in_cache = (key_pos < kv_len)[:, None]
-        # Zeroed, not only masked: NaN in a stale slot times a zero probability is still NaN.
-        keys = jnp.where(in_cache, k_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-        values = jnp.where(in_cache, v_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-        logits = plgpu.dot(q, keys, trans_b=True, allow_tf32=False) * sm_scale  # [rows, block_keys]
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(visible[None, :], logits, _MASK_VALUE)
-        new_max = jnp.maximum(row_max, logits.max(axis=1))
-        alpha = jnp.exp(row_max - new_max)
-        p = jnp.where(visible[None, :], jnp.exp(logits - new_max[:, None]), 0.0)
-        acc = alpha[:, None] * acc + plgpu.dot(p, values, allow_tf32=False)
-        return acc, new_max, alpha * row_sum + p.sum(axis=1)
+        kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap)
+        return attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible[None, :], state, **kwargs)
 
     num_blocks = jnp.maximum(pl.cdiv(last_page - first_page, pages_per_block), 0)
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, row_max, row_sum = lax.fori_loop(0, num_blocks, block, init)
-    o_ref[...] = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+    state = lax.fori_loop(0, num_blocks, block, initial_state(rows, head_dim))
+    _, row_max, row_sum = state
+    o_ref[...] = normalized(state)
     m_ref[...] = row_max
     l_ref[...] = row_sum
 

@@ -18,13 +18,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
 
 
 def _ragged_kernel(
@@ -67,36 +65,18 @@ def _ragged_kernel(
         # [q_block * group]: the heads of a query row share its position
         row_pos = jnp.broadcast_to(query_pos[:, None], (q_block, group)).reshape(-1)
 
-        def step(j, carry):
-            acc, row_max, row_sum = carry
+        def step(j, state):
             start_page = (first_block + j) * pages_per_block
             page_ids = tables_ref[pl.ds(start_page, pages_per_block)]
             key_pos = start_page * page_size + jnp.arange(block_keys)
-            in_cache = (key_pos < kv_len)[:, None]
-            # Zeroed, not only masked: NaN in a stale slot times a zero probability is still NaN.
-            keys = jnp.where(in_cache, k_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-            values = jnp.where(in_cache, v_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-            logits = plgpu.dot(q, keys, trans_b=True, allow_tf32=False) * sm_scale  # [q_block * group, block_keys]
-            if soft_cap is not None:
-                logits = soft_cap * jnp.tanh(logits / soft_cap)
             visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
             if sliding_window is not None:
                 visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
-            logits = jnp.where(visible, logits, _MASK_VALUE)
-            new_max = jnp.maximum(row_max, logits.max(axis=1))
-            alpha = jnp.exp(row_max - new_max)
-            p = jnp.where(visible, jnp.exp(logits - new_max[:, None]), 0.0)
-            acc = alpha[:, None] * acc + plgpu.dot(p, values, allow_tf32=False)
-            return acc, new_max, alpha * row_sum + p.sum(axis=1)
+            kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap)
+            return attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible, state, **kwargs)
 
-        num_rows = q_block * group
-        init = (
-            jnp.zeros((num_rows, head_dim), jnp.float32),
-            jnp.full((num_rows,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((num_rows,), jnp.float32),
-        )
-        acc, _, row_sum = lax.fori_loop(0, num_blocks, step, init)
-        out = (acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]).reshape(q_block, group, head_dim)
+        state = lax.fori_loop(0, num_blocks, step, initial_state(q_block * group, head_dim))
+        out = normalized(state).reshape(q_block, group, head_dim)
         plgpu.store(
             o_ref.at[pl.ds(q_start + first_row, q_block)],
             out.astype(o_ref.dtype),
