@@ -8,6 +8,7 @@ anywhere. The TPU (Mosaic) kernels are not written yet. "auto" is "pallas" on GP
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("auto", "reference", "pallas")
 
@@ -39,4 +40,4 @@ def kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block: int
         block_tables = block_tables + layer * num_pages
     pages_per_seq = block_tables.shape[1]
     padded = -(-pages_per_seq // pages_per_block) * pages_per_block
-    return k_pages, v_pages, jax.numpy.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
+    return k_pages, v_pages, jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
 from pallas_kernels.impl import kernel_pool_view, resolve_impl
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import check_inputs, ragged_paged_attention
 
 PAGES_PER_BLOCK = 8  # pages a kernel program reads per step (128 keys at page size 16)
 MAX_SPLITS = 8
@@ -47,17 +47,23 @@ def paged_attention(
     num_seqs = q.shape[0] if q.ndim == 3 else -1
     if q.ndim != 3 or kv_lens.shape != (num_seqs,):
         raise ValueError(f"q must be [S, num_heads, head_dim] and kv_lens [S], got {q.shape} and {kv_lens.shape}")
-    args = (q, k_pages, v_pages, kv_lens, block_tables, jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs))
+    cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
     if impl == "reference":
         return ragged_paged_attention(
-            *args, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            jnp.int32(num_seqs),
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            layer=layer,
         )
-    # The checks of the reference (shapes, dtypes, options) hold for the kernel too; run them without computing.
-    jax.eval_shape(
-        lambda *a: ragged_paged_attention(
-            *a, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer
-        ),
-        *args,
+    check_inputs(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs), soft_cap, sliding_window, layer
     )
     pages_per_seq = block_tables.shape[-1]
     pages_per_block = min(PAGES_PER_BLOCK, pl.next_power_of_2(pages_per_seq))

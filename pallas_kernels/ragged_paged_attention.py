@@ -83,18 +83,7 @@ def ragged_paged_attention(
 
     Returns [T, num_heads, head_dim] in q's dtype. Raises ValueError for inconsistent shapes or dtypes.
     """
-    k_shape, v_shape = k_pages, v_pages
-    if layer is not None:
-        if k_pages.ndim != 5 or v_pages.ndim != 5 or jnp.shape(layer) != ():
-            raise ValueError(
-                "with layer, k_pages and v_pages must be [num_layers, num_pages, page_size, num_kv_heads, head_dim] "
-                f"and layer a scalar; got {k_pages.shape}, {v_pages.shape} and {jnp.shape(layer)}"
-            )
-        if k_pages.shape[0] != v_pages.shape[0]:
-            raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")
-        k_shape = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)
-        v_shape = jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype)
-    _check_inputs(q, k_shape, v_shape, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window)
+    check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window, layer)
     if resolve_impl(impl, interpret) == "pallas":
         live = jnp.arange(kv_lens.shape[0]) < num_seqs
         k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, GPU_PAGES_PER_BLOCK)
@@ -126,8 +115,23 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         q_block=Q_BLOCK,
         kv_block=KV_BLOCK,
-        all_pairs=k_shape.shape[2] <= ALL_PAIRS_MAX_KV_HEADS,
+        all_pairs=k_pages.shape[-2] <= ALL_PAIRS_MAX_KV_HEADS,
     )
+
+
+def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window, layer):
+    """Raises ValueError for the arguments of `ragged_paged_attention` (shapes, dtypes, options) that are wrong."""
+    if layer is not None:
+        if k_pages.ndim != 5 or v_pages.ndim != 5 or jnp.shape(layer) != ():
+            raise ValueError(
+                "with layer, k_pages and v_pages must be [num_layers, num_pages, page_size, num_kv_heads, head_dim] "
+                f"and layer a scalar; got {k_pages.shape}, {v_pages.shape} and {jnp.shape(layer)}"
+            )
+        if k_pages.shape[0] != v_pages.shape[0]:
+            raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")
+        k_pages = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)
+        v_pages = jax.ShapeDtypeStruct(v_pages.shape[1:], v_pages.dtype)
+    _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window)
 
 
 def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window):
