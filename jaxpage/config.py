@@ -70,9 +70,10 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token takes in the cache: 2 * layers * kv_heads * head_dim * dtype_bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, pool_head_dim: int | None = None) -> int:
+        """Bytes of K and V one token takes in the cache: 2 * layers * kv_heads * head_dim * dtype_bytes, with the
+        pool's head_dim where it is padded (the TPU kernels need a multiple of 128)."""
+        return 2 * self.num_layers * self.num_kv_heads * (pool_head_dim or self.head_dim) * dtype_bytes
 
     # ----- (de)serialization -----
 
@@ -174,12 +175,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the requests that bring none
-    # The paged attention: "auto" (the Pallas kernel on GPU, the pure-JAX reference elsewhere), "reference",
-    # "pallas", or "pallas_interpret" (the Pallas kernel in Pallas' interpreter, on any backend: slow, for tests).
+    # The paged attention: "auto" (the Pallas kernels on TPU and GPU, the pure-JAX reference on CPU), "reference",
+    # "pallas", or "pallas_tpu_interpret" / "pallas_gpu_interpret" (that backend's Pallas kernel in Pallas'
+    # interpreter, on any backend: slow, for tests).
     attention_impl: str = "auto"
 
     CPU_KV_CACHE_BYTES = 2 << 30
-    ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+    ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret", "pallas_gpu_interpret")
 
     def __post_init__(self):
         def fail(field: str, requirement: str) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxpage.block_manager import BlockManager
 from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.kv_cache import pool_head_dim
 from jaxpage.model_runner import ModelRunner
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -27,7 +28,9 @@ logger = logging.getLogger("jaxpage")
 
 def kv_pool_pages(engine: EngineConfig, model: ModelConfig, dtype_bytes: int, max_model_len: int) -> int:
     """Pages in the pool (the null page included), from the engine's size arguments; see EngineConfig."""
-    page_bytes = engine.page_size * model.kv_bytes_per_token(dtype_bytes)
+    page_bytes = engine.page_size * model.kv_bytes_per_token(
+        dtype_bytes, pool_head_dim(model.head_dim, engine.attention_impl)
+    )
     if engine.num_pages is not None:
         return engine.num_pages
     if engine.kv_cache_memory_bytes is not None:
@@ -91,17 +94,20 @@ class LLMEngine:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
         num_pages = kv_pool_pages(config, self.model_config, dtype_bytes, self.max_model_len)
+        head_dim = pool_head_dim(self.model_config.head_dim, config.attention_impl)
+        token_bytes = self.model_config.kv_bytes_per_token(dtype_bytes, head_dim)
         logger.info(
-            "KV cache: %d bytes per token (2 * %d layers * %d kv heads * %d dims * %d bytes); %d pages of %d tokens, "
-            "%.2f GiB",
-            self.model_config.kv_bytes_per_token(dtype_bytes),
+            "KV cache: %d bytes per token (2 * %d layers * %d kv heads * %d dims%s * %d bytes); %d pages of %d "
+            "tokens, %.2f GiB",
+            token_bytes,
             self.model_config.num_layers,
             self.model_config.num_kv_heads,
-            self.model_config.head_dim,
+            head_dim,
+            "" if head_dim == self.model_config.head_dim else f" (head_dim {self.model_config.head_dim} padded)",
             dtype_bytes,
             num_pages,
             config.page_size,
-            num_pages * config.page_size * self.model_config.kv_bytes_per_token(dtype_bytes) / 2**30,
+            num_pages * config.page_size * token_bytes / 2**30,
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

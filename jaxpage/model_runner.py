@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.config import ModelConfig
-from jaxpage.kv_cache import KVCache, PagedAttention, PagedBatch, copy_pages
+from jaxpage.kv_cache import KVCache, PagedAttention, PagedBatch, copy_pages, pool_head_dim
 from jaxpage.models.llama import Llama, build
 from jaxpage.sampler import SamplingMetadata, sample, sampling_metadata_from_params
 from jaxpage.scheduler import SchedulerOutput
@@ -90,7 +90,8 @@ class ModelRunner:
         self.config = config
         self.params = params
         dtype = params["embed_tokens"]["embedding"].dtype
-        self.kv_cache = KVCache.allocate(config, num_pages, page_size, dtype)
+        head_dim = pool_head_dim(config.head_dim, attention_impl)
+        self.kv_cache = KVCache.allocate(config, num_pages, page_size, dtype, head_dim)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.token_buckets = powers_of_two(MIN_TOKEN_BUCKET, max(max_num_batched_tokens, MIN_TOKEN_BUCKET))

@@ -1,30 +1,77 @@
-"""Which implementation a public attention function runs, and the pool view its Pallas kernels take.
+"""Which implementation a public attention function runs, and what its Pallas kernels share.
 
-`impl`: "reference" is the pure-JAX code (the CPU path and what the kernels are tested against); "pallas" the
-Pallas kernel: natively on GPU (Triton lowering), or in Pallas' generic interpreter with `interpret=True`
-anywhere. The TPU (Mosaic) kernels are not written yet. "auto" is "pallas" on GPU and "reference" elsewhere.
+`impl`: "reference" is the pure-JAX code (the CPU path, and what the kernels are tested against); "pallas" a
+Pallas kernel: the Mosaic kernel on TPU, the Triton kernel on GPU. Either kernel also runs anywhere in Pallas'
+generic interpreter (`interpret=True`, then `backend` says which kernel), and the TPU kernel in Pallas' TPU
+interpret mode (`interpret=pltpu.InterpretParams(...)`), which checks DMAs and can detect races. "auto" is the
+kernel of the backend jax runs on, and the reference on CPU.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 IMPLS = ("auto", "reference", "pallas")
+KERNEL_BACKENDS = ("tpu", "gpu")
+LANES = 128  # TPU vector lanes: the TPU kernels need the pool's head_dim padded to a multiple
+# The kernels' "minus infinity" for masked logits: finite, so exp(MASK - MASK) = 1 keeps the online softmax free of
+# NaN for rows that have seen no key yet (their probabilities are zeroed by the mask, not by the exponential).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def resolve_impl(impl: str, interpret: bool) -> str:
-    """ "reference" or "pallas"; raises ValueError (NotImplementedError on TPU) where "pallas" cannot run."""
+def resolve_impl(impl: str, interpret=False, backend: str | None = None) -> str:
+    """ "reference", "tpu" or "gpu" (which kernel) for the arguments; ValueError where they cannot run."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
+    if backend is not None and backend not in KERNEL_BACKENDS:
+        raise ValueError(f"backend must be None or one of {KERNEL_BACKENDS}, got {backend!r}")
+    if isinstance(interpret, pltpu.InterpretParams):
+        if backend == "gpu":
+            raise ValueError("TPU interpret mode (interpret=pltpu.InterpretParams()) runs the TPU kernel, not 'gpu'")
+        backend = "tpu"
+    platform = jax.default_backend()
+    native = platform if platform in KERNEL_BACKENDS else None
+    if impl == "reference" or (impl == "auto" and native is None):
+        return "reference"
     if impl == "auto":
-        return "pallas" if backend == "gpu" else "reference"
-    if impl == "pallas" and not interpret and backend != "gpu":
-        if backend == "tpu":
-            raise NotImplementedError("the Pallas TPU (Mosaic) kernels are not written yet: use impl='reference'")
-        raise ValueError(f"impl='pallas' on {backend} needs interpret=True (the GPU kernel in Pallas' interpreter)")
-    return impl
+        return native
+    kernel = backend or native
+    if kernel is None:
+        raise ValueError(
+            f"impl='pallas' on {platform} runs a kernel in Pallas' interpreter: pass interpret=True and "
+            "backend='tpu' or 'gpu'"
+        )
+    if kernel != platform and not interpret:
+        raise ValueError(f"the {kernel} kernel on {platform} needs interpret=True (Pallas' interpreter)")
+    return kernel
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return -(-head_dim // LANES) * LANES
+
+
+def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    """x [..., d] with zero columns up to head_dim (x itself when d == head_dim)."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
+
+
+def kernel_operands(q, k_pages, v_pages, kernel: str):
+    """(q, k_pages, v_pages) with q's head_dim padded to the pool's, and for the TPU kernel the pool's to a
+    multiple of 128 -- a copy of the pool per call: allocate it padded instead (jaxpage's engine does)."""
+    if kernel == "tpu" and k_pages.shape[-1] % LANES:
+        warnings.warn(
+            f"the TPU kernels need the KV pool's head_dim padded to a multiple of {LANES}; padding "
+            f"{k_pages.shape[-1]} on every call copies the pool",
+            stacklevel=3,
+        )
+        head_dim = padded_head_dim(k_pages.shape[-1])
+        k_pages, v_pages = pad_head_dim(k_pages, head_dim), pad_head_dim(v_pages, head_dim)
+    return pad_head_dim(q, k_pages.shape[-1]), k_pages, v_pages
 
 
 def kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block: int):

@@ -25,7 +25,8 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.gpu_ragged_attention import gpu_ragged_attention
-from pallas_kernels.impl import kernel_pool_view, resolve_impl
+from pallas_kernels.impl import MASK_VALUE, kernel_operands, kernel_pool_view, padded_head_dim, resolve_impl
+from pallas_kernels.tpu_ragged_attention import tpu_ragged_attention
 
 Q_BLOCK = 64  # query rows per step of the prefill loop
 KV_BLOCK = 128  # keys per step of the loops over key blocks (rounded down to whole pages, at least one page)
@@ -38,13 +39,11 @@ PAIR_ROWS_MULTIPLE = 8
 DECODE_ROW_GROUP = 16  # sequences whose last query rows are attended together
 GPU_Q_BLOCK = 16  # query rows of one program of the GPU kernel
 GPU_PAGES_PER_BLOCK = 8  # pages it reads per step
-
-# A finite "minus infinity" for masked logits: exp(MASK - MASK) = 1 keeps the online softmax free of NaN for
-# rows that have seen no key yet; their probabilities are zeroed by the mask, not by the exponential.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+TPU_Q_BLOCK = 32  # query rows of one program of the TPU kernel (times the query heads of a kv head)
+TPU_BLOCK_KEYS = 128  # keys it fetches per step: this many over the page size, whole pages (at least one)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "impl", "interpret", "backend"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]  query tokens of all sequences, back to back (padding at the end)
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]  one layer's K pool
@@ -59,12 +58,16 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
     impl: str = "reference",
-    interpret: bool = False,
+    interpret=False,
+    backend: str | None = None,
 ) -> jax.Array:
     """Causal attention of each sequence's query rows to its cached keys, through the block tables.
 
-    `impl` and `interpret` pick the implementation as `pallas_kernels.impl` says ("reference" by default here;
-    the Pallas kernel is `gpu_ragged_attention`).
+    `impl`, `interpret` and `backend` pick the implementation as `pallas_kernels.impl` says ("reference" by
+    default here; the Pallas kernels are `tpu_ragged_attention` and `gpu_ragged_attention`).
+
+    The pool's head_dim is q's, or q's padded with zeros to a multiple of 128: the layout the TPU kernels need
+    (given an unpadded pool they pad it, a copy per call). The result has q's head_dim.
 
     With `layer` ([] int32), k_pages and v_pages are the whole stacked pool [num_layers, num_pages, page_size,
     num_kv_heads, head_dim] and the pages of that layer are read in place: slicing one layer out of a pool that
@@ -84,39 +87,43 @@ def ragged_paged_attention(
     Returns [T, num_heads, head_dim] in q's dtype. Raises ValueError for inconsistent shapes or dtypes.
     """
     check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window, layer)
-    if resolve_impl(impl, interpret) == "pallas":
-        live = jnp.arange(kv_lens.shape[0]) < num_seqs
+    kernel = resolve_impl(impl, interpret, backend)
+    head_dim = q.shape[-1]
+    q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
+    options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    if kernel == "reference":
+        all_pairs = k_pages.shape[-2] <= ALL_PAIRS_MAX_KV_HEADS
+        out = _ragged_paged_attention(
+            *(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer),
+            **options,
+            q_block=Q_BLOCK,
+            kv_block=KV_BLOCK,
+            all_pairs=all_pairs,
+        )
+        return out[..., :head_dim]
+    live = jnp.arange(kv_lens.shape[0]) < num_seqs
+    kv_lens = jnp.where(live, kv_lens, 0)
+    cu_q_lens = jnp.minimum(cu_q_lens, cu_q_lens[num_seqs])  # padding rows: q_len 0
+    if kernel == "tpu":
+        pages_per_block = max(1, TPU_BLOCK_KEYS // k_pages.shape[-3])
+        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block)
+        out = tpu_ragged_attention(
+            *(q, k, v, kv_lens, tables, cu_q_lens),
+            **options,
+            q_block=TPU_Q_BLOCK,
+            pages_per_block=pages_per_block,
+            interpret=interpret,
+        )
+    else:
         k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, GPU_PAGES_PER_BLOCK)
-        return gpu_ragged_attention(
-            q,
-            k,
-            v,
-            jnp.where(live, kv_lens, 0),
-            tables,
-            jnp.minimum(cu_q_lens, cu_q_lens[num_seqs]),  # padding rows: q_len 0
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
+        out = gpu_ragged_attention(
+            *(q, k, v, kv_lens, tables, cu_q_lens),
+            **options,
             q_block=GPU_Q_BLOCK,
             pages_per_block=GPU_PAGES_PER_BLOCK,
             interpret=interpret,
         )
-    return _ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        layer,
-        sm_scale=sm_scale,
-        soft_cap=soft_cap,
-        sliding_window=sliding_window,
-        q_block=Q_BLOCK,
-        kv_block=KV_BLOCK,
-        all_pairs=k_pages.shape[-2] <= ALL_PAIRS_MAX_KV_HEADS,
-    )
+    return out[..., :head_dim]
 
 
 def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window, layer):
@@ -148,8 +155,11 @@ def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seq
         raise ValueError(f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and {v_pages.dtype}")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, kv_head_dim = k_pages.shape[2:]
-    if head_dim != kv_head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and of the KV pages ({kv_head_dim}) differ")
+    if kv_head_dim not in (head_dim, padded_head_dim(head_dim)):
+        raise ValueError(
+            f"head_dim of the KV pages ({kv_head_dim}) must be q's ({head_dim}) or q's padded to a multiple of 128 "
+            f"({padded_head_dim(head_dim)})"
+        )
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     for name, x in (("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens)):
@@ -264,14 +274,14 @@ def _ragged_paged_attention(
             if sliding_window is not None:
                 mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
             mask = mask[:, None, :, None, :]
-            s = jnp.where(mask, s, _MASK_VALUE)
+            s = jnp.where(mask, s, MASK_VALUE)
             new_max = jnp.maximum(row_max, s.max(axis=-1))
             alpha = jnp.exp(row_max - new_max)
             p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
             pv = weighted_values(p.reshape(n, num_kv_heads, rows * group, kv_block), values)
             return new_max, alpha * row_sum + p.sum(axis=-1), alpha[..., None] * acc + pv.reshape(acc.shape)
 
-        row_max = jnp.full((n, num_kv_heads, rows, group), _MASK_VALUE, jnp.float32)
+        row_max = jnp.full((n, num_kv_heads, rows, group), MASK_VALUE, jnp.float32)
         init = (row_max, jnp.zeros_like(row_max), jnp.zeros((*row_max.shape, head_dim), jnp.float32))
         _, row_sum, acc = lax.fori_loop(first_block, last_block + 1, kv_step, init)
         o = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]

@@ -1,7 +1,7 @@
 """Decode paged attention: achieved KV read bandwidth of the Pallas kernel (and of the pure-JAX reference).
 
-    python scripts/bench_decode_kernel.py               # on a GPU: a Llama-3-8B-shaped layer, bfloat16
-    python scripts/bench_decode_kernel.py --interpret   # anywhere: tiny sizes, the kernel in Pallas' interpreter
+    python scripts/bench_decode_kernel.py                     # on a GPU or TPU: a Llama-3-8B-shaped layer, bfloat16
+    python scripts/bench_decode_kernel.py --interpret [--backend tpu|gpu]  # anywhere: tiny sizes, interpreted
 
 KV bytes per call = sum over sequences of kv_len x kv_heads x head_dim x 2 (K and V) x dtype bytes: what a
 decode step must read. It is compared with the device's copy bandwidth, measured in the same run (a large
@@ -42,6 +42,7 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interpret", action="store_true", help="tiny sizes, the kernel in Pallas' interpreter")
+    parser.add_argument("--backend", choices=("tpu", "gpu"), default="gpu", help="whose kernel --interpret runs")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--kv-len", type=int)
     parser.add_argument("--repeats", type=int)
@@ -68,12 +69,9 @@ def main() -> None:
     results |= {"kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
     results |= {"dtype": jnp.dtype(dtype).name, "kv_bytes_per_call": int(kv_bytes)}
     outputs = {}
-    for impl in ("pallas", "reference"):
-        fn = jax.jit(
-            lambda *a, impl=impl: paged_attention(
-                *a, sm_scale=head_dim**-0.5, impl=impl, interpret=args.interpret and impl == "pallas"
-            )
-        )
+    kernel = dict(impl="pallas", interpret=True, backend=args.backend) if args.interpret else dict(impl="pallas")
+    for impl, how in (("pallas", kernel), ("reference", dict(impl="reference"))):
+        fn = jax.jit(lambda *a, how=how: paged_attention(*a, sm_scale=head_dim**-0.5, **how))
         seconds = timed(fn, q, k_pages, v_pages, kv_lens, jnp.asarray(tables), repeats=repeats)
         outputs[impl] = np.asarray(fn(q, k_pages, v_pages, kv_lens, jnp.asarray(tables)), np.float32)
         results[f"{impl}_ms"] = round(seconds * 1e3, 4)

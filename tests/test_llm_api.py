@@ -61,11 +61,21 @@ def test_greedy_equals_the_dense_forward(tiny_dir, expected_greedy):
     assert [o.outputs[0].token_ids for o in outputs] == expected_greedy
 
 
-def test_pallas_kernels_give_the_same_greedy_outputs(tiny_dir, expected_greedy):
-    # The engine with the Pallas GPU kernel run in Pallas' interpreter, through one chunked prompt and decodes.
-    llm = make_llm(tiny_dir, attention_impl="pallas_interpret", max_num_batched_tokens=32)
+@pytest.mark.parametrize("attention_impl", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+def test_pallas_kernels_give_the_same_greedy_outputs(tiny_dir, expected_greedy, attention_impl):
+    # The engine with a Pallas kernel run in Pallas' interpreter, through one chunked prompt and decodes. The TPU
+    # kernel reads a pool whose head_dim is padded to 128.
+    llm = make_llm(tiny_dir, attention_impl=attention_impl, max_num_batched_tokens=32)
+    head_dim = llm.engine.model_config.head_dim
+    assert llm.engine.runner.kv_cache.k.shape[-1] == (128 if attention_impl == "pallas_tpu_interpret" else head_dim)
     outputs = llm.generate(token_prompts(PROMPTS), GREEDY)
     assert [out.outputs[0].token_ids for out in outputs] == expected_greedy
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only refusal")
+def test_a_kernel_that_cannot_run_here_is_refused_up_front(tiny_dir):
+    with pytest.raises(ValueError, match="attention_impl='pallas' cannot run here: .* interpret=True"):
+        make_llm(tiny_dir, attention_impl="pallas")
 
 
 def test_poisoned_free_pages_change_no_output(tiny_dir, expected_greedy):

@@ -1,5 +1,5 @@
-"""Decode paged attention: the Pallas GPU kernel (natively on a GPU, else in Pallas' generic interpreter) and the
-reference path against the plain float64 reference, with NaN-poisoned stale slots and free pages."""
+"""Decode paged attention: the Pallas TPU and GPU kernels (natively on their backend, else in Pallas' generic
+interpreter) and the reference path against the plain reference, with NaN-poisoned stale slots and free pages."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_ragged_paged_attention import LAYOUTS, MAX_KV, NUM_SEQ_ROWS, Layout, make_batch, sm_scale
+from jax.experimental.pallas import tpu as pltpu
+from test_ragged_paged_attention import IMPLS, LAYOUTS, MAX_KV, NUM_SEQ_ROWS, Layout, make_batch, sm_scale
 
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_dense_reference
 
-# On a GPU the kernel runs natively; elsewhere in Pallas' generic interpreter.
-INTERPRET = jax.default_backend() != "gpu"
+KERNELS = ["pallas-tpu", "pallas-gpu"]
+NOT_HERE = "gpu" if jax.default_backend() == "tpu" else "tpu"  # a kernel backend that is not this machine's
+pytestmark = pytest.mark.filterwarnings("ignore:the TPU kernels need the KV pool's head_dim padded")  # see there
 
 
 def decode_case(page_size: int) -> list[tuple[int, int]]:
@@ -53,39 +55,42 @@ def assert_close(layout: Layout, got: jax.Array, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, atol=layout.atol, rtol=0 if layout.dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "reference"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_matches_reference_with_poisoned_pages(layout, impl):
     # Every slot that holds no live position (stale slots, the null page, spare pages) is NaN.
     batch = make_batch(layout, decode_case(layout.page_size), poison=True)
     kwargs = dict(sm_scale=sm_scale(layout))
-    got = paged_attention(*decode_args(batch), **kwargs, impl=impl, interpret=INTERPRET)
+    got = paged_attention(*decode_args(batch), **kwargs, **IMPLS[impl])
     assert got.shape == (NUM_SEQ_ROWS, layout.num_heads, layout.head_dim) and got.dtype == layout.dtype
     assert_close(layout, got, expected(batch, **kwargs))
 
 
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(5, None), (None, 1.5), (20, 2.0)])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap, impl):
     layout = LAYOUTS[1]
     batch = make_batch(layout, decode_case(layout.page_size), seed=2, poison=True)
     kwargs = dict(sm_scale=sm_scale(layout), sliding_window=sliding_window, soft_cap=soft_cap)
-    got = paged_attention(*decode_args(batch), **kwargs, impl="pallas", interpret=INTERPRET)
+    got = paged_attention(*decode_args(batch), **kwargs, **IMPLS[impl])
     assert_close(layout, got, expected(batch, **kwargs))
 
 
 @pytest.mark.parametrize(("num_splits", "pages_per_block"), [(1, 1), (2, 2), (4, 1), (8, 1)])
-def test_splits_and_blocks(num_splits, pages_per_block):
+def test_gpu_kernel_splits_and_blocks(num_splits, pages_per_block):
     # Page size 8, 16 pages a table: 8 splits leave 2 pages each, so most splits of short sequences are empty.
     layout = LAYOUTS[0]
     batch = make_batch(layout, decode_case(layout.page_size), seed=3, poison=True, share_pages=0)
     kwargs = dict(sm_scale=sm_scale(layout), soft_cap=None, sliding_window=None)
+    interpret = IMPLS["pallas-gpu"]["interpret"]
     got = gpu_decode_attention(
-        *decode_args(batch), **kwargs, num_splits=num_splits, pages_per_block=pages_per_block, interpret=INTERPRET
+        *decode_args(batch), **kwargs, num_splits=num_splits, pages_per_block=pages_per_block, interpret=interpret
     )
     assert_close(layout, got, expected(batch, sm_scale=sm_scale(layout)))
 
 
-def test_shared_prefix_pages():
+@pytest.mark.parametrize("impl", KERNELS)
+def test_shared_prefix_pages(impl):
     layout = LAYOUTS[1]
     p = layout.page_size
     batch = make_batch(layout, [(1, 3 * p + 2), (1, 2 * p + 7)], share_pages=2, poison=True)
@@ -93,7 +98,7 @@ def test_shared_prefix_pages():
     kwargs = dict(sm_scale=sm_scale(layout))
     assert_close(
         layout,
-        paged_attention(*decode_args(batch), **kwargs, impl="pallas", interpret=INTERPRET),
+        paged_attention(*decode_args(batch), **kwargs, **IMPLS[impl]),
         expected(batch, **kwargs),
     )
 
@@ -105,8 +110,8 @@ def test_one_layer_of_a_stacked_pool():
     v_pool = jnp.stack([b.v_pages for b in layers])
     q, _, _, kv_lens, block_tables = decode_args(layers[0])
     kwargs = dict(sm_scale=sm_scale(layout))
-    for impl in ("pallas", "reference"):
-        run = functools.partial(paged_attention, **kwargs, impl=impl, interpret=INTERPRET)
+    for impl in IMPLS.values():
+        run = functools.partial(paged_attention, **kwargs, **impl)
         got = run(q, k_pool, v_pool, kv_lens, block_tables, layer=jnp.int32(2))
         want = expected(dataclasses.replace(layers[0], k_pages=layers[2].k_pages, v_pages=layers[2].v_pages), **kwargs)
         assert_close(layout, got, want)
@@ -126,10 +131,13 @@ def test_auto_is_the_reference_on_cpu():
     ("change", "message"),
     [
         (dict(impl="triton"), "impl must be one of"),
+        (dict(backend="cuda"), "backend must be None or one of"),
+        (dict(impl="pallas", backend=NOT_HERE, interpret=False), "needs interpret=True"),
+        (dict(backend="gpu", interpret=pltpu.InterpretParams()), "TPU interpret mode"),
         pytest.param(
-            dict(impl="pallas", interpret=False),
-            "needs interpret=True",
-            marks=pytest.mark.skipif(not INTERPRET, reason="a CPU-only refusal: GPUs run the kernel natively"),
+            dict(impl="pallas", backend=None, interpret=True),
+            "backend='tpu' or 'gpu'",
+            marks=pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only refusal"),
         ),
         (dict(q=lambda b: b.q[:NUM_SEQ_ROWS, :, :-1]), "head_dim"),
         (dict(q=lambda b: b.q[: NUM_SEQ_ROWS - 1]), r"kv_lens \[S\]"),
@@ -143,7 +151,7 @@ def test_bad_arguments_raise_value_error(change, message):
     batch = make_batch(layout, decode_case(layout.page_size))
     q, k_pages, v_pages, kv_lens, block_tables = decode_args(batch)
     args = dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kv_lens, block_tables=block_tables)
-    options = dict(sm_scale=1.0, impl="pallas", interpret=INTERPRET)  # a change may override both
+    options = dict(sm_scale=1.0, **IMPLS["pallas-gpu"])  # a change may override them
     for key, value in change.items():
         if key in args:
             args[key] = value(batch)

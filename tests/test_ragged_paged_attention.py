@@ -20,9 +20,18 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_dense_reference,
 )
 
-# Every implementation of the public function: the reference, and the Pallas GPU kernel (natively on a GPU, else in
-# Pallas' generic interpreter).
-IMPLS = {"reference": dict(impl="reference"), "pallas": dict(impl="pallas", interpret=jax.default_backend() != "gpu")}
+
+def kernel(backend: str) -> dict:
+    """Arguments that run the Pallas kernel of `backend`: natively on that backend, else in Pallas' generic
+    interpreter."""
+    return dict(impl="pallas", backend=backend, interpret=jax.default_backend() != backend)
+
+
+# Every implementation of the public functions: the reference and the Pallas TPU and GPU kernels.
+IMPLS = {"reference": dict(impl="reference"), "pallas-tpu": kernel("tpu"), "pallas-gpu": kernel("gpu")}
+# Given a pool whose head_dim is not a multiple of 128, the TPU kernels pad it (and warn: a copy per call). The sweeps
+# here do that on purpose; `test_padded_pool_gives_the_same_result` covers the padded layout the engine allocates.
+pytestmark = pytest.mark.filterwarnings("ignore:the TPU kernels need the KV pool's head_dim padded")
 
 NUM_TOKENS = 128  # T: query rows per batch, padding included
 NUM_SEQ_ROWS = 8  # S: sequence rows per batch, padding included
