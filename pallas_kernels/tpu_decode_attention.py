@@ -135,7 +135,6 @@ def tpu_decode_attention(
 ) -> jax.Array:  # [S, num_heads, head_dim] in q's dtype; rows with kv_len 0 are 0
     """The kernel call. Arguments are checked by the public `paged_attention(impl="pallas")`."""
     num_seqs, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     kernel = functools.partial(
         _decode_kernel,
@@ -145,16 +144,14 @@ def tpu_decode_attention(
         pages_per_seq=pages_per_seq,
     )
     rows_spec = pl.BlockSpec((None, num_heads, head_dim), lambda s, *_: (s, 0, 0))
-    pool_spec = pl.BlockSpec(memory_space=pl.ANY)
-    slots = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pages.dtype)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(num_seqs,),
-            in_specs=[rows_spec, pool_spec, pool_spec],
+            in_specs=[rows_spec, pipeline.POOL_SPEC, pipeline.POOL_SPEC],
             out_specs=rows_spec,
-            scratch_shapes=[slots, slots, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((2,), jnp.int32)],
+            scratch_shapes=[*pipeline.scratch(k_pages, pages_per_block), pltpu.SMEM((2,), jnp.int32)],
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),

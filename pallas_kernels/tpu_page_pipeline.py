@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.impl import MASK_VALUE
+
+POOL_SPEC = pl.BlockSpec(memory_space=pl.ANY)  # the pool's operand spec: it stays in HBM
+
+
+def scratch(k_pages, pages_per_block: int) -> list:
+    """The scratch operands `block_copies` works on: K slots, V slots, DMA semaphores."""
+    slots = pltpu.VMEM((2, pages_per_block, *k_pages.shape[1:]), k_pages.dtype)
+    return [slots, slots, pltpu.SemaphoreType.DMA((2, 2))]
 
 
 def block_copies(k_hbm, v_hbm, k_slots, v_slots, sems, tables_ref, first_entry, slot):

@@ -143,7 +143,7 @@ def tpu_ragged_attention(
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype; rows of no sequence are 0
     """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`."""
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_kv_heads = k_pages.shape[2]
     num_seq_rows, pages_per_seq = block_tables.shape
     group = num_heads // num_kv_heads
     num_q_blocks = pl.cdiv(num_tokens, q_block)
@@ -163,20 +163,16 @@ def tpu_ragged_attention(
         pages_per_seq=pages_per_seq,
     )
     rows_spec = pl.BlockSpec((num_kv_heads, group, q_block, head_dim), lambda b, *_: (0, 0, b, 0))
-    pool_spec = pl.BlockSpec(memory_space=pl.ANY)
-    slots = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pages.dtype)
     state_rows = group * q_block
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_q_blocks,),
-            in_specs=[rows_spec, pool_spec, pool_spec],
+            in_specs=[rows_spec, pipeline.POOL_SPEC, pipeline.POOL_SPEC],
             out_specs=rows_spec,
             scratch_shapes=[
-                slots,
-                slots,
-                pltpu.SemaphoreType.DMA((2, 2)),
+                *pipeline.scratch(k_pages, pages_per_block),
                 pltpu.VMEM((num_kv_heads, state_rows, head_dim), jnp.float32),
                 pltpu.VMEM((num_kv_heads, state_rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, state_rows, 1), jnp.float32),
