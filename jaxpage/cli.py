@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     generate.add_argument("--min-p", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        help="XLA's persistent compilation cache: a later run with the same model loads its compiled steps from here",
+    )
     _add_model_options(generate)
 
     predict = commands.add_parser("predict", help="print the most likely next tokens after a prompt")
@@ -97,7 +102,7 @@ def _generate(args) -> None:
     )
     if not args.prompt:
         raise ValueError("the prompt is empty")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, compilation_cache_dir=args.compilation_cache_dir)
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
     final = None

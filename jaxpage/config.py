@@ -179,6 +179,9 @@ class EngineConfig:
     # "pallas", or "pallas_tpu_interpret" / "pallas_gpu_interpret" (that backend's Pallas kernel in Pallas'
     # interpreter, on any backend: slow, for tests).
     attention_impl: str = "auto"
+    # XLA's persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
+    # arguments loads its compiled steps from this directory instead of compiling them. None: no cache.
+    compilation_cache_dir: str | None = None
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret", "pallas_gpu_interpret")
@@ -206,5 +209,9 @@ class EngineConfig:
             fail("gpu_memory_utilization", "in (0, 1]")
         if not isinstance(self.seed, int):
             fail("seed", "an integer")
+        if self.compilation_cache_dir is not None and not (
+            isinstance(self.compilation_cache_dir, str) and self.compilation_cache_dir
+        ):
+            fail("compilation_cache_dir", "a directory path or None")
         if self.attention_impl not in self.ATTENTION_IMPLS:
             fail("attention_impl", " or ".join(self.ATTENTION_IMPLS))

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jaxpage.block_manager import BlockManager
+from jaxpage.compilation_cache import enable_compilation_cache
 from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_head_dim
 from jaxpage.model_runner import ModelRunner
@@ -86,6 +87,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.compilation_cache_dir is not None:
+            enable_compilation_cache(config.compilation_cache_dir)
         self.model_config, params = load_model(config.model, dtype=config.dtype)
         self.tokenizer = load_tokenizer(config.model)
         model_max = self.model_config.max_position_embeddings

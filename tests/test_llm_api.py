@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -294,3 +298,38 @@ def test_incremental_detokenizer_across_multibyte_characters(smollm2_path):
     assert "".join(deltas) == detokenizer.text == tokenizer.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
     assert deltas.count("") > 0  # some tokens ended inside a character and were held back
+
+
+# A start of the engine in a fresh process: one short greedy request; prints its tokens and jax's compilation
+# cache hits and misses as JSON.
+START_AND_GENERATE = """
+import json, sys, jax
+from jaxpage.llm import LLM
+from jaxpage.sampling_params import SamplingParams
+events = {}
+jax.monitoring.register_event_listener(lambda event, **_: events.__setitem__(event, events.get(event, 0) + 1))
+llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[2], max_model_len=128, max_num_seqs=8,
+          max_num_batched_tokens=64, page_size=8)
+out = llm.generate([{"prompt_token_ids": [5, 9, 13]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+cache = {k.rsplit("/", 1)[1]: v for k, v in events.items() if k.startswith("/jax/compilation_cache/cache_")}
+print(json.dumps({"tokens": out[0].outputs[0].token_ids, **cache}))
+"""
+
+
+def test_a_second_start_with_the_compilation_cache_compiles_nothing(tiny_dir, tmp_path):
+    def start() -> dict:
+        cmd = [sys.executable, "-c", START_AND_GENERATE, tiny_dir, str(tmp_path / "xla-cache")]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.splitlines()[-1])
+
+    first, second = start(), start()
+    assert first.get("cache_misses", 0) > 0 and first.get("cache_hits", 0) == 0
+    assert second.get("cache_misses", 0) == 0 and second["cache_hits"] == first["cache_misses"]
+    assert second["tokens"] == first["tokens"]
+
+
+def test_compilation_cache_dir_that_cannot_be_made_is_refused(tiny_dir, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="compilation_cache_dir: cannot create"):
+        make_llm(tiny_dir, compilation_cache_dir=str(tmp_path / "a-file" / "cache"))
