@@ -182,6 +182,8 @@ class EngineConfig:
     # XLA's persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
     # arguments loads its compiled steps from this directory instead of compiling them. None: no cache.
     compilation_cache_dir: str | None = None
+    load_format: str = "auto"  # "auto": the weights of `model`; "dummy": random weights, the config of `model`
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have token ids and no text
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret", "pallas_gpu_interpret")
@@ -213,5 +215,9 @@ class EngineConfig:
             isinstance(self.compilation_cache_dir, str) and self.compilation_cache_dir
         ):
             fail("compilation_cache_dir", "a directory path or None")
+        if self.load_format not in ("auto", "dummy"):
+            fail("load_format", "'auto' or 'dummy'")
+        if not isinstance(self.skip_tokenizer_init, bool):
+            fail("skip_tokenizer_init", "True or False")
         if self.attention_impl not in self.ATTENTION_IMPLS:
             fail("attention_impl", " or ".join(self.ATTENTION_IMPLS))

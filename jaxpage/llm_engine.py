@@ -72,7 +72,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer | None]  # None with skip_tokenizer_init
     completions: list[CompletionOutput]
     metrics: RequestMetrics
 
@@ -89,8 +89,8 @@ class LLMEngine:
         self.config = config
         if config.compilation_cache_dir is not None:
             enable_compilation_cache(config.compilation_cache_dir)
-        self.model_config, params = load_model(config.model, dtype=config.dtype)
-        self.tokenizer = load_tokenizer(config.model)
+        self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
@@ -127,7 +127,7 @@ class LLMEngine:
             attention_impl=config.attention_impl,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[str, _Request] = {}
         self._request_of_seq: dict[int, _Request] = {}
@@ -159,6 +159,10 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._prompt_tokens(prompt)
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                "stop strings need the tokenizer, which skip_tokenizer_init leaves out: use stop_token_ids"
+            )
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len {max_len} leaves no room to generate")
@@ -179,7 +183,12 @@ class LLMEngine:
             token_ids,
             params,
             seqs,
-            [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) for _ in seqs],
+            [
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                if self.tokenizer
+                else None
+                for _ in seqs
+            ],
             [CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None) for i in range(params.n)],
             RequestMetrics(arrival_time or time.time()),
         )
@@ -194,6 +203,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a text prompt needs the tokenizer, which skip_tokenizer_init leaves out: pass "
+                    "{'prompt_token_ids': [...]}"
+                )
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -258,8 +272,9 @@ class LLMEngine:
             completion.token_ids.append(token)
             if result.logprobs is not None and request.params.logprobs is not None:
                 self._record_logprobs(completion, request.params.logprobs, token, result, row)
-            delta = request.detokenizers[index].add(token)
-            completion.text = request.detokenizers[index].text
+            detokenizer = request.detokenizers[index]
+            delta = detokenizer.add(token) if detokenizer else ""
+            completion.text = detokenizer.text if detokenizer else ""
             self._check_stop(seq, completion, token, delta)
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
@@ -285,7 +300,7 @@ class LLMEngine:
         return outputs
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, row: int) -> None:
-        decode = self.tokenizer.decode
+        decode = self.tokenizer.decode if self.tokenizer else lambda ids: None
         entry = {token: Logprob(float(result.logprobs[row]), None, decode([token]))}
         top = zip(result.top_logprob_ids[row][:num], result.top_logprobs[row][:num], strict=True)
         for rank, (tid, value) in enumerate(top, 1):

@@ -2,7 +2,7 @@
 
     python scripts/bench_throughput.py [--workload FILE.jsonl] [--model SRC] [--num-requests 64]
         [--write-workload FILE.jsonl] [--max-num-batched-tokens 512] [--max-num-seqs 64] [--max-model-len N]
-        [--hf-batch-size 16] [--skip-hf-static] [--skip-hf-continuous] [--seed 0]
+        [--hf-batch-size 16] [--skip-hf-static] [--skip-hf-continuous] [--seed 0] [--plot FILE.png]
 
 A workload is a JSONL file of rows {"id", "prompt_token_ids", "max_tokens"}. Without --workload one is made:
 --num-requests requests whose prompts are windows, at seeded random offsets, of a varied text (the docstrings of a
@@ -13,7 +13,8 @@ greedily to exactly its max_tokens (EOS ignored), by three systems on the same w
   jaxpage        LLMEngine: add_request for every row, then engine.step() until done. Warm-up (engine.warmup(),
                  which compiles every bucket) runs first and is not timed; compilations during the timed run are
                  counted (must be 0). After every step the KV utilization (block_manager.kv_utilization(): filled
-                 slots / slots of referenced pages) and the pages in use are sampled while requests hold pages.
+                 slots / slots of referenced pages), the pages in use and the requests in the step are sampled
+                 while requests hold pages; --plot draws them over the run (matplotlib).
   hf_static      model.generate() over padded static batches of --hf-batch-size rows in workload order: left
                  padding, greedy, EOS disabled, max_new_tokens = the batch's largest max_tokens. Only each row's own
                  max_tokens count as useful output tokens; the extra tokens a row generates are waste.
@@ -184,6 +185,8 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
 
     utilization: list[float] = []
     used_pages: list[int] = []
+    sample_s: list[float] = []
+    running: list[int] = []
     step_times: list[float] = []
     step_stats = []
     outputs: dict[str, list[int]] = {}
@@ -204,11 +207,19 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         if bm.num_used_pages:  # requests still hold pages (after the last step none does: utilization is moot)
             utilization.append(bm.kv_utilization())
             used_pages.append(bm.num_used_pages)
+            sample_s.append(now - start)
+            running.append(engine.last_step_stats.num_seqs)
         if now - last_report > 10:
             log(f"jaxpage: {len(outputs)}/{total} done, {len(step_times)} steps, {now - start:.0f}s")
             last_report = now
     wall_s = time.perf_counter() - start
     load = machine_load(cpu_seconds() - cpu_start, wall_s)
+    if args.plot:
+        from kv_plot import plot_kv_run
+
+        title = f"jaxpage, {total} requests, KV pool of {bm.num_pages - 1} pages"
+        plot_kv_run(args.plot, sample_s, utilization, running, used_pages, bm.num_pages - 1, title=title)
+        log(f"jaxpage: plot written to {args.plot}")
     compilations_run = runner.num_compilations - compilations_warmup
     tokens = sum(len(t) for t in outputs.values())
     log(f"jaxpage: {tokens} tokens in {wall_s:.1f}s, {len(step_times)} steps, {compilations_run} compilations")
@@ -449,6 +460,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
+    parser.add_argument("--plot", type=Path, help="PNG of KV utilization and running requests over jaxpage's run")
     args = parser.parse_args()
     load_at_start = round(os.getloadavg()[0], 2)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import TINY_FAMILIES
 
+from jaxpage.errors import ModelLoadError
 from jaxpage.kv_cache import KVCache
 from jaxpage.llm import LLM
 from jaxpage.model_runner import top_logprobs
@@ -333,3 +334,25 @@ def test_compilation_cache_dir_that_cannot_be_made_is_refused(tiny_dir, tmp_path
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ValueError, match="compilation_cache_dir: cannot create"):
         make_llm(tiny_dir, compilation_cache_dir=str(tmp_path / "a-file" / "cache"))
+
+
+def test_dummy_weights_without_a_tokenizer(tiny_dir):
+    # vLLM's load_format="dummy" and skip_tokenizer_init: the model's shapes with random weights, token ids only.
+    llm = make_llm(tiny_dir, load_format="dummy", skip_tokenizer_init=True)
+    assert llm.get_tokenizer() is None
+    trained = load_model(tiny_dir)[1]
+    dummy = llm.engine.runner.params
+    assert jax.tree.structure(dummy) == jax.tree.structure(trained)
+    assert all(a.shape == b.shape for a, b in zip(jax.tree.leaves(dummy), jax.tree.leaves(trained), strict=True))
+    assert not np.array_equal(np.asarray(dummy["embed_tokens"]["embedding"]), trained["embed_tokens"]["embedding"])
+    (out,) = llm.generate(token_prompts(PROMPTS[:1]), GREEDY)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="text prompt needs the tokenizer"):
+        llm.generate("hello", GREEDY)
+    with pytest.raises(ValueError, match="stop strings need the tokenizer"):
+        llm.generate(token_prompts(PROMPTS[:1]), SamplingParams(max_tokens=4, stop=["x"]))
+
+
+def test_dummy_weights_need_a_config_json(smollm2_path):
+    with pytest.raises(ModelLoadError, match="load_format='dummy' needs a Hugging Face model directory"):
+        load_model(smollm2_path, load_format="dummy")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import default_model, gguf_loader, hf_loader, orbax_checkpoint
+from jaxpage.models.llama import init_params
 
 GGUF_MAGIC = b"GGUF"
 
@@ -53,6 +54,7 @@ def load_model(
     source: str | os.PathLike | None = None,
     dtype=None,
     sharding: jax.sharding.Sharding | None = None,
+    load_format: str = "auto",
 ) -> tuple[ModelConfig, dict]:
     """Loads (config, params) from a model source.
 
@@ -60,12 +62,20 @@ def load_model(
               by `jaxpage convert`, or None for the default model (SmolLM2-135M-Instruct).
     dtype:    parameter dtype; default float32 on CPU, bfloat16 on GPU/TPU.
     sharding: where the parameters live; default the first device.
+    load_format: "auto" reads the weights; "dummy" reads only the config of a Hugging Face directory and makes
+              random parameters on the device (vLLM's name: benchmarks of model shapes without their weights).
     Raises ModelLoadError with the file (and tensor) at fault.
     """
     path = resolve_source(source)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     fmt = source_format(path)
+    if load_format == "dummy":
+        if fmt != "hf":
+            raise ModelLoadError(f"{path}: load_format='dummy' needs a Hugging Face model directory (config.json)")
+        config = hf_loader.read_hf_config(path)
+        init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=sharding)
+        return config, init(config, jax.random.key(0), dtype)
     if fmt == "orbax":
         return orbax_checkpoint.load_checkpoint(path, dtype, sharding)
     if fmt == "gguf":

@@ -1,0 +1,216 @@
+"""Device benchmark: a Llama-3-8B-shaped model with random weights (no download) on one accelerator.
+
+    bash scripts/bench_device.sh [OUT_DIR]     # on an NVIDIA H200: the 8B shape in bfloat16, under 8 minutes
+    python scripts/bench_device.py --tiny      # anywhere: a tiny model of the same structure (checks the script)
+
+1. Decode step time at batch 1 and 64. Each request has a 512-token random prompt; once every request decodes, 16
+   steps are timed (after 3 untimed ones). The HBM roofline of a step is the bytes it must read -- every weight
+   except the embedding table, plus K and V of every cached token of every layer -- over the device's bandwidth:
+   the copy bandwidth measured in this run, and for an H200 also its 4.8 TB/s specification.
+2. Throughput: 64 requests, random prompts of 128..1024 tokens, 64..256 output tokens each (EOS ignored), greedy.
+   jaxpage runs the workload once to compile its shapes, then once timed; then HF transformers' continuous
+   batching runs it on the same device with the same token budget, row limit and KV capacity (its model built
+   from the same config, random bfloat16 weights: the weights differ, the work does not).
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_throughput import log, run_hf_continuous
+
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+TINY = (
+    LLAMA3_8B
+    | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    | dict(head_dim=32, vocab_size=512)
+)
+H200_HBM_BYTES_PER_S = 4.8e12
+
+
+def write_config(directory: Path, shape: dict, dtype: str) -> None:
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=dtype, **shape)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def copy_bandwidth(num_bytes: int) -> float:
+    """Bytes per second of a large device-to-device copy (it reads and writes each byte)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0)
+    jax.block_until_ready(copy(x))
+    start = time.perf_counter()
+    for _ in range(10):
+        y = copy(x)
+    jax.block_until_ready(y)
+    return 2 * num_bytes * 10 / (time.perf_counter() - start)
+
+
+def decode_step_times(llm, batch: int, prompt_len: int, rng) -> dict:
+    """Seconds per decode step (wall and device) with `batch` requests decoding at about prompt_len cached tokens."""
+    from jaxpage.sampling_params import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, {"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()}, params)
+    while True:  # prefill (chunked) until every request decodes
+        engine.step()
+        stats = engine.last_step_stats
+        if stats.num_decodes == batch and stats.num_tokens == batch:
+            break
+    for _ in range(3):  # the decode bucket compiles here
+        engine.step()
+    walls, devices = [], []
+    for _ in range(16):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+        devices.append(engine.last_step_stats.device_s)
+    kv_len = prompt_len + 3 + 8  # mid-way through the timed steps
+    engine.abort_request(ids)
+    return {"wall_s": float(np.median(walls)), "device_s": float(np.median(devices)), "kv_len": kv_len}
+
+
+def workload(vocab: int, num_requests: int, prompt_lens, max_tokens, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "id": f"req-{i}",
+            "prompt_token_ids": rng.integers(0, vocab, int(rng.integers(*prompt_lens))).tolist(),
+            "max_tokens": int(rng.integers(*max_tokens)),
+        }
+        for i in range(num_requests)
+    ]
+
+
+def run_jaxpage(llm, rows: list[dict]) -> dict:
+    from jaxpage.sampling_params import SamplingParams
+
+    engine = llm.engine
+    for row in rows:
+        params = SamplingParams(temperature=0, max_tokens=row["max_tokens"], ignore_eos=True)
+        engine.add_request(row["id"], {"prompt_token_ids": row["prompt_token_ids"]}, params)
+    tokens, steps = 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.outputs[0].token_ids) for out in engine.step() if out.finished)
+        steps += 1
+    wall_s = time.perf_counter() - start
+    return {"output_tokens": tokens, "wall_s": round(wall_s, 3), "output_tokens_per_s": round(tokens / wall_s, 1)}
+
+
+def hf_model(directory: Path, device: str, dtype: str):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (runs anywhere)")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    import jax
+
+    from jaxpage.llm import LLM
+
+    backend = jax.default_backend()
+    shape, dtype = (TINY, "float32") if args.tiny else (LLAMA3_8B, "bfloat16")
+    batches, prompt_len, num_requests = ((1, 8), 64, 8) if args.tiny else ((1, 64), 512, 64)
+    prompt_lens, max_tokens = ((16, 128), (8, 32)) if args.tiny else ((128, 1025), (64, 257))
+    results = {"backend": backend, "device": str(jax.devices()[0]), "model": "tiny" if args.tiny else "llama3-8b"}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        write_config(directory, shape, dtype)
+        start = time.perf_counter()
+        engine_args = dict(load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_num_seqs=64)
+        engine_args |= dict(max_model_len=2048, max_num_batched_tokens=512, enable_prefix_caching=False)
+        llm = LLM(str(directory), **engine_args)
+        results["engine_start_s"] = round(time.perf_counter() - start, 1)
+        engine = llm.engine
+        params = engine.runner.params
+        param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        embedding_bytes = params["embed_tokens"]["embedding"].nbytes
+        kv_token_bytes = engine.model_config.kv_bytes_per_token(params["embed_tokens"]["embedding"].dtype.itemsize)
+        bandwidth = copy_bandwidth(min(2 << 30, param_bytes))
+        results |= {"param_bytes": int(param_bytes), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
+        log(f"engine ready in {results['engine_start_s']}s; {param_bytes / 1e9:.2f} GB of weights")
+
+        rng = np.random.default_rng(0)
+        for batch in batches:
+            step = decode_step_times(llm, batch, prompt_len, rng)
+            read_bytes = param_bytes - embedding_bytes + batch * step["kv_len"] * kv_token_bytes
+            entry = {
+                "step_ms": round(1e3 * step["wall_s"], 2),
+                "device_ms": round(1e3 * step["device_s"], 2),
+                "kv_len": step["kv_len"],
+                "bytes_read_per_step": int(read_bytes),
+                "roofline_ms_measured_bandwidth": round(1e3 * read_bytes / bandwidth, 2),
+                "fraction_of_roofline": round(read_bytes / bandwidth / step["wall_s"], 3),
+            }
+            if not args.tiny:
+                entry["roofline_ms_h200_spec"] = round(1e3 * read_bytes / H200_HBM_BYTES_PER_S, 2)
+            results[f"decode_batch_{batch}"] = entry
+            log(f"decode batch {batch}: {entry}")
+
+        rows = workload(engine.model_config.vocab_size, num_requests, prompt_lens, max_tokens)
+        log(f"throughput: {len(rows)} requests, {sum(r['max_tokens'] for r in rows)} output tokens; compile run")
+        compiled = engine.runner.num_compilations
+        run_jaxpage(llm, rows)
+        before = engine.runner.num_compilations
+        log(f"compile run done ({before - compiled} compilations); timed run")
+        results["jaxpage"] = run_jaxpage(llm, rows) | {"compilations": engine.runner.num_compilations - before}
+        log(f"jaxpage: {results['jaxpage']}")
+        kv_tokens = (engine.block_manager.num_pages - 1) * engine.block_manager.page_size
+        del llm, engine, params
+        if not args.skip_hf:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() and backend == "gpu" else "cpu"
+            log(f"hf: building the model on {device}")
+            hf = hf_model(directory, device, dtype)
+            hf_args = argparse.Namespace(max_num_batched_tokens=512, max_num_seqs=64)
+            results["hf_continuous"], _ = run_hf_continuous(hf, rows, hf_args, kv_tokens)
+            results["jaxpage/hf_continuous"] = round(
+                results["jaxpage"]["output_tokens_per_s"] / results["hf_continuous"]["output_tokens_per_s"], 2
+            )
+            log(f"hf_continuous: {results['hf_continuous']}")
+    results["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

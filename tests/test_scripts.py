@@ -1,0 +1,32 @@
+"""The benchmark scripts that must be ready to run on a device this machine does not have: their tiny modes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_device_tiny_mode_runs_every_part():
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_device.py", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    for batch in (1, 8):
+        decode = report[f"decode_batch_{batch}"]
+        assert decode["step_ms"] > 0 and decode["bytes_read_per_step"] > report["param_bytes"] // 2
+    assert report["jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
+    assert report["jaxpage"]["output_tokens"] == report["hf_continuous"]["output_tokens"] > 0
+
+
+def test_kv_plot_writes_a_png(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from kv_plot import plot_kv_run
+
+    path = tmp_path / "kv.png"
+    plot_kv_run(path, [0.5, 1.0, 1.5], [0.97, 0.98, 0.99], [2, 5, 3], [10, 30, 20], 40, contiguous_requests=2)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
