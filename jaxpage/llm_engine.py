@@ -20,7 +20,7 @@ from jaxpage.model_runner import ModelRunner
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import Scheduler, SchedulerConfig
+from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
 from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -55,6 +55,8 @@ class StepStats:
     num_seqs: int
     num_tokens: int  # scheduled tokens (before padding to the bucket)
     num_decodes: int  # sequences with one new token
+    num_sampled: int  # sequences whose logits give a token this step (the rows of the LM head)
+    num_attended_keys: int  # query-key pairs of the step's causal attention (sum over its tokens of keys seen)
     schedule_s: float  # host: the scheduler
     prepare_s: float  # host: the step's arrays
     device_s: float  # dispatch until the sampled tokens are on the host
@@ -63,6 +65,14 @@ class StepStats:
     @property
     def host_s(self) -> float:
         return self.schedule_s + self.prepare_s + self.postprocess_s
+
+
+def attended_keys(item: ScheduledSequence, sliding_window: int | None) -> int:
+    """Keys the step's new tokens of one sequence attend to: token i (0-based) of q sees computed + i + 1 keys."""
+    computed, q = item.num_computed_tokens, item.num_new_tokens
+    if sliding_window is None:
+        return q * computed + q * (q + 1) // 2
+    return sum(min(computed + i + 1, sliding_window) for i in range(q))
 
 
 @dataclasses.dataclass
@@ -252,6 +262,7 @@ class LLMEngine:
         if not output.scheduled:
             return []
         scheduled = time.perf_counter()
+        num_sampled = sum(item.samples for item in output.scheduled)  # before the new tokens are appended
         now = time.time()
         for item in output.scheduled:
             metrics = self._request_of_seq[item.seq.seq_id].metrics
@@ -292,6 +303,8 @@ class LLMEngine:
             num_seqs=len(output.scheduled),
             num_tokens=output.num_batched_tokens,
             num_decodes=sum(item.num_new_tokens == 1 for item in output.scheduled),
+            num_sampled=num_sampled,
+            num_attended_keys=sum(attended_keys(item, self.model_config.sliding_window) for item in output.scheduled),
             schedule_s=scheduled - start,
             prepare_s=result.prepare_s,
             device_s=result.device_s,

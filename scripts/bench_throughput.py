@@ -22,6 +22,11 @@ greedily to exactly its max_tokens (EOS ignored), by three systems on the same w
                  manager.add_request(ids, request_id=..., max_new_tokens=<the row's>, eos_token_id=-1), results
                  read with manager.get_result(); same token budget, row limit and KV capacity as jaxpage.
 
+Model FLOPs of a step: 2 x (the layers' weights, per token) x tokens + 2 x hidden x vocab x sampled rows (the LM
+head runs on those only) + 4 x layers x heads x head_dim x query-key pairs (causal attention). Their rate over the
+decode steps (every sequence of the step decodes) is printed against the float32 matmul rate of this machine,
+measured in the same run (a 2048 x 2048 x 2048 jnp.dot).
+
 Throughput is useful output tokens (the sum of the rows' max_tokens) / wall time from the first request queued to
 the last token back. The HF model is loaded in float32 (a GGUF file is dequantized by transformers, as jaxpage
 does); torch keeps its default thread count. Each system also reports the cores this process kept busy and the
@@ -241,6 +246,10 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         "step_ms_p90": round(1000 * statistics.quantiles(step_times, n=10)[-1], 2) if len(step_times) > 1 else None,
         "step_ms_max": round(1000 * max(step_times), 2),
         "steps_by_token_bucket": steps_by_token_bucket(step_stats, runner.token_buckets),
+        **decode_flops(engine.model_config, step_stats),
+        "host_fraction_all_steps": round(
+            sum(s.host_s for s in step_stats) / sum(s.host_s + s.device_s for s in step_stats), 4
+        ),
         "preemptions": engine.scheduler.num_preemptions,
         "max_model_len": engine.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -250,6 +259,46 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
     del llm, engine, runner
     gc.collect()
     return result, outputs
+
+
+def step_flops(config, stats) -> int:
+    """Useful model FLOPs of one engine step (see the module docstring)."""
+    c = config
+    layer_weights = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim  # q, k, v
+    layer_weights += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size  # o, mlp
+    return (
+        2 * c.num_layers * layer_weights * stats.num_tokens
+        + 2 * c.hidden_size * c.vocab_size * stats.num_sampled
+        + 4 * c.num_layers * c.num_heads * c.head_dim * stats.num_attended_keys
+    )
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = dot(a, a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def decode_flops(config, stats: list) -> dict:
+    """FLOP rate over the steps where every sequence decodes, with their host share."""
+    decode = [s for s in stats if s.num_decodes == s.num_seqs]
+    seconds = sum(s.host_s + s.device_s for s in decode)
+    flops = sum(step_flops(config, s) for s in decode)
+    return {
+        "decode_steps": len(decode),
+        "decode_seconds": round(seconds, 2),
+        "decode_mean_seqs": round(statistics.mean(s.num_seqs for s in decode), 1) if decode else None,
+        "decode_gflop_per_s": round(flops / seconds / 1e9, 1) if seconds else None,
+        "decode_host_fraction": round(sum(s.host_s for s in decode) / seconds, 4) if seconds else None,
+    }
 
 
 def steps_by_token_bucket(stats: list, token_buckets: list[int]) -> dict[int, dict]:
@@ -485,6 +534,11 @@ def main() -> None:
     hf_path = hf_source(args.model) if run_hf else None
     results: dict[str, dict] = {}
     results["jaxpage"], jax_out = run_jaxpage(args.model, rows, args)
+    matmul_rate = matmul_flops_per_s()
+    results["jaxpage"]["matmul_f32_gflop_per_s"] = round(matmul_rate / 1e9, 1)
+    results["jaxpage"]["decode_fraction_of_matmul_rate"] = round(
+        results["jaxpage"]["decode_gflop_per_s"] * 1e9 / matmul_rate, 3
+    )
     kv_tokens = results["jaxpage"]["kv_pool_pages"] * results["jaxpage"]["page_size"]
     hf_outputs = {}
     if run_hf:
@@ -509,6 +563,16 @@ def main() -> None:
             for key in ("kv_utilization_mean", "kv_utilization_min", "kv_peak_pages_in_use", "kv_pool_pages")
         },
         "compilations_after_warmup": results["jaxpage"]["compilations_after_warmup"],
+        "decode": {
+            key: results["jaxpage"][key]
+            for key in (
+                "decode_gflop_per_s",
+                "matmul_f32_gflop_per_s",
+                "decode_fraction_of_matmul_rate",
+                "decode_host_fraction",
+                "host_fraction_all_steps",
+            )
+        },
         "wall_s": {name: r["wall_s"] for name, r in results.items()},
         "greedy_agreement_with_jaxpage": {name: agreement(jax_out, out) for name, out in hf_outputs.items()},
         "systems": results,
@@ -540,6 +604,12 @@ def main() -> None:
         f"{j['kv_utilization_mean']}, min {j['kv_utilization_min']}; peak {j['kv_peak_pages_in_use']} of "
         f"{j['kv_pool_pages']} pages in use; {j['steps']} steps, median {j['step_ms_median']} ms, "
         f"max {j['step_ms_max']} ms; {j['preemptions']} preemptions"
+    )
+    print(
+        f"decode steps ({j['decode_steps']}, {j['decode_mean_seqs']} sequences on average): "
+        f"{j['decode_gflop_per_s']} GFLOP/s of model FLOPs against {j['matmul_f32_gflop_per_s']} GFLOP/s for a "
+        f"float32 matmul here ({j['decode_fraction_of_matmul_rate']:.0%}); host {j['decode_host_fraction']:.1%} "
+        f"of their time, {j['host_fraction_all_steps']:.1%} over all steps"
     )
     for name, agree in summary["greedy_agreement_with_jaxpage"].items():
         print(f"greedy agreement jaxpage vs {name}: {agree}")

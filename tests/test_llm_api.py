@@ -241,6 +241,10 @@ def test_step_stats_describe_each_step(tiny_dir):
     assert (first.num_seqs, first.num_tokens, first.num_decodes) == (2, 32, 0)  # 5 prompt tokens + 27 of 50
     # then a decode, the last 23 prompt tokens and the 1-token prompt; then decodes until each has 3 tokens
     assert [s.num_tokens for s in seen] == [32, 1 + 23 + 1, 3, 2]
+    # Causal query-key pairs: a q-token chunk after c cached tokens has q * c + q (q + 1) / 2 of them.
+    assert seen[0].num_attended_keys == 5 * 6 // 2 + 27 * 28 // 2
+    assert seen[1].num_attended_keys == 6 + (23 * 27 + 23 * 24 // 2) + 1
+    assert [s.num_sampled for s in seen] == [1, 3, 3, 2]
     assert all(s.num_decodes <= s.num_seqs for s in seen)
     for s in seen:
         assert min(s.schedule_s, s.prepare_s, s.device_s, s.postprocess_s) >= 0
