@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_throughput import copy_bandwidth  # noqa: E402
+
 from pallas_kernels.paged_attention import paged_attention  # noqa: E402
 
 
@@ -31,12 +33,6 @@ def timed(fn, *args, repeats: int) -> float:
         out = fn(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - start) / repeats
-
-
-def copy_bandwidth(num_bytes: int, repeats: int) -> float:
-    x = jnp.ones(num_bytes // 4, jnp.float32)
-    seconds = timed(jax.jit(lambda a: a * 1.0), x, repeats=repeats)
-    return 2 * num_bytes / seconds
 
 
 def main() -> None:

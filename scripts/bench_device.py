@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_throughput import log, run_hf_continuous
+from bench_throughput import copy_bandwidth, log, run_hf_continuous
 
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -52,21 +52,6 @@ H200_HBM_BYTES_PER_S = 4.8e12
 def write_config(directory: Path, shape: dict, dtype: str) -> None:
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=dtype, **shape)
     (directory / "config.json").write_text(json.dumps(config))
-
-
-def copy_bandwidth(num_bytes: int) -> float:
-    """Bytes per second of a large device-to-device copy (it reads and writes each byte)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones(num_bytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0)
-    jax.block_until_ready(copy(x))
-    start = time.perf_counter()
-    for _ in range(10):
-        y = copy(x)
-    jax.block_until_ready(y)
-    return 2 * num_bytes * 10 / (time.perf_counter() - start)
 
 
 def decode_step_times(llm, batch: int, prompt_len: int, rng) -> dict:

@@ -163,6 +163,8 @@ def describe(rows: list[dict]) -> dict:
 
 
 def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[str, list[int]]]:
+    import jax
+
     from jaxpage.llm import LLM
     from jaxpage.sampling_params import SamplingParams
 
@@ -219,6 +221,11 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
             last_report = now
     wall_s = time.perf_counter() - start
     load = machine_load(cpu_seconds() - cpu_start, wall_s)
+    params = runner.params
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    if not engine.model_config.tie_word_embeddings:
+        weight_bytes -= params["embed_tokens"]["embedding"].nbytes
+    kv_token_bytes = engine.model_config.kv_bytes_per_token(params["embed_tokens"]["embedding"].dtype.itemsize)
     if args.plot:
         from kv_plot import plot_kv_run
 
@@ -246,7 +253,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         "step_ms_p90": round(1000 * statistics.quantiles(step_times, n=10)[-1], 2) if len(step_times) > 1 else None,
         "step_ms_max": round(1000 * max(step_times), 2),
         "steps_by_token_bucket": steps_by_token_bucket(step_stats, runner.token_buckets),
-        **decode_flops(engine.model_config, step_stats),
+        **decode_flops(engine.model_config, step_stats, weight_bytes, kv_token_bytes),
         "host_fraction_all_steps": round(
             sum(s.host_s for s in step_stats) / sum(s.host_s + s.device_s for s in step_stats), 4
         ),
@@ -287,12 +294,32 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
-def decode_flops(config, stats: list) -> dict:
-    """FLOP rate over the steps where every sequence decodes, with their host share."""
+def copy_bandwidth(num_bytes: int, repeats: int = 10) -> float:
+    """Bytes per second of a large copy on the default device (it reads and writes each byte)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0)
+    jax.block_until_ready(copy(x))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        y = copy(x)
+    jax.block_until_ready(y)
+    return 2 * num_bytes * repeats / (time.perf_counter() - start)
+
+
+def decode_flops(config, stats: list, weight_bytes: int, kv_token_bytes: int) -> dict:
+    """FLOP rate over the steps where every sequence decodes, with their host share, and what those steps must
+    read: every weight once (the embedding table is the LM head when tied; otherwise only its rows are read) and
+    K and V of every attended key."""
     decode = [s for s in stats if s.num_decodes == s.num_seqs]
     seconds = sum(s.host_s + s.device_s for s in decode)
     flops = sum(step_flops(config, s) for s in decode)
+    read_bytes = sum(weight_bytes + s.num_attended_keys * kv_token_bytes for s in decode)
     return {
+        "decode_flops": flops,
+        "decode_bytes_read": read_bytes,
         "decode_steps": len(decode),
         "decode_seconds": round(seconds, 2),
         "decode_mean_seqs": round(statistics.mean(s.num_seqs for s in decode), 1) if decode else None,
@@ -534,11 +561,13 @@ def main() -> None:
     hf_path = hf_source(args.model) if run_hf else None
     results: dict[str, dict] = {}
     results["jaxpage"], jax_out = run_jaxpage(args.model, rows, args)
-    matmul_rate = matmul_flops_per_s()
-    results["jaxpage"]["matmul_f32_gflop_per_s"] = round(matmul_rate / 1e9, 1)
-    results["jaxpage"]["decode_fraction_of_matmul_rate"] = round(
-        results["jaxpage"]["decode_gflop_per_s"] * 1e9 / matmul_rate, 3
-    )
+    j = results["jaxpage"]
+    matmul_rate, bandwidth = matmul_flops_per_s(), copy_bandwidth(1 << 30)
+    j["matmul_f32_gflop_per_s"] = round(matmul_rate / 1e9, 1)
+    j["decode_fraction_of_matmul_rate"] = round(j["decode_gflop_per_s"] * 1e9 / matmul_rate, 3)
+    # The most the decode steps could reach if every byte they must read came at the copy bandwidth.
+    j["copy_bandwidth_gb_per_s"] = round(bandwidth / 1e9, 2)
+    j["decode_roofline_gflop_per_s"] = round(j["decode_flops"] / (j["decode_bytes_read"] / bandwidth) / 1e9, 1)
     kv_tokens = results["jaxpage"]["kv_pool_pages"] * results["jaxpage"]["page_size"]
     hf_outputs = {}
     if run_hf:
@@ -569,6 +598,8 @@ def main() -> None:
                 "decode_gflop_per_s",
                 "matmul_f32_gflop_per_s",
                 "decode_fraction_of_matmul_rate",
+                "copy_bandwidth_gb_per_s",
+                "decode_roofline_gflop_per_s",
                 "decode_host_fraction",
                 "host_fraction_all_steps",
             )
@@ -608,8 +639,9 @@ def main() -> None:
     print(
         f"decode steps ({j['decode_steps']}, {j['decode_mean_seqs']} sequences on average): "
         f"{j['decode_gflop_per_s']} GFLOP/s of model FLOPs against {j['matmul_f32_gflop_per_s']} GFLOP/s for a "
-        f"float32 matmul here ({j['decode_fraction_of_matmul_rate']:.0%}); host {j['decode_host_fraction']:.1%} "
-        f"of their time, {j['host_fraction_all_steps']:.1%} over all steps"
+        f"float32 matmul here ({j['decode_fraction_of_matmul_rate']:.0%}); the bytes they must read allow at most "
+        f"{j['decode_roofline_gflop_per_s']} GFLOP/s at the {j['copy_bandwidth_gb_per_s']} GB/s copy bandwidth; "
+        f"host {j['decode_host_fraction']:.1%} of their time, {j['host_fraction_all_steps']:.1%} over all steps"
     )
     for name, agree in summary["greedy_agreement_with_jaxpage"].items():
         print(f"greedy agreement jaxpage vs {name}: {agree}")
