@@ -2,6 +2,7 @@
 
 jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
 jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
+jaxpage batch INPUT.jsonl OUTPUT.jsonl [--model SRC] [engine options]   an OpenAI-format batch job (resumable)
 """
 
 from __future__ import annotations
@@ -60,7 +61,40 @@ def _parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
+    batch = commands.add_parser(
+        "batch",
+        help="run an OpenAI-format batch file (JSONL); run it again to resume",
+        description="Runs every request of INPUT (OpenAI batch request lines: custom_id, method, url, body) and "
+        "appends one OpenAI batch output line per request to OUTPUT as it finishes. Run the same command again "
+        "after a crash to resume: requests already in OUTPUT are skipped.",
+    )
+    batch.add_argument("input", help="JSONL of {custom_id, method, url, body} requests")
+    batch.add_argument("output", help="JSONL of results (appended to; created if missing)")
+    _add_model_options(batch)
+    batch.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
+    batch.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
+    batch.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    batch.add_argument("--page-size", type=int, default=16)
+    batch.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    batch.add_argument("--compilation-cache-dir", default=None, help="XLA's persistent compilation cache")
+    batch.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
+
+
+def _batch(args) -> None:
+    from jaxpage.batch import run_batch
+
+    engine_args = dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        compilation_cache_dir=args.compilation_cache_dir,
+    )
+    summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **engine_args)
+    print(f"jaxpage batch: {summary.describe()}", file=sys.stderr)
 
 
 def _predict(args) -> None:
@@ -153,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from jaxpage.batch import BatchError
     from jaxpage.errors import ModelLoadError
 
+    commands = {"generate": _generate, "predict": _predict, "convert": _convert, "batch": _batch}
     try:
-        {"generate": _generate, "predict": _predict, "convert": _convert}[args.command](args)
-    except (ModelLoadError, ValueError, FileExistsError) as e:
+        commands[args.command](args)
+    except (ModelLoadError, BatchError, ValueError, FileExistsError) as e:
         print(f"jaxpage: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -11,6 +11,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.tokenizer import encode_chat
 
 Prompt = str | dict
 
@@ -66,15 +67,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
-        prompts = []
-        for conversation in conversations:
-            ids = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            prompts.append({"prompt_token_ids": list(ids)})
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs the tokenizer, which skip_tokenizer_init leaves out")
+        prompts = [{"prompt_token_ids": encode_chat(self.engine.tokenizer, c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(self, prompts, sampling_params) -> list[str]:

@@ -218,7 +218,13 @@ class LLMEngine:
                     "a text prompt needs the tokenizer, which skip_tokenizer_init leaves out: pass "
                     "{'prompt_token_ids': [...]}"
                 )
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            ids = list(self.tokenizer(prompt).input_ids)
+            if max(ids, default=0) >= self.model_config.vocab_size:
+                raise ValueError(
+                    f"the tokenizer gives token id {max(ids)}, outside the model's vocabulary of "
+                    f"{self.model_config.vocab_size}: the tokenizer does not belong to this model"
+                )
+            return prompt, ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not ids:

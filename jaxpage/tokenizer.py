@@ -34,13 +34,16 @@ def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokeniz
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = False) -> list[int]:
     """Token ids of `prompt`; with `chat`, of a one-turn user conversation under the chat template."""
     if chat:
-        if not tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; run without chat")
-        messages = [{"role": "user", "content": prompt}]
-        return list(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt).input_ids)
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the chat template, ready for the
+    assistant's reply. ValueError when the tokenizer has no chat template."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -127,3 +127,18 @@ def smollm2_hf(smollm2_path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir, smollm2_path, tmp_path_factory):
+    """A tiny random model (smollm2-tied, vocab 96) with SmolLM2's tokenizer beside it, so its outputs decode to
+    text. Prompts must be token ids below 96: the tokenizer's own ids are larger."""
+    import shutil
+
+    from jaxpage.tokenizer import load_tokenizer
+
+    family = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
+    directory = tmp_path_factory.mktemp("tiny-engine")
+    shutil.copytree(tiny_model_dir(family)[0], directory, dirs_exist_ok=True)
+    load_tokenizer(smollm2_path).save_pretrained(str(directory))
+    return str(directory)

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_FAMILIES
 
 from jaxpage.errors import ModelLoadError
 from jaxpage.kv_cache import KVCache
@@ -20,19 +19,7 @@ from jaxpage.models import forward, load_model
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
 
-FAMILY = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
 PROMPTS = [[5, 9, 13, 2, 40], list(range(10, 60)), [77], [(7 * i) % 90 + 3 for i in range(23)]]
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tiny_model_dir, smollm2_path, tmp_path_factory):
-    """A tiny random model (vocab 96) with SmolLM2's tokenizer beside it, so its outputs decode to text."""
-    import shutil
-
-    directory = tmp_path_factory.mktemp("tiny-engine")
-    shutil.copytree(tiny_model_dir(FAMILY)[0], directory, dirs_exist_ok=True)
-    load_tokenizer(smollm2_path).save_pretrained(str(directory))
-    return str(directory)
 
 
 def make_llm(tiny_dir, **engine_args) -> LLM:

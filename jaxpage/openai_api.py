@@ -1,0 +1,183 @@
+"""OpenAI's request and response bodies for /v1/completions and /v1/chat/completions: to jaxpage and back.
+
+`parse_request(url, body)` turns a request body into a prompt and SamplingParams (raising RequestError, a
+ValueError, for anything invalid); `response_body(...)` turns a finished RequestOutput into the response body.
+Fields that change nothing here ("model", "user", ...) are accepted and ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+
+from jaxpage.outputs import RequestOutput
+from jaxpage.sampling_params import SamplingParams
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions; chat completions generate up to max_model_len by default
+
+
+class RequestError(ValueError):
+    """An invalid request: its message says which field and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    url: str
+    prompt: str | list[int] | None  # /v1/completions: the text or the token ids
+    messages: list[dict] | None  # /v1/chat/completions: the conversation
+    params: SamplingParams
+    top_logprobs: int | None  # logprobs wanted in the response (None: none)
+
+
+def parse_request(url: str, body) -> ParsedRequest:
+    if url not in ENDPOINTS:
+        raise RequestError(f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}")
+    if not isinstance(body, dict):
+        raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
+    if body.get("stream"):
+        raise RequestError("stream is not supported in a batch")
+    prompt = messages = None
+    if url == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of {role, content} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a role")
+            if not isinstance(message.get("content"), str | list | None):
+                raise RequestError(f"messages[{i}].content must be a string")
+        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _optional_int(body, "max_tokens", 1)
+        top_logprobs = _chat_logprobs(body)
+    else:
+        prompt = body.get("prompt")
+        is_ids = isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
+        if not (isinstance(prompt, str) and prompt) and not is_ids:
+            raise RequestError("prompt must be a non-empty string or a list of token ids (one prompt per request)")
+        max_tokens = _optional_int(body, "max_tokens", 1)
+        max_tokens = OPENAI_DEFAULT_MAX_TOKENS if "max_tokens" not in body else max_tokens
+        top_logprobs = _optional_int(body, "logprobs", 0, SamplingParams.MAX_LOGPROBS)
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RequestError("stop must be a string or a list of strings")
+    kwargs = dict(
+        n=_optional_int(body, "n", 1),
+        temperature=_optional_number(body, "temperature"),
+        top_p=_optional_number(body, "top_p"),
+        top_k=_optional_int(body, "top_k", -1),
+        min_p=_optional_number(body, "min_p"),
+        seed=_optional_int(body, "seed"),
+        stop=stop,
+        max_tokens=max_tokens,
+        logprobs=top_logprobs,
+    )
+    try:
+        params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
+    except ValueError as e:
+        raise RequestError(str(e).replace("SamplingParams.", "")) from None
+    return ParsedRequest(url, prompt, messages, params, top_logprobs)
+
+
+def response_body(request: ParsedRequest, output: RequestOutput, model: str) -> dict:
+    """The OpenAI response body (choices, usage) of a finished request."""
+    choices = []
+    for completion in output.outputs:
+        choice = {"index": completion.index, "finish_reason": completion.finish_reason}
+        if request.url == CHAT:
+            choice["message"] = {"role": "assistant", "content": completion.text}
+        else:
+            choice["text"] = completion.text
+        choice["logprobs"] = _logprobs(request, completion) if request.top_logprobs is not None else None
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    prompt_tokens = len(output.prompt_token_ids)
+    return {
+        "id": f"{'chatcmpl' if request.url == CHAT else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if request.url == CHAT else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _logprobs(request: ParsedRequest, completion) -> dict:
+    tokens = []  # per generated token: (text, logprob, [(text, logprob)] most likely first)
+    for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        chosen = entry[token_id]
+        top = sorted((lp for tid, lp in entry.items() if lp.rank is not None), key=lambda lp: lp.rank)
+        top = top[: request.top_logprobs]
+        tokens.append(
+            (chosen.decoded_token or "", chosen.logprob, [(lp.decoded_token or "", lp.logprob) for lp in top])
+        )
+    if request.url == CHAT:
+        return {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": _finite(logprob),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": t, "logprob": _finite(lp), "bytes": list(t.encode())} for t, lp in top],
+                }
+                for text, logprob, top in tokens
+            ]
+        }
+    offsets, offset = [], 0
+    for text, _, _ in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for text, _, _ in tokens],
+        "token_logprobs": [_finite(logprob) for _, logprob, _ in tokens],
+        "top_logprobs": [{t: _finite(lp) for t, lp in top} for _, _, top in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # OpenAI's stand-in for -inf; JSON has no infinity
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError("logprobs must be true or false for chat completions")
+    top = _optional_int(body, "top_logprobs", 0, SamplingParams.MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise RequestError("top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _optional_int(body: dict, field: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f" >= {minimum}" if maximum is None and minimum is not None else ""
+        bounds = f" in [{minimum}, {maximum}]" if maximum is not None else bounds
+        raise RequestError(f"{field} must be an integer{bounds}, got {value!r}")
+    return value
+
+
+def _optional_number(body: dict, field: str) -> float | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{field} must be a number, got {value!r}")
+    return float(value)
