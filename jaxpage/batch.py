@@ -101,7 +101,7 @@ def _resume(output_path: Path) -> set[str]:
 
 class _Job:
     def __init__(self, llm, done: set[str], quiet: bool):
-        self.llm, self.engine = llm, llm.engine
+        self.engine = llm.engine
         self.done = done
         self.quiet = quiet
         self.summary = BatchSummary()

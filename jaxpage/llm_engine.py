@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import enable_compilation_cache
-from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.config import EngineConfig
 from jaxpage.kv_cache import pool_head_dim
 from jaxpage.model_runner import ModelRunner
 from jaxpage.models.loader import load_model
@@ -27,11 +27,10 @@ from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
 logger = logging.getLogger("jaxpage")
 
 
-def kv_pool_pages(engine: EngineConfig, model: ModelConfig, dtype_bytes: int, max_model_len: int) -> int:
-    """Pages in the pool (the null page included), from the engine's size arguments; see EngineConfig."""
-    page_bytes = engine.page_size * model.kv_bytes_per_token(
-        dtype_bytes, pool_head_dim(model.head_dim, engine.attention_impl)
-    )
+def kv_pool_pages(engine: EngineConfig, token_bytes: int, max_model_len: int) -> int:
+    """Pages in the pool (the null page included), from the engine's size arguments (see EngineConfig) and the
+    bytes of K and V one token takes in the pool."""
+    page_bytes = engine.page_size * token_bytes
     if engine.num_pages is not None:
         return engine.num_pages
     if engine.kv_cache_memory_bytes is not None:
@@ -106,9 +105,9 @@ class LLMEngine:
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
-        num_pages = kv_pool_pages(config, self.model_config, dtype_bytes, self.max_model_len)
         head_dim = pool_head_dim(self.model_config.head_dim, config.attention_impl)
         token_bytes = self.model_config.kv_bytes_per_token(dtype_bytes, head_dim)
+        num_pages = kv_pool_pages(config, token_bytes, self.max_model_len)
         logger.info(
             "KV cache: %d bytes per token (2 * %d layers * %d kv heads * %d dims%s * %d bytes); %d pages of %d "
             "tokens, %.2f GiB",

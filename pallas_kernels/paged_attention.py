@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
 from pallas_kernels.impl import kernel_operands, kernel_pool_view, resolve_impl
-from pallas_kernels.ragged_paged_attention import TPU_BLOCK_KEYS, check_inputs, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import check_inputs, ragged_paged_attention, tpu_pages_per_block
 from pallas_kernels.tpu_decode_attention import tpu_decode_attention
 
 PAGES_PER_BLOCK = 8  # pages a kernel program reads per step (128 keys at page size 16)
@@ -62,7 +62,7 @@ def paged_attention(
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     pages_per_seq = block_tables.shape[-1]
     if kernel == "tpu":
-        pages_per_block = max(1, TPU_BLOCK_KEYS // k_pages.shape[-3])
+        pages_per_block = tpu_pages_per_block(k_pages.shape[-3])
         k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block)
         out = tpu_decode_attention(
             q, k, v, kv_lens, tables, **options, pages_per_block=pages_per_block, interpret=interpret

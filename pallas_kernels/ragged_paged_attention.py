@@ -43,6 +43,11 @@ TPU_Q_BLOCK = 32  # query rows of one program of the TPU kernel (times the query
 TPU_BLOCK_KEYS = 128  # keys it fetches per step: this many over the page size, whole pages (at least one)
 
 
+def tpu_pages_per_block(page_size: int) -> int:
+    """Pages the TPU kernels fetch per step: TPU_BLOCK_KEYS keys in whole pages, at least one."""
+    return max(1, TPU_BLOCK_KEYS // page_size)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "impl", "interpret", "backend"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]  query tokens of all sequences, back to back (padding at the end)
@@ -105,7 +110,7 @@ def ragged_paged_attention(
     kv_lens = jnp.where(live, kv_lens, 0)
     cu_q_lens = jnp.minimum(cu_q_lens, cu_q_lens[num_seqs])  # padding rows: q_len 0
     if kernel == "tpu":
-        pages_per_block = max(1, TPU_BLOCK_KEYS // k_pages.shape[-3])
+        pages_per_block = tpu_pages_per_block(k_pages.shape[-3])
         k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block)
         out = tpu_ragged_attention(
             *(q, k, v, kv_lens, tables, cu_q_lens),
