@@ -1,15 +1,43 @@
-"""`jaxpage` command line.
+"""`jaxpage` command line (also `python -m jaxpage`).
 
+jaxpage generate "PROMPT" [--model SRC] [--chat] [--max-tokens N] [...]  stream a completion to stdout
 jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
 jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
 jaxpage batch INPUT.jsonl OUTPUT.jsonl [--model SRC] [engine options]   an OpenAI-format batch job (resumable)
+jaxpage --version
+
+Failures never show a traceback: each is one line `jaxpage: error: ...` on stderr, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from typing import NoReturn
+
+import jaxpage
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, as a shell reports `cat big | head -1`'s cat
+
+
+class CommandError(Exception):
+    """A failure whose message is all the user needs (a bad command line, a batch job that cannot run)."""
+
+
+# Errors reported by their message alone; any other exception is reported with its type name. ModelLoadError is a
+# ValueError.
+_USER_ERRORS = (CommandError, ValueError, TypeError, OSError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line raises CommandError (reported as one line) instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandError(f"{message} (see: {self.prog} --help)")
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +55,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpage", description="PagedAttention LLM serving on JAX/XLA.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="jaxpage", description="PagedAttention LLM serving on JAX/XLA.")
+    parser.add_argument("--version", action="version", version=f"jaxpage {jaxpage.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)  # subparsers are _Parsers too
 
     generate = commands.add_parser("generate", help="generate a completion and stream it to stdout")
     generate.add_argument("prompt")
@@ -81,33 +110,81 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _batch(args) -> None:
-    from jaxpage.batch import run_batch
+def _check_prompt(prompt: str) -> None:
+    """Refuses a prompt no model can take, before one loads."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # Command line bytes that are not UTF-8 reach Python as lone surrogates U+DC80..U+DCFF (PEP 383).
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise ValueError(f"the prompt is not valid UTF-8 text: {what} at character {e.start + 1}") from None
 
-    engine_args = dict(
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        compilation_cache_dir=args.compilation_cache_dir,
+
+def _quiet_transformers() -> None:
+    """transformers' warnings and progress bars are not for the command's user."""
+    # Its advice at import ("PyTorch was not found ...": the bare install has no torch and needs none) comes before
+    # set_verbosity_error can be called.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _generate(args) -> None:
+    from jaxpage.sampling_params import SamplingParams
+
+    params = SamplingParams(  # checks the sampling flags before any model loads
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
     )
-    summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **engine_args)
-    print(f"jaxpage batch: {summary.describe()}", file=sys.stderr)
+    _check_prompt(args.prompt)
+    _quiet_transformers()
+    from jaxpage.llm import LLM
+    from jaxpage.tokenizer import encode_prompt
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, compilation_cache_dir=args.compilation_cache_dir)
+    prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
+    printed = 0
+    final = None
+    for output in llm.generate_stream(prompt, params):
+        text = output.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+        final = output
+    sys.stdout.write("\n")
+    if final.error is not None:
+        raise RuntimeError(f"generation failed: {final.error}")
+    completion = final.outputs[0]
+    metrics = final.metrics
+    seconds = metrics.last_token_time - metrics.first_token_time
+    rate = (len(completion.token_ids) - 1) / seconds if seconds > 0 else float("nan")
+    print(
+        f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}, "
+        f"first token {metrics.first_token_time - metrics.arrival_time:.2f}s, {rate:.1f} tokens/s after it]",
+        file=sys.stderr,
+    )
 
 
 def _predict(args) -> None:
+    if args.top < 1:
+        raise ValueError("--top must be at least 1")
+    _check_prompt(args.prompt)
+    _quiet_transformers()
     import jax
     import numpy as np
 
     from jaxpage.models import forward, load_model
     from jaxpage.tokenizer import encode_prompt, load_tokenizer
 
-    if args.top < 1:
-        raise ValueError("--top must be at least 1")
-    if not args.prompt:
-        raise ValueError("the prompt is empty")
     start = time.perf_counter()
     config, params = load_model(args.model, dtype=args.dtype)
     tokenizer = load_tokenizer(args.model)
@@ -121,54 +198,18 @@ def _predict(args) -> None:
         print(f"{rank:>3}. {probs[token]:7.2%}  {token:>6}  {tokenizer.decode([int(token)])!r}")
 
 
-def _generate(args) -> None:
-    from jaxpage.llm import LLM
-    from jaxpage.sampling_params import SamplingParams
-    from jaxpage.tokenizer import encode_prompt
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
-    if not args.prompt:
-        raise ValueError("the prompt is empty")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, compilation_cache_dir=args.compilation_cache_dir)
-    prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
-    printed = 0
-    final = None
-    for output in llm.generate_stream(prompt, params):
-        text = output.outputs[0].text
-        sys.stdout.write(text[printed:])
-        sys.stdout.flush()
-        printed = len(text)
-        final = output
-    sys.stdout.write("\n")
-    completion = final.outputs[0]
-    metrics = final.metrics
-    seconds = metrics.last_token_time - metrics.first_token_time
-    rate = (len(completion.token_ids) - 1) / seconds if seconds > 0 else float("nan")
-    print(
-        f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}, "
-        f"first token {metrics.first_token_time - metrics.arrival_time:.2f}s, {rate:.1f} tokens/s after it]",
-        file=sys.stderr,
-    )
-
-
 def _convert(args) -> None:
     from pathlib import Path
 
+    destination = Path(args.destination)
+    if destination.exists() and any(destination.iterdir()):
+        raise FileExistsError(f"{destination} exists and is not empty")
+    _quiet_transformers()
     from jaxpage.models import load_model
     from jaxpage.models.loader import resolve_source, source_format
     from jaxpage.models.orbax_checkpoint import save_checkpoint
     from jaxpage.tokenizer import load_tokenizer
 
-    destination = Path(args.destination)
-    if destination.exists() and any(destination.iterdir()):
-        raise FileExistsError(f"{destination} exists and is not empty")
     if source_format(resolve_source(args.source)) == "orbax":
         raise ValueError(f"{args.source} is already a jaxpage checkpoint")
     start = time.perf_counter()
@@ -181,23 +222,78 @@ def _convert(args) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
+def _batch(args) -> None:
+    _quiet_transformers()
+    from jaxpage.batch import BatchError, run_batch
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    from jaxpage.batch import BatchError
-    from jaxpage.errors import ModelLoadError
-
-    commands = {"generate": _generate, "predict": _predict, "convert": _convert, "batch": _batch}
+    engine_args = dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        compilation_cache_dir=args.compilation_cache_dir,
+    )
     try:
-        commands[args.command](args)
-    except (ModelLoadError, BatchError, ValueError, FileExistsError) as e:
-        print(f"jaxpage: error: {e}", file=sys.stderr)
-        return 2
+        summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **engine_args)
+    except BatchError as e:
+        raise CommandError(str(e)) from e
+    print(f"jaxpage batch: {summary.describe()}", file=sys.stderr)
+
+
+_COMMANDS = {"generate": _generate, "predict": _predict, "convert": _convert, "batch": _batch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `jaxpage ARGV` (default: the process's arguments) and returns its exit status.
+
+    0: done. 2: failed, reported as one line `jaxpage: error: ...` on stderr, never a traceback. 130: interrupted
+    (Ctrl-C). 141: stdout was closed before the output ended (`jaxpage generate ... | head -c 1`): stopped quietly.
+    """
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not in the interpreter's final flush
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+    except KeyboardInterrupt:
+        print("jaxpage: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        print(f"jaxpage: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        args, unknown = _parser().parse_known_args(argv)
+    except SystemExit as e:  # --help or --version printed what was asked (errors raise CommandError instead)
+        return int(e.code or 0)
+    if unknown:  # argparse would send the user to the top-level help; the command's own help lists its options
+        raise CommandError(f"unrecognized arguments: {' '.join(unknown)} (see: jaxpage {args.command} --help)")
+    _COMMANDS[args.command](args)
     return 0
 
 
-if __name__ == "__main__":
+def _one_line(error: Exception) -> str:
+    message = " ".join(str(error).split())  # one line, whatever the exception's text holds
+    if isinstance(error, _USER_ERRORS):
+        return message or type(error).__name__
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _stdout_closed() -> int:
+    # Whatever is still buffered for stdout would fail again, with a traceback, when the interpreter flushes it on
+    # exit: point stdout at /dev/null first, as the Python docs advise for SIGPIPE.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file descriptor (main called in-process)
+        pass
+    return EXIT_STDOUT_CLOSED
+
+
+if __name__ == "__main__":  # python -m jaxpage.cli (python -m jaxpage is the same)
     sys.exit(main())

@@ -1,9 +1,18 @@
-"""The README's main-job command, run as a user runs it: the `jaxpage` console script."""
+"""The `jaxpage` command as a user runs it (the console script, `python -m jaxpage`), and its failures: one line each,
+never a traceback."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+
+import pytest
+
+import jaxpage
+from jaxpage import cli
+from jaxpage.cli import main
+from jaxpage.errors import ModelLoadError
 
 
 def test_predict_on_the_default_model(smollm2_path):
@@ -43,3 +52,124 @@ def test_generate_rejects_bad_sampling_flags():
     assert result.returncode == 2
     assert "jaxpage: error: SamplingParams.top_p must be in (0, 1], got 2.0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# Every failure is one line on stderr and exit status 2, and these fail before any model loads (about a second).
+# (argv, the line's start): argparse's wording of a choice list varies with the Python version.
+USAGE_ERRORS = [
+    (
+        ["generate", "hi", "--max-tokens", "x"],
+        "argument --max-tokens: invalid int value: 'x' (see: jaxpage generate --help)",
+    ),
+    (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus (see: jaxpage generate --help)"),
+    ([], "the following arguments are required: command (see: jaxpage --help)"),
+    (["frob"], "argument command: invalid choice: 'frob' (choose from "),
+    (["predict", "hi", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4' (choose from "),
+    (["generate", ""], "the prompt is empty"),
+    (["predict", ""], "the prompt is empty"),
+]
+
+
+@pytest.mark.parametrize("argv, start", USAGE_ERRORS)
+def test_usage_errors_are_one_line(argv, start):
+    result = subprocess.run(["jaxpage", *argv], capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"jaxpage: error: {start}")
+    assert result.stderr.count("\n") == 1 and result.stderr.endswith("\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "predict"])
+def test_prompts_that_are_not_text_are_refused(command):
+    # Bytes that are not UTF-8 (here Latin-1 "café") reach Python's argv as lone surrogates.
+    result = subprocess.run([b"jaxpage", command.encode(), b"caf\xe9"], capture_output=True)
+    assert result.returncode == 2
+    assert result.stderr == b"jaxpage: error: the prompt is not valid UTF-8 text: byte 0xe9 at character 4\n"
+
+
+def test_os_errors_are_one_line(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").touch()
+    result = subprocess.run(["jaxpage", "convert", "model", str(tmp_path / "taken")], capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (2, f"jaxpage: error: {tmp_path / 'taken'} exists and is not empty\n")
+
+
+def test_batch_errors_are_one_line(tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    assert main(["batch", str(missing), str(tmp_path / "out.jsonl")]) == 2
+    assert capsys.readouterr().err == f"jaxpage: error: cannot read the input {missing}: No such file or directory\n"
+
+
+@pytest.mark.parametrize(
+    "error, line, status",
+    [
+        (TypeError("max_tokens must be an int"), "jaxpage: error: max_tokens must be an int", 2),
+        (ModelLoadError("m.gguf: tensor blk.0 is cut short"), "jaxpage: error: m.gguf: tensor blk.0 is cut short", 2),
+        (
+            FileNotFoundError(2, "No such file or directory", "x"),
+            "jaxpage: error: [Errno 2] No such file or directory: 'x'",
+            2,
+        ),
+        (RuntimeError("boom\n  in two lines"), "jaxpage: error: RuntimeError: boom in two lines", 2),  # the last resort
+        (KeyError("k"), "jaxpage: error: KeyError: 'k'", 2),
+        (KeyboardInterrupt(), "jaxpage: interrupted", 130),  # Ctrl-C
+    ],
+)
+def test_failures_inside_a_command_are_one_line(monkeypatch, capsys, error, line, status):
+    def command(args):
+        raise error
+
+    monkeypatch.setitem(cli._COMMANDS, "predict", command)
+    assert main(["predict", "hi"]) == status
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", line + "\n")
+
+
+# A command that writes N characters to stdout once the test has closed the pipe's reading end.
+WRITER = """
+import sys
+from jaxpage import cli
+
+def write(args):
+    sys.stdin.read()
+    sys.stdout.write("x" * int(args.prompt))
+
+cli._COMMANDS["predict"] = write
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("size", [10, 1_000_000])  # still buffered when the command returns; more than a pipe holds
+def test_a_closed_stdout_stops_quietly(size):
+    job = subprocess.Popen(
+        [sys.executable, "-c", WRITER, "predict", str(size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    job.stdout.close()  # `jaxpage ... | head -c 1` after head exits
+    job.stdin.close()
+    stderr = job.stderr.read()
+    assert job.wait(timeout=60) == 141
+    assert stderr == b""
+
+
+def test_version():
+    result = subprocess.run(["jaxpage", "--version"], capture_output=True, text=True)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"jaxpage {jaxpage.__version__}\n", "")
+
+
+def test_version_imports_no_jax():
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "jaxpage", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()}
+    assert "jaxpage.cli" in imported
+    assert not imported & {"jax", "transformers", "torch"}
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["generate", "hi", "--max-tokens", "x"], ["predict", ""]])
+def test_python_m_jaxpage_is_the_jaxpage_command(argv):
+    script = subprocess.run(["jaxpage", *argv], capture_output=True, text=True)
+    module = subprocess.run([sys.executable, "-m", "jaxpage", *argv], capture_output=True, text=True)
+    assert (module.returncode, module.stdout, module.stderr) == (script.returncode, script.stdout, script.stderr)
