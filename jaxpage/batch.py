@@ -127,7 +127,7 @@ class _Job:
                 if not self.pending:
                     break
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in self.pending:  # the engine may serve others too
                         self._finish(output)
                 self.summary.seconds = time.perf_counter() - start
                 rate = self.summary.completion_tokens / self.summary.seconds if self.summary.seconds else 0
@@ -143,11 +143,11 @@ class _Job:
         self.summary.requests += 1
         try:
             record = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
             return self._error(f"line-{line_number}", None, "invalid_json", f"line {line_number}: not JSON: {e}")
         custom_id = record.get("custom_id") if isinstance(record, dict) else None
-        if not isinstance(custom_id, str) or not custom_id:
-            message = f"line {line_number}: custom_id must be a non-empty string"
+        if not isinstance(custom_id, str) or not custom_id or not _is_text(custom_id):
+            message = f"line {line_number}: custom_id must be a non-empty string of valid text"
             return self._error(f"line-{line_number}", None, "invalid_request", message)
         if custom_id in self.seen:
             message = f"line {line_number}: custom_id {custom_id!r} repeats an earlier line's"
@@ -171,14 +171,21 @@ class _Job:
                 prompt = request.prompt
             request_id = f"batch-{line_number}-{uuid.uuid4().hex[:8]}"
             self.engine.add_request(request_id, prompt, request.params)
-        except (ValueError, TypeError) as e:  # RequestError, and the engine's own checks (prompt too long, ...)
+        except ValueError as e:  # RequestError, and the engine's own checks (prompt too long, ...)
             return self._error(custom_id, 400, "invalid_request", str(e))
+        except Exception as e:  # not the line's fault, as far as anyone knows: record it and go on
+            return self._error(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}")
         self.pending[request_id] = (custom_id, request)
         return None
 
     def _finish(self, output) -> None:
         custom_id, request = self.pending.pop(output.request_id)
-        body = response_body(request, output, self.model)
+        if output.error is not None:  # failed at run time; the engine went on with the others
+            return self._error(custom_id, 500, "internal_error", output.error)
+        try:
+            body = response_body(request, output, self.model)
+        except Exception as e:
+            return self._error(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}")
         self.summary.succeeded += 1
         self.summary.prompt_tokens += body["usage"]["prompt_tokens"]
         self.summary.completion_tokens += body["usage"]["completion_tokens"]
@@ -193,11 +200,24 @@ class _Job:
         if status is None:  # not a request: the record's error says why
             self._write(custom_id, None, {"code": code, "message": message})
         else:
-            body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            body = {"error": {"message": message, "type": kind, "code": code}}
             self._write(custom_id, {"status_code": status, "request_id": None, "body": body}, None)
 
     def _write(self, custom_id: str, response, error) -> None:
         record = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
-        self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        line = json.dumps(record, ensure_ascii=False)
+        if not _is_text(line):  # an unpaired surrogate quoted from the input: JSON's escapes can still hold it
+            line = json.dumps(record)
+        self.out.write(line + "\n")
         self.out.flush()  # in the OS's hands now: a killed process loses nothing written
         self.bar.update()
+
+
+def _is_text(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (JSON strings may carry unpaired surrogates; files cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

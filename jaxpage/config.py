@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from jaxpage.errors import ModelLoadError
+from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, fail
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -158,23 +159,26 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine arguments, in vLLM's names where vLLM has one.
+    """Engine arguments, in vLLM's names where vLLM has one. Each is checked when the config is built: a bad one
+    raises ValueError naming the argument and its value (ArgumentTypeError, a TypeError too, for a wrong type).
 
     KV pool size, first match wins: `num_pages`; `kv_cache_memory_bytes`; on GPU/TPU
-    `gpu_memory_utilization` of the device memory left after the weights; on CPU 2 GiB.
+    `gpu_memory_utilization` of the device memory left after the weights; on CPU 2 GiB. The engine refuses a pool
+    larger than the memory it can have, and one that cannot hold a single max_model_len sequence (when
+    max_model_len is left to the model's default, it is lowered to what the pool holds instead, with a warning).
     """
 
     model: str | None = None  # HF directory, .gguf file, jaxpage checkpoint; None: SmolLM2-135M-Instruct
-    dtype: str | None = None  # float32 / bfloat16 / float16; default float32 on CPU, bfloat16 elsewhere
+    dtype: str | None = None  # float32 / bfloat16 / float16; None or "auto": float32 on CPU, bfloat16 elsewhere
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    page_size: int = 16
+    page_size: int = 16  # tokens per page, 1 to MAX_PAGE_SIZE
     num_pages: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64  # 1 to MAX_NUM_SEQS
+    max_num_batched_tokens: int = 512  # 1 to MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
-    seed: int = 0  # seeds the requests that bring none
+    seed: int = 0  # seeds the requests that bring none; >= 0
     # The paged attention: "auto" (the Pallas kernels on TPU and GPU, the pure-JAX reference on CPU), "reference",
     # "pallas", or "pallas_tpu_interpret" / "pallas_gpu_interpret" (that backend's Pallas kernel in Pallas'
     # interpreter, on any backend: slow, for tests).
@@ -187,37 +191,50 @@ class EngineConfig:
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret", "pallas_gpu_interpret")
+    DTYPES = ("float32", "bfloat16", "float16")
+    MAX_PAGE_SIZE = 1024
+    MAX_NUM_SEQS = 1 << 16
+    MAX_NUM_BATCHED_TOKENS = 1 << 20
 
     def __post_init__(self):
-        def fail(field: str, requirement: str) -> None:
-            raise ValueError(f"engine argument {field} must be {requirement}, got {getattr(self, field)!r}")
+        def arg(field: str) -> str:
+            return f"engine argument {field}"
 
-        def positive_int(field: str, minimum: int = 1) -> None:
+        def choose(field: str, choices: tuple) -> None:
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                fail(field, f"an integer >= {minimum}")
+            if not isinstance(value, str) or value not in choices:
+                fail(arg(field), " or ".join(choices), value, wrong_type=not isinstance(value, str))
 
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            fail("dtype", "float32, bfloat16 or float16")
-        for field in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            positive_int(field)
+        def put(field: str, value) -> None:
+            object.__setattr__(self, field, value)  # frozen: the checked, canonical value
+
+        if self.model is not None:
+            put("model", check_path(arg("model"), self.model))
+        if self.dtype == "auto":
+            put("dtype", None)
+        if self.dtype is not None:
+            choose("dtype", self.DTYPES)
+        put("page_size", check_int(arg("page_size"), self.page_size, 1, self.MAX_PAGE_SIZE))
+        put("max_num_seqs", check_int(arg("max_num_seqs"), self.max_num_seqs, 1, self.MAX_NUM_SEQS))
+        put(
+            "max_num_batched_tokens",
+            check_int(arg("max_num_batched_tokens"), self.max_num_batched_tokens, 1, self.MAX_NUM_BATCHED_TOKENS),
+        )
         if self.max_model_len is not None:
-            positive_int("max_model_len", 2)
+            put("max_model_len", check_int(arg("max_model_len"), self.max_model_len, 2, INT32_MAX))
         if self.num_pages is not None:
-            positive_int("num_pages", 2)
+            # Slots (page * page_size + offset) are int32.
+            put("num_pages", check_int(arg("num_pages"), self.num_pages, 2, INT32_MAX // self.page_size))
         if self.kv_cache_memory_bytes is not None:
-            positive_int("kv_cache_memory_bytes")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            fail("gpu_memory_utilization", "in (0, 1]")
-        if not isinstance(self.seed, int):
-            fail("seed", "an integer")
-        if self.compilation_cache_dir is not None and not (
-            isinstance(self.compilation_cache_dir, str) and self.compilation_cache_dir
-        ):
-            fail("compilation_cache_dir", "a directory path or None")
-        if self.load_format not in ("auto", "dummy"):
-            fail("load_format", "'auto' or 'dummy'")
-        if not isinstance(self.skip_tokenizer_init, bool):
-            fail("skip_tokenizer_init", "True or False")
-        if self.attention_impl not in self.ATTENTION_IMPLS:
-            fail("attention_impl", " or ".join(self.ATTENTION_IMPLS))
+            put("kv_cache_memory_bytes", check_int(arg("kv_cache_memory_bytes"), self.kv_cache_memory_bytes, 1))
+        put(
+            "gpu_memory_utilization",
+            check_number(arg("gpu_memory_utilization"), self.gpu_memory_utilization, "in (0, 1]", lambda u: 0 < u <= 1),
+        )
+        check_bool(arg("enable_prefix_caching"), self.enable_prefix_caching)
+        put("seed", check_int(arg("seed"), self.seed, 0))
+        choose("attention_impl", self.ATTENTION_IMPLS)
+        if self.compilation_cache_dir is not None:
+            put("compilation_cache_dir", check_path(arg("compilation_cache_dir"), self.compilation_cache_dir))
+        choose("load_format", ("auto", "dummy"))
+        check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)

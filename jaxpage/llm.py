@@ -12,6 +12,7 @@ from jaxpage.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.tokenizer import encode_chat
+from jaxpage.validation import fail
 
 Prompt = str | dict
 
@@ -38,7 +39,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings or {"prompt_token_ids": [...]}); outputs in prompt order.
 
-        All prompts are validated before any runs: a bad one raises ValueError and nothing is queued.
+        All prompts are validated before any runs: a bad one raises ValueError and nothing is queued. A request
+        that fails at run time comes back with finish_reason "error" and `error` set; the others are unharmed.
         """
         request_ids = self._add(prompts, sampling_params)
         finished: dict[str, RequestOutput] = {}
@@ -65,35 +67,49 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Generates replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them. Content
+        is a string or OpenAI content parts ([{"type": "text", "text": ...}, ...]). Every conversation is checked
+        and rendered before any runs: a bad one raises ValueError naming the message and field."""
         if self.engine.tokenizer is None:
             raise ValueError("chat needs the tokenizer, which skip_tokenizer_init leaves out")
+        if isinstance(messages, list | tuple) and messages and all(isinstance(m, list | tuple) for m in messages):
+            conversations = list(messages)
+        else:
+            conversations = [messages]
         prompts = [{"prompt_token_ids": encode_chat(self.engine.tokenizer, c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(self, prompts, sampling_params) -> list[str]:
-        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        elif not isinstance(prompts, list | tuple):
+            fail("prompts", "a prompt or a list of prompts", prompts, wrong_type=True)
         if not prompts:
             raise ValueError("no prompts given")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, list | tuple):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        # Tokenize and validate everything first (once): a bad prompt must not leave others queued.
-        prompts = [
-            dict(zip(("prompt", "prompt_token_ids"), self.engine._prompt_tokens(p), strict=True)) for p in prompts
+        else:
+            fail("sampling_params", "a SamplingParams, a list of them, or None", sampling_params, wrong_type=True)
+        # Check (and tokenize) every request before queueing any: a bad one must not leave others queued.
+        requests = [
+            self.engine._new_request(self._next_id(), prompt, p) for prompt, p in zip(prompts, params, strict=True)
         ]
-        request_ids = [str(next(self._ids)) for _ in prompts]
-        try:
-            for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
-        except ValueError:
-            self.engine.abort_request(request_ids)
-            raise
-        return request_ids
+        with self.engine._lock:
+            taken = [r.request_id for r in requests if r.request_id in self.engine._requests]
+            if taken:  # added meanwhile by another thread through the engine
+                raise ValueError(f"request ids {taken} were taken meanwhile; nothing was queued")
+            for request in requests:
+                self.engine._enqueue(request)
+        return [request.request_id for request in requests]
+
+    def _next_id(self) -> str:
+        while (request_id := str(next(self._ids))) in self.engine._requests:  # ids an engine user added
+            pass
+        return request_id
 
     def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(request_ids)

@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Iterable
 
@@ -23,28 +25,76 @@ from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
 from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxpage.validation import INT32_MAX, ArgumentTypeError, check_number, check_text, describe, fail, is_int
 
 logger = logging.getLogger("jaxpage")
 
 
 def kv_pool_pages(engine: EngineConfig, token_bytes: int, max_model_len: int) -> int:
     """Pages in the pool (the null page included), from the engine's size arguments (see EngineConfig) and the
-    bytes of K and V one token takes in the pool."""
+    bytes of K and V one token takes in the pool. Raises ValueError for a pool the memory cannot hold."""
     page_bytes = engine.page_size * token_bytes
+    available = available_memory_bytes()
     if engine.num_pages is not None:
-        return engine.num_pages
-    if engine.kv_cache_memory_bytes is not None:
-        budget = engine.kv_cache_memory_bytes
-    elif jax.default_backend() == "cpu":
-        budget = EngineConfig.CPU_KV_CACHE_BYTES
+        pages = engine.num_pages
     else:
-        stats = jax.devices()[0].memory_stats() or {}
-        budget = int(stats.get("bytes_limit", 0) * engine.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-    useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
-    pages = min(budget // page_bytes, useful)
-    if pages < 2:
-        raise ValueError(f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)")
+        if engine.kv_cache_memory_bytes is not None:
+            budget = engine.kv_cache_memory_bytes
+        elif jax.default_backend() == "cpu":
+            budget = EngineConfig.CPU_KV_CACHE_BYTES
+            if available is not None and available < 2 * budget:  # a small machine: half of what is left
+                budget = available // 2
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            budget = int(stats.get("bytes_limit", 0) * engine.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+        useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
+        pages = min(budget // page_bytes, useful, INT32_MAX // engine.page_size)
+        if pages < 2:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)")
+    if available is not None and pages * page_bytes > available:
+        raise ValueError(
+            f"a KV pool of {pages} pages ({pages * page_bytes} bytes, {page_bytes} per page) does not fit in the "
+            f"{available} bytes of memory available; lower num_pages or kv_cache_memory_bytes"
+        )
     return pages
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the KV pool can still take: the device's free memory on GPU/TPU, the host's available memory on CPU
+    (None where it cannot be told)."""
+    if jax.default_backend() != "cpu":
+        stats = jax.devices()[0].memory_stats() or {}
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fit_max_model_len(max_model_len: int, pool_tokens: int, explicit: bool) -> int:
+    """max_model_len, lowered to the pool's `pool_tokens` when the model's default does not fit (with a warning);
+    ValueError when an explicit max_model_len does not fit."""
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"engine argument max_model_len {max_model_len} does not fit in the KV pool, which holds {pool_tokens} "
+            "tokens: lower max_model_len, or raise num_pages or kv_cache_memory_bytes"
+        )
+    logger.warning(
+        "the KV pool holds %d tokens, fewer than the model's context length %d: max_model_len lowered to %d",
+        pool_tokens,
+        max_model_len,
+        pool_tokens,
+    )
+    return pool_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +134,14 @@ class _Request:
     detokenizers: list[IncrementalDetokenizer | None]  # None with skip_tokenizer_init
     completions: list[CompletionOutput]
     metrics: RequestMetrics
+    error: str | None = None
 
     def output(self) -> RequestOutput:
         finished = all(c.finish_reason is not None for c in self.completions)
         outputs = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in self.completions]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.metrics)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.metrics, self.error
+        )
 
 
 class LLMEngine:
@@ -108,6 +161,8 @@ class LLMEngine:
         head_dim = pool_head_dim(self.model_config.head_dim, config.attention_impl)
         token_bytes = self.model_config.kv_bytes_per_token(dtype_bytes, head_dim)
         num_pages = kv_pool_pages(config, token_bytes, self.max_model_len)
+        pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
+        self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         logger.info(
             "KV cache: %d bytes per token (2 * %d layers * %d kv heads * %d dims%s * %d bytes); %d pages of %d "
             "tokens, %.2f GiB",
@@ -142,6 +197,8 @@ class LLMEngine:
         self._request_of_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
+        self._ended: list[RequestOutput] = []  # final outputs of requests aborted or failed, for the next step()
+        self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
 
     @classmethod
@@ -157,21 +214,39 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queues a request. `prompt` is a string or {"prompt_token_ids": [...]} (or {"prompt": "..."}).
+        """Queues a request. `prompt` is a string, {"prompt_token_ids": [...]} or {"prompt": "..."} (a dict may give
+        both, the text then only labels the output).
 
-        Raises ValueError (and queues nothing) for a duplicate id, an empty or malformed prompt, token ids
-        outside the vocabulary, or a request that can never fit max_model_len or the page pool.
+        Everything is checked here, never inside `step()`: ValueError (ArgumentTypeError for a wrong type; both
+        name the field and the value), and nothing is queued, for a request_id that is not a non-empty string or
+        is in use, an empty or malformed prompt, text the tokenizer cannot take, token ids outside the vocabulary,
+        bad sampling params (checked again, in case they changed since they were built), top_k or stop token ids
+        beyond the vocabulary, or a request that can never fit max_model_len or the page pool.
         """
-        params = sampling_params or SamplingParams()
+        request = self._new_request(request_id, prompt, sampling_params, arrival_time)
+        with self._lock:
+            self._enqueue(request)
+
+    def _new_request(self, request_id, prompt, sampling_params, arrival_time=None) -> _Request:
+        """The checked request, not yet queued (see add_request for what is refused)."""
+        if not isinstance(request_id, str) or not request_id:
+            fail("request_id", "a non-empty string", request_id, wrong_type=not isinstance(request_id, str))
+        params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._prompt_tokens(prompt)
+            fail("sampling_params", "a SamplingParams or None", params, wrong_type=True)
+        params.validate()
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            fail("SamplingParams.top_k", f"at most the vocabulary size {vocab} (0 or -1: all tokens)", params.top_k)
+        if any(t >= vocab for t in params.stop_token_ids):
+            fail("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", params.stop_token_ids)
         if self.tokenizer is None and params.stop:
             raise ValueError(
                 "stop strings need the tokenizer, which skip_tokenizer_init leaves out: use stop_token_ids"
             )
+        if arrival_time is not None:
+            arrival_time = check_number("arrival_time", arrival_time, "a finite time in seconds", lambda t: t >= 0)
+        text, token_ids = self._prompt_tokens(prompt)
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len {max_len} leaves no room to generate")
@@ -182,11 +257,14 @@ class LLMEngine:
                 f"request needs up to {pages} pages ({longest} tokens) but the KV pool has "
                 f"{self.block_manager.num_pages - 1}; lower max_tokens or enlarge the pool"
             )
-        seqs = []
-        for index in range(params.n):
-            seed = params.seed + index if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-            seqs.append(Sequence(next(self._seq_ids), token_ids, sampling_params=params, seed=seed))
-        request = _Request(
+        with self._lock:
+            seeds = [
+                params.seed + index if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+                for index in range(params.n)
+            ]
+            seqs = [Sequence(next(self._seq_ids), token_ids, sampling_params=params, seed=seed) for seed in seeds]
+        logprobs = params.logprobs is not None
+        return _Request(
             request_id,
             text,
             token_ids,
@@ -198,55 +276,77 @@ class LLMEngine:
                 else None
                 for _ in seqs
             ],
-            [CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None) for i in range(params.n)],
+            [CompletionOutput(i, "", [], 0.0 if logprobs else None, [] if logprobs else None) for i in range(params.n)],
             RequestMetrics(arrival_time or time.time()),
         )
-        for completion in request.completions:
-            completion.logprobs = [] if params.logprobs is not None else None
-        self._requests[request_id] = request
-        for seq in seqs:
+
+    def _enqueue(self, request: _Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {describe(request.request_id)} is already in use")
+        self._requests[request.request_id] = request
+        for seq in request.seqs:
             self._request_of_seq[seq.seq_id] = request
             self.scheduler.add(seq)
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ValueError("prompt is empty (got '')")
+            check_text("prompt", prompt)
             if self.tokenizer is None:
                 raise ValueError(
                     "a text prompt needs the tokenizer, which skip_tokenizer_init leaves out: pass "
                     "{'prompt_token_ids': [...]}"
                 )
-            ids = list(self.tokenizer(prompt).input_ids)
-            if max(ids, default=0) >= self.model_config.vocab_size:
+            try:
+                ids = list(self.tokenizer(prompt).input_ids)
+            except Exception as e:  # the tokenizer's own failure on this text: refuse the prompt, keep serving
+                raise ValueError(f"prompt {describe(prompt)} cannot be tokenized ({type(e).__name__}: {e})") from None
+            if not ids:
+                fail("prompt", "text with at least one token", prompt)
+            if max(ids) >= self.model_config.vocab_size:
                 raise ValueError(
                     f"the tokenizer gives token id {max(ids)}, outside the model's vocabulary of "
                     f"{self.model_config.vocab_size}: the tokenizer does not belong to this model"
                 )
             return prompt, ids
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list | tuple) or not ids:
-                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int | np.integer) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt_token_ids holds {bad[0]!r}, not a token id in [0, {vocab})")
-            return prompt.get("prompt"), [int(t) for t in ids]
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._prompt_tokens(prompt["prompt"])
-        raise ValueError(f"prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                fail("prompt", "a dict with the keys prompt and/or prompt_token_ids only", sorted(unknown))
+            if "prompt_token_ids" in prompt:
+                ids = self._token_ids(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None:
+                    check_text("prompt", text, allow_empty=True)
+                return text, ids
+            if "prompt" in prompt:
+                return self._prompt_tokens(check_text("prompt", prompt["prompt"]))
+        fail("prompt", "a string or a dict with prompt_token_ids or prompt", prompt, wrong_type=True)
+
+    def _token_ids(self, ids) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list | tuple | np.ndarray) or isinstance(ids, np.ndarray) and ids.ndim != 1:
+            fail("prompt_token_ids", "a non-empty list of token ids", ids, wrong_type=True)
+        if len(ids) == 0:
+            fail("prompt_token_ids", "a non-empty list of token ids", ids)
+        bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise (ArgumentTypeError if not is_int(bad) else ValueError)(
+                f"prompt_token_ids holds {describe(bad)}, not a token id in [0, {vocab})"
+            )
+        return [int(t) for t in ids]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Ends the request(s) now with finish_reason "abort"; unknown ids are ignored."""
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            request = self._requests.pop(rid, None)
-            if request is None:
-                continue
-            for seq, completion in zip(request.seqs, request.completions, strict=True):
-                if completion.finish_reason is None:
-                    completion.finish_reason = "abort"
-                    self._finish_seq(seq)
+        """Ends the request(s) now with finish_reason "abort" and frees their pages; unknown ids are ignored. The
+        next `step()` returns each one's final output (finished, "abort"), so a stream over it ends."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            for rid in ids:
+                request = self._requests.get(rid) if isinstance(rid, str) else None
+                if request is not None:
+                    self._end_request(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -261,61 +361,110 @@ class LLMEngine:
     # ----- the step -----
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns the outputs of the requests that progressed or finished."""
-        start = time.perf_counter()
-        output = self.scheduler.schedule()
-        if not output.scheduled:
-            return []
-        scheduled = time.perf_counter()
-        num_sampled = sum(item.samples for item in output.scheduled)  # before the new tokens are appended
-        now = time.time()
-        for item in output.scheduled:
-            metrics = self._request_of_seq[item.seq.seq_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        result = self.runner.execute(output)
-        self.scheduler.commit(output)
-        now = time.time()
-        progressed: dict[str, _Request] = {}
-        for row, item in enumerate(output.scheduled):
-            if not item.samples:
-                continue
-            seq = item.seq
-            request = self._request_of_seq[seq.seq_id]
-            index = request.seqs.index(seq)
-            token = int(result.token_ids[row])
-            seq.append_token(token)
-            completion = request.completions[index]
-            completion.token_ids.append(token)
-            if result.logprobs is not None and request.params.logprobs is not None:
-                self._record_logprobs(completion, request.params.logprobs, token, result, row)
-            detokenizer = request.detokenizers[index]
-            delta = detokenizer.add(token) if detokenizer else ""
-            completion.text = detokenizer.text if detokenizer else ""
-            self._check_stop(seq, completion, token, delta)
-            request.metrics.first_token_time = request.metrics.first_token_time or now
-            request.metrics.last_token_time = now
-            if completion.finish_reason is not None:
+        """Runs one scheduled step; returns the outputs of the requests that progressed or ended (aborted ones
+        included).
+
+        A request whose own post-processing fails (its detokenization, say) ends with finish_reason "error" and
+        RequestOutput.error saying why; the others go on. If the device step itself fails, no request can be
+        blamed: every unfinished request ends with that error, the pool is made anew, and the engine serves on.
+        """
+        with self._lock:
+            start = time.perf_counter()
+            output = self.scheduler.schedule()
+            if not output.scheduled:
+                return self._take_ended()
+            scheduled = time.perf_counter()
+            num_sampled = sum(item.samples for item in output.scheduled)  # before the new tokens are appended
+            now = time.time()
+            for item in output.scheduled:
+                metrics = self._request_of_seq[item.seq.seq_id].metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            try:
+                result = self.runner.execute(output)
+            except Exception as e:  # not a request's fault: every request was checked when it was added
+                logger.exception("engine step failed; every unfinished request ends with this error")
+                self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
+                return self._take_ended()
+            self.scheduler.commit(output)
+            now = time.time()
+            progressed: dict[str, _Request] = {}
+            for row, item in enumerate(output.scheduled):
+                request = self._request_of_seq.get(item.seq.seq_id)
+                if not item.samples or request is None:  # None: the request failed earlier in this loop
+                    continue
+                try:
+                    self._append_token(request, item.seq, int(result.token_ids[row]), result, row, now)
+                except Exception as e:  # this request's own failure: it ends, the others go on
+                    logger.exception("request %r failed", request.request_id)
+                    self._end_request(request, "error", f"{type(e).__name__}: {e}")
+                    progressed.pop(request.request_id, None)
+                    continue
+                progressed[request.request_id] = request
+            outputs = self._take_ended()
+            for request in progressed.values():
+                out = request.output()
+                if out.finished:
+                    request.metrics.finished_time = now
+                    del self._requests[request.request_id]
+                outputs.append(out)
+            self.last_step_stats = StepStats(
+                num_seqs=len(output.scheduled),
+                num_tokens=output.num_batched_tokens,
+                num_decodes=sum(item.num_new_tokens == 1 for item in output.scheduled),
+                num_sampled=num_sampled,
+                num_attended_keys=sum(
+                    attended_keys(item, self.model_config.sliding_window) for item in output.scheduled
+                ),
+                schedule_s=scheduled - start,
+                prepare_s=result.prepare_s,
+                device_s=result.device_s,
+                postprocess_s=time.perf_counter() - scheduled - result.prepare_s - result.device_s,
+            )
+            return outputs
+
+    def _append_token(self, request: _Request, seq: Sequence, token: int, result, row: int, now: float) -> None:
+        """Commits one sampled token: the sequence, its completion (logprobs, text), stop checks, metrics."""
+        index = request.seqs.index(seq)
+        seq.append_token(token)
+        completion = request.completions[index]
+        completion.token_ids.append(token)
+        if result.logprobs is not None and request.params.logprobs is not None:
+            self._record_logprobs(completion, request.params.logprobs, token, result, row)
+        detokenizer = request.detokenizers[index]
+        delta = detokenizer.add(token) if detokenizer else ""
+        completion.text = detokenizer.text if detokenizer else ""
+        self._check_stop(seq, completion, token, delta)
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        request.metrics.last_token_time = now
+        if completion.finish_reason is not None:
+            self._finish_seq(seq)
+
+    def _end_request(self, request: _Request, finish_reason: str, error: str | None = None) -> None:
+        """Ends a request outside the normal flow ("abort" or "error"): its unfinished samples stop, its pages are
+        freed, and its final output waits for the next `step()` to return it."""
+        for seq, completion in zip(request.seqs, request.completions, strict=True):
+            if completion.finish_reason is None:
+                completion.finish_reason = finish_reason
                 self._finish_seq(seq)
-            progressed[request.request_id] = request
-        outputs = []
-        for request in progressed.values():
-            out = request.output()
-            if out.finished:
-                request.metrics.finished_time = now
-                del self._requests[request.request_id]
-            outputs.append(out)
-        self.last_step_stats = StepStats(
-            num_seqs=len(output.scheduled),
-            num_tokens=output.num_batched_tokens,
-            num_decodes=sum(item.num_new_tokens == 1 for item in output.scheduled),
-            num_sampled=num_sampled,
-            num_attended_keys=sum(attended_keys(item, self.model_config.sliding_window) for item in output.scheduled),
-            schedule_s=scheduled - start,
-            prepare_s=result.prepare_s,
-            device_s=result.device_s,
-            postprocess_s=time.perf_counter() - scheduled - result.prepare_s - result.device_s,
+        request.error = error
+        request.metrics.finished_time = time.time()
+        del self._requests[request.request_id]
+        self._ended.append(request.output())
+
+    def _take_ended(self) -> list[RequestOutput]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def _fail_all(self, error: str) -> None:
+        """After a failed device step: every unfinished request ends with `error`, and the page pool and its
+        bookkeeping start afresh (the failed step may have consumed the donated pool)."""
+        for request in list(self._requests.values()):
+            self._end_request(request, "error", error)
+        self.block_manager = BlockManager(
+            self.block_manager.num_pages, self.block_manager.page_size, self.config.enable_prefix_caching
         )
-        return outputs
+        self.scheduler = Scheduler(self.scheduler.config, self.block_manager)
+        self.runner.reset_kv_cache()
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, row: int) -> None:
         decode = self.tokenizer.decode if self.tokenizer else lambda ids: None

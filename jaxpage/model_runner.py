@@ -188,6 +188,11 @@ class ModelRunner:
         token_ids = np.asarray(token_ids)[:count]
         return StepOutput(token_ids, *logprobs, dispatched - start, time.perf_counter() - dispatched)
 
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
+        k = self.kv_cache.k
+        self.kv_cache = KVCache.allocate(self.config, k.shape[1], k.shape[2], k.dtype, k.shape[4])
+
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         size = max(8, 1 << (len(copies) - 1).bit_length())  # padded with (0, 0): copies of the null page
         src = np.zeros(size, np.int32)

@@ -14,6 +14,8 @@ import uuid
 
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.tokenizer import check_messages
+from jaxpage.validation import check_text, describe
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
@@ -35,21 +37,17 @@ class ParsedRequest:
 
 def parse_request(url: str, body) -> ParsedRequest:
     if url not in ENDPOINTS:
-        raise RequestError(f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}")
+        raise RequestError(f"url must be one of {', '.join(ENDPOINTS)}, got {describe(url)}")
     if not isinstance(body, dict):
-        raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
+        raise RequestError(f"body must be a JSON object, got {describe(body)}")
     if body.get("stream"):
         raise RequestError("stream is not supported in a batch")
     prompt = messages = None
     if url == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list of {role, content} objects")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise RequestError(f"messages[{i}] must be an object with a role")
-            if not isinstance(message.get("content"), str | list | None):
-                raise RequestError(f"messages[{i}].content must be a string")
+        try:
+            messages = check_messages(body.get("messages"))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         max_tokens = _optional_int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _optional_int(body, "max_tokens", 1)
@@ -58,7 +56,15 @@ def parse_request(url: str, body) -> ParsedRequest:
         prompt = body.get("prompt")
         is_ids = isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
         if not (isinstance(prompt, str) and prompt) and not is_ids:
-            raise RequestError("prompt must be a non-empty string or a list of token ids (one prompt per request)")
+            raise RequestError(
+                f"prompt must be a non-empty string or a list of token ids (one prompt per request), got "
+                f"{describe(prompt)}"
+            )
+        if isinstance(prompt, str):
+            try:
+                check_text("prompt", prompt)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         max_tokens = _optional_int(body, "max_tokens", 1)
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if "max_tokens" not in body else max_tokens
         top_logprobs = _optional_int(body, "logprobs", 0, SamplingParams.MAX_LOGPROBS)
@@ -66,7 +72,7 @@ def parse_request(url: str, body) -> ParsedRequest:
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
-        raise RequestError("stop must be a string or a list of strings")
+        raise RequestError(f"stop must be a string or a list of strings, got {describe(stop)}")
     kwargs = dict(
         n=_optional_int(body, "n", 1),
         temperature=_optional_number(body, "temperature"),
@@ -152,7 +158,7 @@ def _finite(x: float) -> float:
 def _chat_logprobs(body: dict) -> int | None:
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise RequestError("logprobs must be true or false for chat completions")
+        raise RequestError(f"logprobs must be true or false for chat completions, got {describe(wanted)}")
     top = _optional_int(body, "top_logprobs", 0, SamplingParams.MAX_LOGPROBS)
     if top is not None and not wanted:
         raise RequestError("top_logprobs needs logprobs: true")
@@ -170,7 +176,7 @@ def _optional_int(body: dict, field: str, minimum: int | None = None, maximum: i
     if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f" >= {minimum}" if maximum is None and minimum is not None else ""
         bounds = f" in [{minimum}, {maximum}]" if maximum is not None else bounds
-        raise RequestError(f"{field} must be an integer{bounds}, got {value!r}")
+        raise RequestError(f"{field} must be an integer{bounds}, got {describe(value)}")
     return value
 
 
@@ -179,5 +185,5 @@ def _optional_number(body: dict, field: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(f"{field} must be a number, got {value!r}")
+        raise RequestError(f"{field} must be a number, got {describe(value)}")
     return float(value)

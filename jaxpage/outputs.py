@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled and top-N tokens
-    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -43,3 +43,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # why the request failed at run time (its finish_reason is "error"); None otherwise

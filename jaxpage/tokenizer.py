@@ -7,11 +7,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import transformers  # transformers.AutoTokenizer imports torch where installed: only model directories use it
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from jaxpage.errors import ModelLoadError
+from jaxpage.gguf_tokenizer import GGUF_TOKENIZER_BUILDER_VERSION, load_gguf_tokenizer
 from jaxpage.models.default_model import cache_dir
 from jaxpage.models.loader import resolve_source, source_format
+from jaxpage.validation import check_text, fail
 
 
 def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
@@ -24,7 +27,7 @@ def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokeniz
     try:
         if source_format(path) == "gguf":
             return _gguf_tokenizer(path)
-        return AutoTokenizer.from_pretrained(str(path))
+        return transformers.AutoTokenizer.from_pretrained(str(path))
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError) as e:
@@ -40,19 +43,70 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the chat template, ready for the
-    assistant's reply. ValueError when the tokenizer has no chat template."""
+    assistant's reply. Messages are checked first (see `check_messages`). ValueError when a message is malformed,
+    the tokenizer has no chat template, or the template refuses the conversation (its message says why)."""
+    messages = check_messages(messages)
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:  # jinja2's TemplateError (the template's raise_exception), or anything it trips on
+        raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
+    if not ids:
+        raise ValueError("the chat template renders these messages as no tokens")
+    return list(ids)
+
+
+def check_messages(messages) -> list[dict]:
+    """The conversation with each message's content as one string, or ValueError naming the message and field.
+
+    A message is a dict with a non-empty string `role` and a `content` that is a string or a list of OpenAI text
+    parts ([{"type": "text", "text": ...}], joined with newlines, as vLLM does). Content may be missing or None
+    only in an assistant message that carries tool_calls. Other keys (name, tool_call_id, ...) pass through.
+    """
+    if not isinstance(messages, list | tuple):
+        fail("messages", "a list of {role, content} messages", messages, wrong_type=True)
+    if not messages:
+        fail("messages", "a non-empty list of {role, content} messages", messages)
+    checked = []
+    for i, message in enumerate(messages):
+        field = f"messages[{i}]"
+        if not isinstance(message, dict):
+            fail(field, "a {role, content} object", message, wrong_type=True)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            fail(f"{field}.role", "a non-empty string", role, wrong_type=not isinstance(role, str))
+        check_text(f"{field}.role", role)
+        content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            checked.append(dict(message))
+            continue
+        checked.append({**message, "content": _content_text(f"{field}.content", content)})
+    return checked
+
+
+def _content_text(field: str, content) -> str:
+    if isinstance(content, str):
+        return check_text(field, content, allow_empty=True)
+    if not isinstance(content, list | tuple):
+        fail(field, "a string or a list of text parts", content, wrong_type=True)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            fail(f"{field}[{j}]", 'a content part {"type": "text", "text": ...}', part, wrong_type=True)
+        if part.get("type") != "text":
+            fail(f"{field}[{j}].type", "'text' (jaxpage serves text-only models)", part.get("type"))
+        texts.append(check_text(f"{field}[{j}].text", part.get("text"), allow_empty=True))
+    return "\n".join(texts)
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     stat = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:20]
-    cached = cache_dir() / "gguf-tokenizers" / key
+    source = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:builder-{GGUF_TOKENIZER_BUILDER_VERSION}"
+    cached = cache_dir() / "gguf-tokenizers" / hashlib.sha256(source.encode()).hexdigest()[:20]
     if cached.is_dir():
-        return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
+    tokenizer = load_gguf_tokenizer(path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:

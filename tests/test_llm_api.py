@@ -246,19 +246,34 @@ def test_step_stats_describe_each_step(tiny_dir):
         ({"prompt_token_ids": [1, 96]}, None, r"holds 96, not a token id in \[0, 96\)"),
         ({"prompt_token_ids": [1, -1]}, None, "holds -1"),
         ({"prompt_token_ids": list(range(3, 93)) * 2}, None, "prompt is 180 tokens; max_model_len 128"),
-        ({"prompt_token_ids": [5]}, dict(max_tokens=127, num_pages=8), "needs up to 16 pages"),
         (42, None, "prompt must be a string or a dict"),
     ],
 )
 def test_bad_requests_are_refused_and_the_rest_goes_on(tiny_dir, expected_greedy, prompt, params, message):
-    engine_args = {"num_pages": params.pop("num_pages")} if params and "num_pages" in params else {}
-    llm = make_llm(tiny_dir, **engine_args)
+    llm = make_llm(tiny_dir)
     sampling = SamplingParams(**params) if params else None
     with pytest.raises(ValueError, match=message):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}, prompt], sampling)
     assert not llm.engine.has_unfinished_requests()  # nothing of the failed call stays queued
-    if not engine_args:
-        assert llm.generate(token_prompts(PROMPTS[:1]), GREEDY)[0].outputs[0].token_ids == expected_greedy[0]
+    assert llm.generate(token_prompts(PROMPTS[:1]), GREEDY)[0].outputs[0].token_ids == expected_greedy[0]
+
+
+def test_a_pool_that_cannot_hold_max_model_len_is_refused_or_lowers_it(tiny_dir):
+    # 7 usable pages of 8 tokens hold 56 tokens: an explicit max_model_len of 128 could never be served.
+    with pytest.raises(ValueError, match="max_model_len 128 does not fit in the KV pool, which holds 56 tokens"):
+        make_llm(tiny_dir, num_pages=8)
+    # Left to the model's default (256), it is lowered to what the pool holds.
+    llm = make_llm(tiny_dir, num_pages=8, max_model_len=None)
+    assert llm.engine.max_model_len == 56
+    [output] = llm.generate({"prompt_token_ids": [5]}, SamplingParams(max_tokens=127, ignore_eos=True))
+    assert (len(output.outputs[0].token_ids), output.outputs[0].finish_reason) == (55, "length")
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_an_explicit_pool_larger_than_memory_is_refused_before_allocating(tiny_dir):
+    # 200 M pages of 8 tokens at 768 bytes per token: 1.2 TB.
+    with pytest.raises(ValueError, match=r"KV pool of 200000000 pages .* does not fit in the \d+ bytes of memory"):
+        make_llm(tiny_dir, num_pages=200_000_000)
 
 
 @pytest.mark.parametrize(
