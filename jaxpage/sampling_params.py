@@ -81,20 +81,25 @@ def _string_list(field: str, value) -> list[str]:
     requirement = "a non-empty string, a list of them, or None"
     if value is None:
         return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list | tuple):
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
         fail(field, requirement, value, wrong_type=True)
-    for item in value:
-        if not isinstance(item, str) or not item:
-            fail(field, requirement, value, wrong_type=not isinstance(item, str))
-        check_text(field, item)
-    return list(value)
+    if not all(items):
+        fail(field, requirement, value)
+    try:
+        for item in items:
+            check_text(field, item)
+    except ValueError:
+        fail(field, "valid text (no unpaired surrogates)", value)
+    return list(items)
 
 
 def _token_id_list(field: str, value) -> list[int]:
+    requirement = f"a list of token ids in [0, {INT32_MAX}] or None"
     if value is None:
         return []
-    if not isinstance(value, list | tuple):
-        fail(field, "a list of token ids or None", value, wrong_type=True)
-    return [check_int(f"{field}[{i}]", t, 0, INT32_MAX) for i, t in enumerate(value)]
+    if not isinstance(value, list | tuple) or not all(is_int(t) for t in value):
+        fail(field, requirement, value, wrong_type=True)
+    if not all(0 <= t <= INT32_MAX for t in value):
+        fail(field, requirement, value)
+    return [int(t) for t in value]
