@@ -61,14 +61,15 @@ ENGINE_VARIANTS = {
     "page-size-8": dict(page_size=8),
     "page-size-32": dict(page_size=32),
     "every-prompt-chunked": dict(max_num_batched_tokens=16),
-    "preemption": dict(num_pages=12, max_num_batched_tokens=64),  # 11 pages of 16: not enough for all at once
+    # 11 pages of 16: not enough for all at once. The pool must hold one max_model_len sequence (176 tokens).
+    "preemption": dict(num_pages=12, max_num_batched_tokens=64, max_model_len=160),
     "no-prefix-caching": dict(enable_prefix_caching=False),
 }
 
 
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS), ids=list(ENGINE_VARIANTS))
 def test_greedy_equals_transformers(variant, smollm2_path, hf_greedy):
-    llm = LLM(str(smollm2_path), max_model_len=256, **ENGINE_VARIANTS[variant])
+    llm = LLM(str(smollm2_path), **({"max_model_len": 256} | ENGINE_VARIANTS[variant]))
     # Two calls, so the second system-prompt request finds the first one's pages in the prefix cache.
     outputs = llm.generate(PROMPTS[:5], GREEDY) + llm.generate(PROMPTS[5:], GREEDY)
     for prompt, output, expected in zip(PROMPTS, outputs, hf_greedy, strict=True):
