@@ -15,7 +15,7 @@ import uuid
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.tokenizer import check_messages
-from jaxpage.validation import check_text, describe
+from jaxpage.validation import check_text, describe, is_int
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
@@ -54,7 +54,7 @@ def parse_request(url: str, body) -> ParsedRequest:
         top_logprobs = _chat_logprobs(body)
     else:
         prompt = body.get("prompt")
-        is_ids = isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
+        is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
         if not (isinstance(prompt, str) and prompt) and not is_ids:
             raise RequestError(
                 f"prompt must be a non-empty string or a list of token ids (one prompt per request), got "
@@ -165,15 +165,11 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _optional_int(body: dict, field: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = body.get(field)
     if value is None:
         return None
-    if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f" >= {minimum}" if maximum is None and minimum is not None else ""
         bounds = f" in [{minimum}, {maximum}]" if maximum is not None else bounds
         raise RequestError(f"{field} must be an integer{bounds}, got {describe(value)}")
