@@ -9,8 +9,9 @@ against the reference. (jax marks the Triton lowering deprecated; moving to Mosa
 
 Grid (sequence, kv head, split). A program takes the query heads of one kv head (GQA: padded to at least 16
 rows, the smallest Triton dot) and one of `num_splits` equal slices of the sequence's block table; it walks its
-pages `pages_per_block` at a time -- gathering their rows through the block table, which the Triton lowering has
-no scalar prefetch for, so the table is an ordinary operand -- with an online softmax in float32. Each split
+pages one kv tile of `pages_per_kv_tile` pages at a time -- gathering their rows through the block table, which the
+Triton lowering has no scalar prefetch for, so the table is an ordinary operand -- with an online softmax in
+float32. Each split
 writes its normalized partial output with its row max and row sum; the splits are merged outside the kernel with
 a log-sum-exp weighting. Splits keep the GPU busy when the batch is small and sequences long.
 
@@ -28,6 +29,23 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
 
+PAGES_PER_KV_TILE = 8  # pages a program reads per step, at most (128 keys at page size 16)
+MAX_SPLITS = 8
+TARGET_PROGRAMS = 256  # split sequences until sequences x kv heads x splits reaches about this many programs
+
+
+def gpu_decode_tiling(programs: int, pages_per_seq: int) -> tuple[int, int]:
+    """(num_splits, pages_per_kv_tile) for `programs` (sequences x kv heads) and block tables of pages_per_seq.
+
+    pages_per_kv_tile: PAGES_PER_KV_TILE, or fewer for short tables (a power of two). num_splits: a power of two,
+    at most the kv tiles there are and MAX_SPLITS, doubled until there are about TARGET_PROGRAMS programs."""
+    pages_per_kv_tile = min(PAGES_PER_KV_TILE, pl.next_power_of_2(pages_per_seq))
+    kv_tiles = -(-pages_per_seq // pages_per_kv_tile)
+    splits = 1
+    while splits * 2 <= min(kv_tiles, MAX_SPLITS) and programs * splits < TARGET_PROGRAMS:
+        splits *= 2
+    return splits, pages_per_kv_tile
+
 
 def _decode_kernel(
     kv_lens_ref,  # [1] int32: this sequence's kv length
@@ -42,13 +60,13 @@ def _decode_kernel(
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    pages_per_block: int,
+    pages_per_kv_tile: int,
 ):
     split = pl.program_id(2)
     pages_per_split = tables_ref.shape[0] // pl.num_programs(2)
     page_size, head_dim = k_ref.shape[1:]
     rows = q_ref.shape[0]
-    block_keys = pages_per_block * page_size
+    kv_tile = pages_per_kv_tile * page_size  # keys
     kv_len = kv_lens_ref[0]
     query_pos = kv_len - 1
 
@@ -56,18 +74,18 @@ def _decode_kernel(
     last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_len, page_size))  # exclusive
     q = q_ref[...].astype(jnp.float32)
 
-    def block(j, state):
-        start_page = first_page + j * pages_per_block
-        page_ids = tables_ref[pl.ds(start_page, pages_per_block)]
-        key_pos = start_page * page_size + jnp.arange(block_keys)
+    def kv_tile_step(j, state):
+        start_page = first_page + j * pages_per_kv_tile
+        page_ids = tables_ref[pl.ds(start_page, pages_per_kv_tile)]
+        key_pos = start_page * page_size + jnp.arange(kv_tile)
         visible = key_pos < kv_len
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
         kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap)
         return attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible[None, :], state, **kwargs)
 
-    num_blocks = jnp.maximum(pl.cdiv(last_page - first_page, pages_per_block), 0)
-    state = lax.fori_loop(0, num_blocks, block, initial_state(rows, head_dim))
+    num_kv_tiles = jnp.maximum(pl.cdiv(last_page - first_page, pages_per_kv_tile), 0)
+    state = lax.fori_loop(0, num_kv_tiles, kv_tile_step, initial_state(rows, head_dim))
     _, row_max, row_sum = state
     o_ref[...] = normalized(state)
     m_ref[...] = row_max
@@ -75,7 +93,8 @@ def _decode_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits", "pages_per_block", "interpret")
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits", "pages_per_kv_tile", "interpret"),
 )
 def gpu_decode_attention(
     q: jax.Array,  # [S, num_heads, head_dim]
@@ -88,12 +107,12 @@ def gpu_decode_attention(
     soft_cap: float | None,
     sliding_window: int | None,
     num_splits: int,
-    pages_per_block: int,
+    pages_per_kv_tile: int,
     interpret: bool,
 ) -> jax.Array:  # [S, num_heads, head_dim] in q's dtype
     """The kernel call and the split merge. Shapes are checked by the public `paged_attention`.
 
-    pages_per_seq must be a multiple of num_splits, and pages_per_seq // num_splits of pages_per_block."""
+    pages_per_seq must be a multiple of num_splits, and pages_per_seq // num_splits of pages_per_kv_tile."""
     num_seqs, num_heads, head_dim = q.shape
     total_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -106,7 +125,7 @@ def gpu_decode_attention(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        pages_per_block=pages_per_block,
+        pages_per_kv_tile=pages_per_kv_tile,
     )
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, k, split: (0, 0, k, 0))
     partial_shape = (num_seqs, num_kv_heads, num_splits, rows)

@@ -1,4 +1,4 @@
-"""The online softmax (flash attention) step shared by the GPU kernels: one block of pages at a time."""
+"""The online softmax (flash attention) step shared by the GPU kernels: one kv tile (a few pages) at a time."""
 
 from __future__ import annotations
 
@@ -20,18 +20,18 @@ def initial_state(rows: int, head_dim: int):
 
 
 def attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible, state, *, sm_scale, soft_cap):
-    """Folds one block of pages into the state.
+    """Folds one kv tile of pages into the state.
 
     q [rows, head_dim] float32; k_ref, v_ref [total_pages, page_size, head_dim]; page_ids [pages]; key_pos
     [pages * page_size] the positions they hold; visible [rows or 1, pages * page_size] which keys each row sees
     (all of them < kv_len)."""
-    block_keys, head_dim = key_pos.shape[0], k_ref.shape[-1]
+    kv_tile, head_dim = key_pos.shape[0], k_ref.shape[-1]
     acc, row_max, row_sum = state
     in_cache = (key_pos < kv_len)[:, None]
     # Zeroed, not only masked: NaN in a stale slot times a zero probability is still NaN.
-    keys = jnp.where(in_cache, k_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-    values = jnp.where(in_cache, v_ref[page_ids].reshape(block_keys, head_dim).astype(jnp.float32), 0.0)
-    logits = plgpu.dot(q, keys, trans_b=True, allow_tf32=False) * sm_scale  # [rows, block_keys]
+    keys = jnp.where(in_cache, k_ref[page_ids].reshape(kv_tile, head_dim).astype(jnp.float32), 0.0)
+    values = jnp.where(in_cache, v_ref[page_ids].reshape(kv_tile, head_dim).astype(jnp.float32), 0.0)
+    logits = plgpu.dot(q, keys, trans_b=True, allow_tf32=False) * sm_scale  # [rows, kv_tile]
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = jnp.where(visible, logits, MASK_VALUE)

@@ -1,12 +1,12 @@
 """Ragged paged attention for NVIDIA GPUs: a Pallas kernel (Triton lowering; see `gpu_decode_attention` for why).
 
 One batch mixes prompt chunks and decodes, their query rows back to back (`cu_q_lens`). Grid (sequence, query
-block, kv head): a program takes up to `q_block` query rows of one sequence and the query heads of one kv head
-(GQA: rows x heads form the rows of its products, padded to a power of two), and walks that sequence's pages
-`pages_per_block` at a time, up to the last key its rows see, gathering them through the block table (an
-ordinary operand: the Triton lowering has no scalar prefetch) with an online softmax in float32. Programs past
-a sequence's rows do nothing. Rows are stored under a mask, so a block never writes a neighbour's rows; the
-query and output arrays carry `q_block` rows of padding so that every block's rows exist.
+tile, kv head): a program takes a query tile -- up to `q_tile` query rows of one sequence -- and the query heads of
+one kv head (GQA: rows x heads form the rows of its products, padded to a power of two), and walks that sequence's
+pages one kv tile of `pages_per_kv_tile` pages at a time, up to the last key its rows see, gathering them through
+the block table (an ordinary operand: the Triton lowering has no scalar prefetch) with an online softmax in
+float32. Programs past a sequence's rows do nothing. Rows are stored under a mask, so a query tile never writes a
+neighbour's rows; the query and output arrays carry `q_tile` rows of padding so that every tile's rows exist.
 
 Causal inside each chunk: row i of a sequence with q_len rows and kv_len keys sits at position kv_len - q_len + i.
 K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may hold NaN.
@@ -24,82 +24,85 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
 
+GPU_Q_TILE = 16  # query rows of one program
+GPU_PAGES_PER_KV_TILE = 8  # pages it reads per step
+
 
 def _ragged_kernel(
     kv_lens_ref,  # [S] int32
     cu_q_lens_ref,  # [S + 1] int32
     tables_ref,  # [pages_per_seq] int32: this sequence's block table (page ids into the flattened pool)
-    q_ref,  # [T + q_block, group, head_dim]: every query row, this kv head's query heads (padded)
+    q_ref,  # [T + q_tile, group, head_dim]: every query row, this kv head's query heads (padded)
     k_ref,  # [total_pages, page_size, head_dim]: this kv head's K pool
     v_ref,  # [total_pages, page_size, head_dim]
     zeros_ref,  # the output's initial value (aliased to o_ref): rows no program writes stay 0
-    o_ref,  # [T + q_block, group, head_dim]: output rows, this kv head's heads
+    o_ref,  # [T + q_tile, group, head_dim]: output rows, this kv head's heads
     *,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    q_block: int,
-    pages_per_block: int,
+    q_tile: int,
+    pages_per_kv_tile: int,
 ):
-    seq, block = pl.program_id(0), pl.program_id(1)
+    seq = pl.program_id(0)
     page_size, head_dim = k_ref.shape[1:]
     group = q_ref.shape[1]
-    block_keys = pages_per_block * page_size
+    kv_tile = pages_per_kv_tile * page_size  # keys
     kv_len = kv_lens_ref[seq]
     q_start, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     q_len = q_end - q_start
-    first_row = block * q_block  # of this sequence
+    first_row = pl.program_id(1) * q_tile  # of this sequence
 
     @pl.when((first_row < q_len) & (kv_len > 0))
     def _():
-        local = first_row + jnp.arange(q_block)
-        in_seq = local < q_len  # [q_block]
-        query_pos = kv_len - q_len + local  # [q_block]
-        rows = q_ref.at[pl.ds(q_start + first_row, q_block)]
-        q = plgpu.load(rows).astype(jnp.float32).reshape(q_block * group, head_dim)
-        # Keys this block sees: up to its last row's position (or kv_len - 1), from its first row's window.
-        last_key = jnp.minimum(kv_len - q_len + jnp.minimum(first_row + q_block, q_len) - 1, kv_len - 1)
+        local = first_row + jnp.arange(q_tile)
+        in_seq = local < q_len  # [q_tile]
+        query_pos = kv_len - q_len + local  # [q_tile]
+        rows = q_ref.at[pl.ds(q_start + first_row, q_tile)]
+        q = plgpu.load(rows).astype(jnp.float32).reshape(q_tile * group, head_dim)
+        # Keys this query tile sees: up to its last row's position (or kv_len - 1), from its first row's window.
+        last_key = jnp.minimum(kv_len - q_len + jnp.minimum(first_row + q_tile, q_len) - 1, kv_len - 1)
         first_key = 0 if sliding_window is None else jnp.maximum(kv_len - q_len + first_row - sliding_window + 1, 0)
-        first_block = first_key // block_keys
-        num_blocks = last_key // block_keys + 1 - first_block
-        # [q_block * group]: the heads of a query row share its position
-        row_pos = jnp.broadcast_to(query_pos[:, None], (q_block, group)).reshape(-1)
+        first_kv_tile = first_key // kv_tile
+        num_kv_tiles = last_key // kv_tile + 1 - first_kv_tile
+        # [q_tile * group]: the heads of a query row share its position
+        row_pos = jnp.broadcast_to(query_pos[:, None], (q_tile, group)).reshape(-1)
 
-        def step(j, state):
-            start_page = (first_block + j) * pages_per_block
-            page_ids = tables_ref[pl.ds(start_page, pages_per_block)]
-            key_pos = start_page * page_size + jnp.arange(block_keys)
+        def kv_tile_step(j, state):
+            start_page = (first_kv_tile + j) * pages_per_kv_tile
+            page_ids = tables_ref[pl.ds(start_page, pages_per_kv_tile)]
+            key_pos = start_page * page_size + jnp.arange(kv_tile)
             visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
             if sliding_window is not None:
                 visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
             kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap)
             return attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible, state, **kwargs)
 
-        state = lax.fori_loop(0, num_blocks, step, initial_state(q_block * group, head_dim))
-        out = normalized(state).reshape(q_block, group, head_dim)
+        state = lax.fori_loop(0, num_kv_tiles, kv_tile_step, initial_state(q_tile * group, head_dim))
+        out = normalized(state).reshape(q_tile, group, head_dim)
         plgpu.store(
-            o_ref.at[pl.ds(q_start + first_row, q_block)],
+            o_ref.at[pl.ds(q_start + first_row, q_tile)],
             out.astype(o_ref.dtype),
             mask=jnp.broadcast_to(in_seq[:, None, None], out.shape),
         )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_block", "pages_per_block", "interpret")
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_tile", "pages_per_kv_tile", "interpret")
 )
 def gpu_ragged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
-    block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_block
+    block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
     cu_q_lens: jax.Array,  # [S + 1] int32 (padding rows: q_len 0)
     *,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    q_block: int,
-    pages_per_block: int,
+    q_tile: int,
+    pages_per_kv_tile: int,
     interpret: bool,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype; rows of no sequence are 0
     """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`."""
@@ -107,27 +110,27 @@ def gpu_ragged_attention(
     total_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seq_rows, pages_per_seq = block_tables.shape
     group = num_heads // num_kv_heads
-    padded_group = max(pl.next_power_of_2(group), -(-MIN_DOT_ROWS // q_block))
+    padded_group = max(pl.next_power_of_2(group), -(-MIN_DOT_ROWS // q_tile))
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, q_block), (0, 0), (0, padded_group - group), (0, 0)))
+    q_rows = jnp.pad(q_rows, ((0, q_tile), (0, 0), (0, padded_group - group), (0, 0)))
 
     kernel = functools.partial(
         _ragged_kernel,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        q_block=q_block,
-        pages_per_block=pages_per_block,
+        q_tile=q_tile,
+        pages_per_kv_tile=pages_per_kv_tile,
     )
-    rows_spec = pl.BlockSpec((num_tokens + q_block, None, padded_group, head_dim), lambda s, b, k: (0, k, 0, 0))
-    pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, b, k: (0, 0, k, 0))
+    rows_spec = pl.BlockSpec((num_tokens + q_tile, None, padded_group, head_dim), lambda s, t, k: (0, k, 0, 0))
+    pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, t, k: (0, 0, k, 0))
     out = pl.pallas_call(
         kernel,
-        grid=(num_seq_rows, pl.cdiv(num_tokens, q_block), num_kv_heads),
+        grid=(num_seq_rows, pl.cdiv(num_tokens, q_tile), num_kv_heads),
         in_specs=[
-            pl.BlockSpec((num_seq_rows,), lambda s, b, k: (0,)),
-            pl.BlockSpec((num_seq_rows + 1,), lambda s, b, k: (0,)),
-            pl.BlockSpec((None, pages_per_seq), lambda s, b, k: (s, 0)),
+            pl.BlockSpec((num_seq_rows,), lambda s, t, k: (0,)),
+            pl.BlockSpec((num_seq_rows + 1,), lambda s, t, k: (0,)),
+            pl.BlockSpec((None, pages_per_seq), lambda s, t, k: (s, 0)),
             rows_spec,
             pool_spec,
             pool_spec,

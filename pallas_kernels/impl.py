@@ -1,10 +1,10 @@
 """Which implementation a public attention function runs, and what its Pallas kernels share.
 
-`impl`: "reference" is the pure-JAX code (the CPU path, and what the kernels are tested against); "pallas" a
-Pallas kernel: the Mosaic kernel on TPU, the Triton kernel on GPU. Either kernel also runs anywhere in Pallas'
-generic interpreter (`interpret=True`, then `backend` says which kernel), and the TPU kernel in Pallas' TPU
-interpret mode (`interpret=pltpu.InterpretParams(...)`), which checks DMAs and can detect races. "auto" is the
-kernel of the backend jax runs on, and the reference on CPU.
+`impl`: "xla" is the XLA implementation in plain JAX (`xla_ragged_attention`, the CPU path); "pallas" a Pallas
+kernel: the Mosaic kernel on TPU, the Triton kernel on GPU. Either kernel also runs anywhere in Pallas' generic
+interpreter (`interpret=True`, then `backend` says which kernel), and the TPU kernel in Pallas' TPU interpret mode
+(`interpret=pltpu.InterpretParams(...)`), which checks DMAs and can detect races. "auto" is the kernel of the
+backend jax runs on, and the XLA implementation on CPU.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import tpu as pltpu
 
-IMPLS = ("auto", "reference", "pallas")
+IMPLS = ("auto", "xla", "pallas")
 KERNEL_BACKENDS = ("tpu", "gpu")
 LANES = 128  # TPU vector lanes: the TPU kernels need the pool's head_dim padded to a multiple
 # The kernels' "minus infinity" for masked logits: finite, so exp(MASK - MASK) = 1 keeps the online softmax free of
@@ -25,19 +24,19 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def resolve_impl(impl: str, interpret=False, backend: str | None = None) -> str:
-    """ "reference", "tpu" or "gpu" (which kernel) for the arguments; ValueError where they cannot run."""
+    """ "xla", "tpu" or "gpu" (which implementation) for the arguments; ValueError where they cannot run."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend is not None and backend not in KERNEL_BACKENDS:
         raise ValueError(f"backend must be None or one of {KERNEL_BACKENDS}, got {backend!r}")
-    if isinstance(interpret, pltpu.InterpretParams):
+    if not isinstance(interpret, bool) and _is_tpu_interpret_params(interpret):
         if backend == "gpu":
             raise ValueError("TPU interpret mode (interpret=pltpu.InterpretParams()) runs the TPU kernel, not 'gpu'")
         backend = "tpu"
     platform = jax.default_backend()
     native = platform if platform in KERNEL_BACKENDS else None
-    if impl == "reference" or (impl == "auto" and native is None):
-        return "reference"
+    if impl == "xla" or (impl == "auto" and native is None):
+        return "xla"
     if impl == "auto":
         return native
     kernel = backend or native
@@ -74,17 +73,24 @@ def kernel_operands(q, k_pages, v_pages, kernel: str):
     return pad_head_dim(q, k_pages.shape[-1]), k_pages, v_pages
 
 
-def kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block: int):
+def kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_kv_tile: int):
     """(k, v [total_pages, page_size, kv_heads, head_dim], block_tables) for a kernel.
 
     With `layer`, one layer of a stacked pool [L, num_pages, ...] is read without a copy: (layer, page) is
     flattened into one page axis and the ids are offset. The tables get null-page columns up to a multiple of
-    pages_per_block (positions there are past every kv length: never visible)."""
+    pages_per_kv_tile (positions there are past every kv length: never visible)."""
     if layer is not None:
         num_layers, num_pages = k_pages.shape[:2]
         k_pages = k_pages.reshape(num_layers * num_pages, *k_pages.shape[2:])
         v_pages = v_pages.reshape(num_layers * num_pages, *v_pages.shape[2:])
         block_tables = block_tables + layer * num_pages
     pages_per_seq = block_tables.shape[1]
-    padded = -(-pages_per_seq // pages_per_block) * pages_per_block
+    padded = -(-pages_per_seq // pages_per_kv_tile) * pages_per_kv_tile
     return k_pages, v_pages, jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
+
+
+def _is_tpu_interpret_params(interpret) -> bool:
+    # Imported here: Pallas' modules take a few hundred milliseconds to import, which the XLA path never needs.
+    from jax.experimental.pallas import tpu as pltpu
+
+    return isinstance(interpret, pltpu.InterpretParams)

@@ -1,23 +1,18 @@
 """Decode paged attention: one query token per sequence, the common serving step. The public entry point.
 
-`impl` ("auto", "reference", "pallas"), `interpret` and `backend` pick the implementation as `pallas_kernels.impl`
-says; the Pallas kernels are `tpu_decode_attention` and `gpu_decode_attention`.
+`impl` ("auto", "xla", "pallas"), `interpret` and `backend` pick the implementation as `pallas_kernels.impl` says:
+the XLA implementation (`xla_ragged_attention` with `decode_only=True`: no prefill loop is compiled) or a Pallas
+kernel (`tpu_decode_attention`, `gpu_decode_attention`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu_decode_attention import gpu_decode_attention
 from pallas_kernels.impl import kernel_operands, kernel_pool_view, resolve_impl
-from pallas_kernels.ragged_paged_attention import check_inputs, ragged_paged_attention, tpu_pages_per_block
-from pallas_kernels.tpu_decode_attention import tpu_decode_attention
-
-PAGES_PER_BLOCK = 8  # pages a kernel program reads per step (128 keys at page size 16)
-MAX_SPLITS = 8
-TARGET_PROGRAMS = 256  # split sequences until sequences x kv heads x splits reaches about this many programs
+from pallas_kernels.ragged_paged_attention import check_inputs
+from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 
 def paged_attention(
@@ -51,39 +46,34 @@ def paged_attention(
     if q.ndim != 3 or kv_lens.shape != (num_seqs,):
         raise ValueError(f"q must be [S, num_heads, head_dim] and kv_lens [S], got {q.shape} and {kv_lens.shape}")
     cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
-    options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    if kernel == "reference":
-        metadata = (kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs))
-        return ragged_paged_attention(q, k_pages, v_pages, *metadata, **options, layer=layer)
     check_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs), soft_cap, sliding_window, layer
     )
+    options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     head_dim = q.shape[-1]
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
-    pages_per_seq = block_tables.shape[-1]
-    if kernel == "tpu":
-        pages_per_block = tpu_pages_per_block(k_pages.shape[-3])
-        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_block)
+    if kernel == "xla":
+        metadata = (kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs))
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, layer, **options, decode_only=True)
+    elif kernel == "tpu":
+        from pallas_kernels.tpu_decode_attention import tpu_decode_attention  # Pallas: imported when used
+        from pallas_kernels.tpu_page_pipeline import tpu_pages_per_kv_tile
+
+        pages_per_kv_tile = tpu_pages_per_kv_tile(k_pages.shape[-3])
+        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_kv_tile)
         out = tpu_decode_attention(
-            q, k, v, kv_lens, tables, **options, pages_per_block=pages_per_block, interpret=interpret
+            q, k, v, kv_lens, tables, **options, pages_per_kv_tile=pages_per_kv_tile, interpret=interpret
         )
-        return out[..., :head_dim]
-    pages_per_block = min(PAGES_PER_BLOCK, pl.next_power_of_2(pages_per_seq))
-    num_splits = _num_splits(num_seqs * k_pages.shape[-2], -(-pages_per_seq // pages_per_block))
-    k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, num_splits * pages_per_block)
-    out = gpu_decode_attention(
-        *(q, k, v, kv_lens, tables),
-        **options,
-        num_splits=num_splits,
-        pages_per_block=pages_per_block,
-        interpret=interpret,
-    )
+    else:
+        from pallas_kernels.gpu_decode_attention import gpu_decode_attention, gpu_decode_tiling
+
+        num_splits, pages_per_kv_tile = gpu_decode_tiling(num_seqs * k_pages.shape[-2], block_tables.shape[-1])
+        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, num_splits * pages_per_kv_tile)
+        out = gpu_decode_attention(
+            *(q, k, v, kv_lens, tables),
+            **options,
+            num_splits=num_splits,
+            pages_per_kv_tile=pages_per_kv_tile,
+            interpret=interpret,
+        )
     return out[..., :head_dim]
-
-
-def _num_splits(programs: int, blocks: int) -> int:
-    """Splits of each block table: a power of two, at most the blocks there are and MAX_SPLITS."""
-    splits = 1
-    while splits * 2 <= min(blocks, MAX_SPLITS) and programs * splits < TARGET_PROGRAMS:
-        splits *= 2
-    return splits

@@ -1,13 +1,13 @@
 """Decode paged attention for TPUs: a Pallas Mosaic kernel.
 
 One query token per sequence attends to that sequence's keys in the paged KV pool. Grid: one program per
-sequence, all heads. It walks the sequence's pages `pages_per_block` at a time, double-buffered
-(`tpu_page_pipeline`); each block of pages is fetched once and used by every kv head, whose query heads (GQA)
-form the rows of its products. Softmax statistics and accumulator are float32.
+sequence, all heads. It walks the sequence's pages one kv tile of `pages_per_kv_tile` pages at a time,
+double-buffered (`tpu_page_pipeline`); each kv tile is fetched once and used by every kv head, whose query heads
+(GQA) form the rows of its products. Softmax statistics and accumulator are float32.
 
-Decode sequences are often short (a block or two), so a program would wait on its first fetch every time. The
-pipeline therefore runs across programs: while a program computes its last block, it already fetches the next
-sequence's first block into the other slot, and records in SMEM scratch which sequence that block belongs to and
+Decode sequences are often short (a kv tile or two), so a program would wait on its first fetch every time. The
+pipeline therefore runs across programs: while a program computes its last kv tile, it already fetches the next
+sequence's first kv tile into the other slot, and records in SMEM scratch which sequence that tile belongs to and
 which slot is current. This needs the grid to run in order ("arbitrary" dimension semantics).
 
 Block tables (flattened) and kv lengths are scalar-prefetch operands in SMEM. The pool's head_dim must be a
@@ -39,10 +39,10 @@ def _decode_kernel(
     v_hbm,
     o_ref,  # [num_heads, head_dim] (VMEM)
     # scratch
-    k_slots,  # [2, pages_per_block, page_size, num_kv_heads, head_dim] (VMEM)
+    k_slots,  # [2, pages_per_kv_tile, page_size, num_kv_heads, head_dim] (VMEM)
     v_slots,
     sems,  # [2, 2] DMA semaphores
-    pipeline_ref,  # [2] int32 (SMEM): the slot the next block lands in; the sequence whose first block is in flight
+    pipeline_ref,  # [2] int32 (SMEM): the slot the next kv tile lands in; the sequence whose first is in flight
     *,
     sm_scale: float,
     soft_cap: float | None,
@@ -50,9 +50,9 @@ def _decode_kernel(
     pages_per_seq: int,
 ):
     num_heads, head_dim = q_ref.shape
-    pages_per_block, page_size, num_kv_heads = k_slots.shape[1:4]
+    pages_per_kv_tile, page_size, num_kv_heads = k_slots.shape[1:4]
     group = num_heads // num_kv_heads
-    block_keys = pages_per_block * page_size
+    kv_tile = pages_per_kv_tile * page_size  # keys
     num_seqs = kv_lens_ref.shape[0]
     seq = pl.program_id(0)
 
@@ -61,52 +61,52 @@ def _decode_kernel(
         pipeline_ref[_SLOT] = 0
         pipeline_ref[_PREFETCHED] = -1
 
-    def blocks(s):
-        """(first block, number of blocks) of sequence s's keys: those its query (at kv_len - 1) sees."""
+    def kv_tiles(s):
+        """(first kv tile, number of kv tiles) of sequence s's keys: those its query (at kv_len - 1) sees."""
         kv_len = kv_lens_ref[s]
         first_key = 0 if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
-        first_block = lax.div(first_key, block_keys)  # non-negative: no floor division (sign) needed
-        return first_block, jnp.where(kv_len > 0, lax.div(kv_len - 1, block_keys) + 1 - first_block, 0)
+        first_kv_tile = lax.div(first_key, kv_tile)  # non-negative: no floor division (sign) needed
+        return first_kv_tile, jnp.where(kv_len > 0, lax.div(kv_len - 1, kv_tile) + 1 - first_kv_tile, 0)
 
-    def copies(s, block, slot):
-        entry = s * pages_per_seq + block * pages_per_block
-        return pipeline.block_copies(k_hbm, v_hbm, k_slots, v_slots, sems, tables_ref, entry, slot)
+    def copies(s, tile, slot):
+        entry = s * pages_per_seq + tile * pages_per_kv_tile
+        return pipeline.kv_tile_copies(k_hbm, v_hbm, k_slots, v_slots, sems, tables_ref, entry, slot)
 
     kv_len = kv_lens_ref[seq]
-    first_block, num_blocks = blocks(seq)
+    first_kv_tile, num_kv_tiles = kv_tiles(seq)
 
-    @pl.when((num_blocks > 0) & (pipeline_ref[_PREFETCHED] != seq))
+    @pl.when((num_kv_tiles > 0) & (pipeline_ref[_PREFETCHED] != seq))
     def _():
-        pipeline.start(copies(seq, first_block, pipeline_ref[_SLOT]))
+        pipeline.start(copies(seq, first_kv_tile, pipeline_ref[_SLOT]))
 
     next_seq = jnp.minimum(seq + 1, num_seqs - 1)
-    next_first_block, next_num_blocks = blocks(next_seq)
+    next_first_kv_tile, next_num_kv_tiles = kv_tiles(next_seq)
     q = q_ref[...].astype(k_slots.dtype)
 
     def kv_step(j, state):
         slot = pipeline_ref[_SLOT]
 
-        @pl.when(j + 1 < num_blocks)
+        @pl.when(j + 1 < num_kv_tiles)
         def _():
-            pipeline.start(copies(seq, first_block + j + 1, 1 - slot))
+            pipeline.start(copies(seq, first_kv_tile + j + 1, 1 - slot))
 
-        @pl.when((j + 1 == num_blocks) & (seq + 1 < num_seqs) & (next_num_blocks > 0))
+        @pl.when((j + 1 == num_kv_tiles) & (seq + 1 < num_seqs) & (next_num_kv_tiles > 0))
         def _():
-            pipeline.start(copies(next_seq, next_first_block, 1 - slot))
+            pipeline.start(copies(next_seq, next_first_kv_tile, 1 - slot))
             pipeline_ref[_PREFETCHED] = next_seq
 
-        pipeline.wait(copies(seq, first_block + j, slot))
+        pipeline.wait(copies(seq, first_kv_tile + j, slot))
         pipeline_ref[_SLOT] = 1 - slot
-        key_pos = (first_block + j) * block_keys + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
+        key_pos = (first_kv_tile + j) * kv_tile + lax.broadcasted_iota(jnp.int32, (1, kv_tile), 1)
         visible = key_pos < kv_len
         if sliding_window is not None:
             visible &= key_pos >= kv_len - sliding_window
-        visible = jnp.broadcast_to(visible, (group, block_keys))
-        key_col = key_pos.reshape(block_keys)
+        visible = jnp.broadcast_to(visible, (group, kv_tile))
+        key_col = key_pos.reshape(kv_tile)
         new_state = []
         for h in range(num_kv_heads):
-            keys = pipeline.head_block(k_slots, slot, h, key_col, kv_len)
-            values = pipeline.head_block(v_slots, slot, h, key_col, kv_len)
+            keys = pipeline.head_kv_tile(k_slots, slot, h, key_col, kv_len)
+            values = pipeline.head_kv_tile(v_slots, slot, h, key_col, kv_len)
             q_heads = q[h * group : (h + 1) * group]
             new_state.append(
                 pipeline.attend(q_heads, keys, values, visible, state[h], sm_scale=sm_scale, soft_cap=soft_cap)
@@ -114,23 +114,25 @@ def _decode_kernel(
         return tuple(new_state)
 
     init = tuple(pipeline.initial_state(group, head_dim) for _ in range(num_kv_heads))
-    state = lax.fori_loop(0, num_blocks, kv_step, init)
+    state = lax.fori_loop(0, num_kv_tiles, kv_step, init)
     out = jnp.concatenate([pipeline.normalized(acc, row_sum) for acc, _, row_sum in state], axis=0)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "pages_per_block", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "pages_per_kv_tile", "interpret")
+)
 def tpu_decode_attention(
     q: jax.Array,  # [S, num_heads, head_dim]
     k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128
     v_pages: jax.Array,
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
-    block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_block
+    block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
     *,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    pages_per_block: int,
+    pages_per_kv_tile: int,
     interpret,
 ) -> jax.Array:  # [S, num_heads, head_dim] in q's dtype; rows with kv_len 0 are 0
     """The kernel call. Arguments are checked by the public `paged_attention(impl="pallas")`."""
@@ -151,7 +153,7 @@ def tpu_decode_attention(
             grid=(num_seqs,),
             in_specs=[rows_spec, pipeline.POOL_SPEC, pipeline.POOL_SPEC],
             out_specs=rows_spec,
-            scratch_shapes=[*pipeline.scratch(k_pages, pages_per_block), pltpu.SMEM((2,), jnp.int32)],
+            scratch_shapes=[*pipeline.scratch(k_pages, pages_per_kv_tile), pltpu.SMEM((2,), jnp.int32)],
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),

@@ -1,5 +1,5 @@
 """Decode paged attention: the Pallas TPU and GPU kernels (natively on their backend, else in Pallas' generic
-interpreter) and the reference path against the plain reference, with NaN-poisoned stale slots and free pages."""
+interpreter) and the XLA implementation against the dense reference, with NaN-poisoned stale slots and free pages."""
 
 from __future__ import annotations
 
@@ -10,12 +10,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_reference import ragged_paged_attention_dense_reference
 from jax.experimental.pallas import tpu as pltpu
-from test_ragged_paged_attention import IMPLS, LAYOUTS, MAX_KV, NUM_SEQ_ROWS, Layout, make_batch, sm_scale
+from test_ragged_paged_attention import (
+    IMPLS,
+    LAYOUTS,
+    MAX_KV,
+    NUM_SEQ_ROWS,
+    Layout,
+    make_batch,
+    sm_scale,
+    while_loops,
+)
 
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
 from pallas_kernels.paged_attention import paged_attention
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_dense_reference
+from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 KERNELS = ["pallas-tpu", "pallas-gpu"]
 NOT_HERE = "gpu" if jax.default_backend() == "tpu" else "tpu"  # a kernel backend that is not this machine's
@@ -76,15 +86,15 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap, impl):
     assert_close(layout, got, expected(batch, **kwargs))
 
 
-@pytest.mark.parametrize(("num_splits", "pages_per_block"), [(1, 1), (2, 2), (4, 1), (8, 1)])
-def test_gpu_kernel_splits_and_blocks(num_splits, pages_per_block):
+@pytest.mark.parametrize(("num_splits", "pages_per_kv_tile"), [(1, 1), (2, 2), (4, 1), (8, 1)])
+def test_gpu_kernel_splits_and_kv_tiles(num_splits, pages_per_kv_tile):
     # Page size 8, 16 pages a table: 8 splits leave 2 pages each, so most splits of short sequences are empty.
     layout = LAYOUTS[0]
     batch = make_batch(layout, decode_case(layout.page_size), seed=3, poison=True, share_pages=0)
     kwargs = dict(sm_scale=sm_scale(layout), soft_cap=None, sliding_window=None)
     interpret = IMPLS["pallas-gpu"]["interpret"]
     got = gpu_decode_attention(
-        *decode_args(batch), **kwargs, num_splits=num_splits, pages_per_block=pages_per_block, interpret=interpret
+        *decode_args(batch), **kwargs, num_splits=num_splits, pages_per_kv_tile=pages_per_kv_tile, interpret=interpret
     )
     assert_close(layout, got, expected(batch, sm_scale=sm_scale(layout)))
 
@@ -117,14 +127,25 @@ def test_one_layer_of_a_stacked_pool():
         assert_close(layout, got, want)
 
 
-def test_auto_is_the_reference_on_cpu():
+def test_auto_is_xla_on_cpu():
     layout = LAYOUTS[1]
     batch = make_batch(layout, decode_case(layout.page_size))
     kwargs = dict(sm_scale=sm_scale(layout))
     auto = paged_attention(*decode_args(batch), **kwargs)
     np.testing.assert_array_equal(
-        np.asarray(auto), np.asarray(paged_attention(*decode_args(batch), **kwargs, impl="reference"))
+        np.asarray(auto), np.asarray(paged_attention(*decode_args(batch), **kwargs, impl="xla"))
     )
+
+
+def test_xla_decode_compiles_no_prefill_loop():
+    # impl="xla" runs the XLA implementation with decode_only=True: the same while loops, none for prefill rows.
+    batch = make_batch(LAYOUTS[1], decode_case(LAYOUTS[1].page_size))
+    q, k_pages, v_pages, kv_lens, block_tables = decode_args(batch)
+    decode = while_loops(functools.partial(paged_attention, sm_scale=0.2, impl="xla"), *decode_args(batch))
+    metadata = (kv_lens, block_tables, jnp.arange(NUM_SEQ_ROWS + 1, dtype=jnp.int32), jnp.int32(NUM_SEQ_ROWS))
+    general = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2), q, k_pages, v_pages, *metadata)
+    decode_only = functools.partial(xla_ragged_attention, sm_scale=0.2, decode_only=True)
+    assert decode == while_loops(decode_only, q, k_pages, v_pages, *metadata) < general
 
 
 @pytest.mark.parametrize(

@@ -7,18 +7,17 @@ compiles once per layout and the cases only change the int32 metadata and the da
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_reference import ragged_paged_attention_dense_reference
 
-from pallas_kernels.ragged_paged_attention import (
-    _ragged_paged_attention,
-    ragged_paged_attention,
-    ragged_paged_attention_dense_reference,
-)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 
 def kernel(backend: str) -> dict:
@@ -27,8 +26,8 @@ def kernel(backend: str) -> dict:
     return dict(impl="pallas", backend=backend, interpret=jax.default_backend() != backend)
 
 
-# Every implementation of the public functions: the reference and the Pallas TPU and GPU kernels.
-IMPLS = {"reference": dict(impl="reference"), "pallas-tpu": kernel("tpu"), "pallas-gpu": kernel("gpu")}
+# Every implementation of the public functions: the XLA implementation and the Pallas TPU and GPU kernels.
+IMPLS = {"xla": dict(impl="xla"), "pallas-tpu": kernel("tpu"), "pallas-gpu": kernel("gpu")}
 # Given a pool whose head_dim is not a multiple of 128, the TPU kernels pad it (and warn: a copy per call). The sweeps
 # here do that on purpose; `test_padded_pool_gives_the_same_result` covers the padded layout the engine allocates.
 pytestmark = pytest.mark.filterwarnings("ignore:the TPU kernels need the KV pool's head_dim padded")
@@ -215,14 +214,50 @@ def test_sliding_window_and_soft_cap(impl, sliding_window, soft_cap):
     ],
     ids=str,
 )
-def test_small_blocks_match_dense_reference(layout, all_pairs, options):
-    # Blocks of 8 query rows and 16 keys: chunks span several query blocks and sequences several key blocks, so the
-    # online softmax and the blending of partial blocks into the output are exercised, with both product forms.
+def test_small_tiles_match_dense_reference(layout, all_pairs, options):
+    # Query tiles of 8 rows and kv tiles of 16 keys: chunks span several query tiles and sequences several kv tiles,
+    # so the online softmax and the blending of partial tiles into the output are exercised, with both product forms.
     batch = make_batch(layout, CASES["mixed"](layout.page_size), seed=1)
-    out = _ragged_paged_attention(
-        *batch.args, None, sm_scale=0.3, q_block=8, kv_block=16, all_pairs=all_pairs, **options
-    )
+    out = xla_ragged_attention(*batch.args, sm_scale=0.3, q_tile=8, kv_tile=16, all_pairs=all_pairs, **options)
     assert_matches_reference(layout, batch, out, sm_scale=0.3, **options)
+
+
+def decode_seqs(page_size: int) -> list[tuple[int, int]]:
+    """(q_len, kv_len) of a decode batch: one query row per sequence, a sequence without rows, many kv lengths."""
+    return [(1, 1), (0, 0), (1, page_size - 1), (1, page_size), (1, page_size + 1), (1, 100), (1, MAX_KV)]
+
+
+@pytest.mark.parametrize(
+    ("layout", "tuning", "options"),
+    [
+        (GQA, dict(), dict()),
+        (LAYOUTS[4], dict(kv_tile=16), dict(sliding_window=20, soft_cap=2.0)),
+        (LAYOUTS[5], dict(kv_tile=16, all_pairs=False), dict()),
+    ],
+    ids=["gqa-float32", "bfloat16-small-kv-tiles-window-softcap", "bfloat16-per-kv-head"],
+)
+def test_decode_only_gives_the_same_result(layout, tuning, options):
+    # NaN in every slot that holds no live position and in the padding query rows.
+    batch = make_batch(layout, decode_seqs(layout.page_size), seed=4, poison=True)
+    kwargs = dict(sm_scale=sm_scale(layout), **options)
+    general = xla_ragged_attention(*batch.args, **kwargs, **tuning)
+    decode = xla_ragged_attention(*batch.args, **kwargs, **tuning, decode_only=True)
+    np.testing.assert_array_equal(np.asarray(decode, np.float32), np.asarray(general, np.float32))
+    assert_matches_reference(layout, batch, decode, **kwargs)
+
+
+def while_loops(function, *args) -> int:
+    """The number of while loops in the program jax lowers `function` to for these arguments."""
+    return jax.jit(function).lower(*args).as_text().count("stablehlo.while")
+
+
+def test_decode_only_compiles_no_prefill_loop():
+    # A decode step compiles only what it runs: the loop over prefill rows (over sequences, their query tiles and
+    # each tile's kv tiles) is not in its program at all.
+    batch = make_batch(GQA, decode_seqs(GQA.page_size))
+    general = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2), *batch.args)
+    decode = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2, decode_only=True), *batch.args)
+    assert 0 < decode < general
 
 
 @pytest.mark.parametrize("impl", IMPLS)

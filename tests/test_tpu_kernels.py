@@ -59,8 +59,8 @@ def test_ragged_kernel_in_tpu_interpret_mode(layout, options):
 
 
 def test_decode_kernel_in_tpu_interpret_mode_has_no_races():
-    # Its pipeline runs across programs (a program fetches the next sequence's first block): the race detector
-    # checks that no block is read while a DMA still writes it.
+    # Its pipeline runs across programs (a program fetches the next sequence's first kv tile): the race detector
+    # checks that no kv tile is read while a DMA still writes it.
     layout = GQA
     batch = make_batch(layout, decode_case(layout.page_size), poison=True)
     options = dict(sm_scale=sm_scale(layout), sliding_window=40)
@@ -105,11 +105,11 @@ def test_kernels_lower_to_mosaic(dtype, sliding_window, soft_cap):
     seqs, tokens, pages_per_seq = 8, 128, 16
     spec = jax.ShapeDtypeStruct
     pool = spec((100, 16, 3, 128), dtype)
-    options = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=8)
+    options = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_kv_tile=8)
     tables, kv_lens = spec((seqs, pages_per_seq), jnp.int32), spec((seqs,), jnp.int32)
 
     def ragged(q, k, v, kv_lens, tables, cu_q_lens):
-        return tpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **options, q_block=32, interpret=False)
+        return tpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **options, q_tile=32, interpret=False)
 
     def decode(q, k, v, kv_lens, tables):
         return tpu_decode_attention(q, k, v, kv_lens, tables, **options, interpret=False)

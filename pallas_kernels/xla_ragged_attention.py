@@ -1,0 +1,225 @@
+"""Ragged paged attention in plain JAX, compiled by XLA: the CPU path (`impl="xla"`), a production path.
+
+One call attends every sequence of a mixed ("ragged") batch -- decodes and prefill chunks, their query tokens
+back to back -- to that sequence's keys in the paged KV pool, read through its block table.
+
+Work scales like the sum over sequences of q_len x kv_len (never T x max_kv), in query tiles of `q_tile` rows by
+kv tiles of `kv_tile` keys, and memory like one kv tile for all sequences ([S, kv_tile, kv_heads, head_dim]):
+  1. The LAST query row of every sequence, all sequences at once, runs an online softmax (flash attention) over
+     kv tiles up to the longest kv_len in the batch. For a decode row (q_len == 1) that is the whole job.
+  2. The other rows of sequences with q_len > 1 go through a loop over just those sequences, one query tile at a
+     time, each tile an online softmax over only the kv tiles its rows see (causal mask, sliding window). With
+     `decode_only=True` the caller promises there are no such rows, and this loop is not built at all: a decode
+     step compiles only what it runs.
+Each kv tile is gathered from the pool through the block table with positions >= kv_len ZEROED (jnp.where on the
+values, not only masked in the logits): stale slots, the null page and freed pages may hold NaN/inf garbage, and
+NaN times a zero probability is still NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.impl import MASK_VALUE
+
+Q_TILE = 64  # query rows per step of the prefill loop
+KV_TILE = 128  # keys per step of the loops over kv tiles (rounded down to whole pages, at least one page)
+# Up to this many kv heads the products over many sequences pair every query head with every kv head (see
+# `attend`): measured on CPU, still ~2x faster than per-kv-head products at 16 kv heads, slower at 32.
+ALL_PAIRS_MAX_KV_HEADS = 16
+# ... and only when their query rows times heads is a multiple of this: narrower pair products (SmolLM2's 9 heads
+# decoding) run several times slower, and per kv head is then ~15% faster.
+PAIR_ROWS_MULTIPLE = 8
+LAST_ROW_TILE = 16  # sequences whose last query rows are attended together (part 1's query tile)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "decode_only", "q_tile", "kv_tile", "all_pairs"),
+)
+def xla_ragged_attention(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim], or with `layer` [L, num_pages, ...]
+    v_pages: jax.Array,  # same shape as k_pages
+    kv_lens: jax.Array,  # [S] int32
+    block_tables: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    num_seqs: jax.Array,  # [] int32
+    layer: jax.Array | None = None,  # [] int32: read this layer of a stacked pool in place
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    decode_only: bool = False,
+    q_tile: int = Q_TILE,
+    kv_tile: int = KV_TILE,
+    all_pairs: bool | None = None,
+) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
+    """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
+
+    The pool's head_dim must be q's. With `decode_only`, every live sequence must have q_len <= 1 (rows of longer
+    sequences other than their last come out as 0). The tuning is an argument so that tests can shrink the tiles
+    to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[-3:-1]
+    num_seq_rows, pages_per_seq = block_tables.shape
+    group = num_heads // num_kv_heads
+    if all_pairs is None:
+        all_pairs = num_kv_heads <= ALL_PAIRS_MAX_KV_HEADS
+    if num_tokens == 0 or num_seq_rows == 0 or pages_per_seq == 0:
+        return jnp.zeros_like(q)
+
+    # Keys are read kv_tile at a time, in whole pages; the tables get null-page columns so that kv tiles tile them.
+    pages_per_kv_tile = max(1, min(pages_per_seq, kv_tile // page_size))
+    kv_tile = pages_per_kv_tile * page_size
+    padded_pages = -(-pages_per_seq // pages_per_kv_tile) * pages_per_kv_tile
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
+
+    live = jnp.arange(num_seq_rows) < num_seqs
+    kv_lens = jnp.where(live, kv_lens, 0)
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+
+    def attend(q_rows, query_pos, seq_tables, seq_kv_lens, first_kv_tile, last_kv_tile):
+        """Online softmax (flash attention) of n sequences' query rows over their kv tiles first..last_kv_tile.
+
+        q_rows [n, rows, kv_heads, group, head_dim], query_pos [n, rows], seq_tables [n, padded_pages],
+        seq_kv_lens [n] -> [n, rows, num_heads, head_dim] float32; a row that sees no key gives 0.
+        """
+        n, rows = query_pos.shape
+        # Two ways to batch the products. Per kv head is the plain one, but over many sequences XLA then gathers
+        # K/V into a transposed layout, which on CPU costs several times the products themselves. With few kv
+        # heads it is cheaper to pair every query head with every kv head, batched over sequences only with K/V
+        # in the pool's own layout, and keep the matching pairs: kv_heads times the (cheap) flops.
+        pairs = all_pairs and n > 1 and (rows * num_heads) % PAIR_ROWS_MULTIPLE == 0
+        q_rows = q_rows.astype(jnp.float32).transpose(0, 2, 1, 3, 4)  # [n, kv_heads, rows, group, head_dim]
+        q_rows = q_rows.reshape(n, num_kv_heads, rows * group, head_dim)
+        same_head = jnp.eye(num_kv_heads, dtype=bool)[:, None, :, None]  # [kv_heads, 1, kv_heads, 1]
+
+        def scores(keys):  # [n, kv_tile, kv_heads, head_dim] -> [n, kv_heads, rows * group, kv_tile]
+            if not pairs:
+                return jnp.einsum("nlkd,nkhd->nkhl", keys, q_rows)
+            s = jnp.einsum(
+                "nmd,nhd->nmh",
+                keys.reshape(n, kv_tile * num_kv_heads, head_dim),
+                q_rows.reshape(n, num_heads * rows, head_dim),
+            )
+            # [n, kv_tile, kv_head x query's kv_head, rows * group]: keep the diagonal, every (kv_heads + 1)-th.
+            s = s.reshape(n, kv_tile, num_kv_heads**2, rows * group)[:, :, :: num_kv_heads + 1]
+            return s.transpose(0, 2, 3, 1)
+
+        def weighted_values(p, values):  # [n, kv_heads, rows * group, kv_tile] -> [n, kv_heads, rows * group, d]
+            if not pairs:
+                return jnp.einsum("nkhl,nlkd->nkhd", p, values)
+            pv = jnp.einsum("nhl,nlm->nhm", p.reshape(n, -1, kv_tile), values.reshape(n, kv_tile, -1))
+            pv = pv.reshape(n, num_kv_heads, rows * group, num_kv_heads, head_dim)
+            return jnp.where(same_head, pv, 0.0).sum(axis=3)
+
+        def load(pages, page_ids, in_cache):  # -> [n, kv_tile, kv_heads, head_dim], zero where not in_cache
+            x = (pages[page_ids] if layer is None else pages[layer, page_ids]).reshape(
+                n, kv_tile, num_kv_heads, head_dim
+            )
+            # jnp.where, not a mask on the logits alone: NaN garbage times a zero probability is still NaN.
+            return jnp.where(in_cache[:, :, None, None], x, jnp.zeros((), x.dtype)).astype(jnp.float32)
+
+        def kv_step(j, carry):
+            row_max, row_sum, acc = carry  # [n, kv_heads, rows, group] twice, [n, kv_heads, rows, group, head_dim]
+            key_pos = j * kv_tile + jnp.arange(kv_tile)
+            in_cache = key_pos[None, :] < seq_kv_lens[:, None]  # [n, kv_tile]
+            page_ids = lax.dynamic_slice_in_dim(seq_tables, j * pages_per_kv_tile, pages_per_kv_tile, axis=1)
+            keys, values = load(k_pages, page_ids, in_cache), load(v_pages, page_ids, in_cache)
+            # Keys on the minor axis: the softmax reductions run along contiguous memory.
+            s = scores(keys).reshape(n, num_kv_heads, rows, group, kv_tile) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            mask = in_cache[:, None, :] & (key_pos[None, None, :] <= query_pos[:, :, None])  # [n, rows, kv_tile]
+            if sliding_window is not None:
+                mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+            mask = mask[:, None, :, None, :]
+            s = jnp.where(mask, s, MASK_VALUE)
+            new_max = jnp.maximum(row_max, s.max(axis=-1))
+            alpha = jnp.exp(row_max - new_max)
+            p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
+            pv = weighted_values(p.reshape(n, num_kv_heads, rows * group, kv_tile), values)
+            return new_max, alpha * row_sum + p.sum(axis=-1), alpha[..., None] * acc + pv.reshape(acc.shape)
+
+        row_max = jnp.full((n, num_kv_heads, rows, group), MASK_VALUE, jnp.float32)
+        init = (row_max, jnp.zeros_like(row_max), jnp.zeros((*row_max.shape, head_dim), jnp.float32))
+        _, row_sum, acc = lax.fori_loop(first_kv_tile, last_kv_tile + 1, kv_step, init)
+        o = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+        return o.transpose(0, 2, 1, 3, 4).reshape(n, rows, num_heads, head_dim)
+
+    def first_kv_tile_for(query_pos):  # the first kv tile within the sliding window of the earliest query
+        return 0 if sliding_window is None else jnp.maximum(query_pos - sliding_window + 1, 0) // kv_tile
+
+    # 1. The last row of every sequence, all at once. It sits at position kv_len - 1 and sees the whole cache (or
+    # window); for a decode row (q_len == 1) that is the whole job.
+    # Sequences go longest first, LAST_ROW_TILE at a time, each tile reading only as many kv tiles as its own
+    # longest sequence needs: with mixed lengths, one batch-wide loop would read the longest length for all.
+    last_row = cu_q_lens[1:] - 1  # [S]
+    q_last = q[jnp.clip(last_row, 0, num_tokens - 1)].reshape(num_seq_rows, 1, num_kv_heads, group, head_dim)
+    last_pos = kv_lens - 1
+    seqs_per_tile = min(LAST_ROW_TILE, num_seq_rows)
+    num_last_row_tiles = -(-num_seq_rows // seqs_per_tile)
+    order = jnp.argsort(-kv_lens)  # live sequences (kv_len >= 1) first, padding rows (kv_len 0) last
+    order = jnp.pad(order, (0, num_last_row_tiles * seqs_per_tile - num_seq_rows), mode="edge")  # repeats: same result
+
+    def last_row_tile_step(t, out_last):
+        seqs = lax.dynamic_slice_in_dim(order, t * seqs_per_tile, seqs_per_tile)
+        pos, lens = last_pos[seqs], kv_lens[seqs]
+        o = attend(
+            q_last[seqs],
+            pos[:, None],
+            tables[seqs],
+            lens,
+            first_kv_tile_for(jnp.min(jnp.where(lens > 0, pos, jnp.iinfo(jnp.int32).max))),
+            jnp.max(pos) // kv_tile,
+        )[:, 0]
+        return out_last.at[seqs].set(o)
+
+    live_tiles = -(-jnp.sum(kv_lens > 0) // seqs_per_tile)
+    out_last = jnp.zeros((num_seq_rows, num_heads, head_dim), jnp.float32)
+    out_last = lax.fori_loop(0, live_tiles, last_row_tile_step, out_last)
+
+    # 2. The other rows of sequences with q_len > 1, a query tile of q_tile rows at a time. q and out get q_tile
+    # extra rows so that a tile starting at any row in [0, T) fits: dynamic_slice would otherwise clamp its start.
+    # Not built at all for a decode-only step.
+    extra_rows = 0 if decode_only else q_tile
+    out = jnp.zeros((num_tokens + extra_rows, num_heads, head_dim), jnp.float32)
+    if not decode_only:
+        q_padded = jnp.pad(q, ((0, q_tile), (0, 0), (0, 0)))
+        chunked = q_lens > 1
+        chunked_seqs = jnp.nonzero(chunked, size=num_seq_rows, fill_value=0)[0]
+
+        def seq_step(i, out):
+            seq = chunked_seqs[i]
+            q_len, kv_len = q_lens[seq], kv_lens[seq]
+            num_rows = q_len - 1  # the last row came from step 1
+            seq_tables = lax.dynamic_slice_in_dim(tables, seq, 1)
+
+            def q_tile_step(b, out):
+                local = b * q_tile + jnp.arange(q_tile)
+                query_pos = kv_len - q_len + local
+                row0 = cu_q_lens[seq] + b * q_tile
+                q_rows = lax.dynamic_slice_in_dim(q_padded, row0, q_tile)
+                q_rows = q_rows.reshape(1, q_tile, num_kv_heads, group, head_dim)
+                last_kv_tile = jnp.minimum(query_pos[-1], kv_len - 1) // kv_tile
+                first_kv_tile = first_kv_tile_for(query_pos[0])
+                o = attend(q_rows, query_pos[None], seq_tables, kv_len[None], first_kv_tile, last_kv_tile)
+                # Rows past this sequence's own belong to a neighbour (or padding): keep what is there.
+                old = lax.dynamic_slice_in_dim(out, row0, q_tile)
+                new = jnp.where((local < num_rows)[:, None, None], o[0], old)
+                return lax.dynamic_update_slice_in_dim(out, new, row0, axis=0)
+
+            return lax.fori_loop(0, -(-num_rows // q_tile), q_tile_step, out)
+
+        out = lax.fori_loop(0, chunked.sum(), seq_step, out)
+
+    # Each live sequence's last row gets step 1's result; sequences without rows write out of range (dropped).
+    last_row = jnp.where(q_lens > 0, last_row, num_tokens + extra_rows)
+    out = out.at[last_row].set(out_last, mode="drop")
+    return out[:num_tokens].astype(q.dtype)
