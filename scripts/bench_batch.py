@@ -3,7 +3,7 @@
     python scripts/bench_batch.py [--num-requests 1000] [--max-tokens 8..64] [--keep DIR]
 
 The input mixes /v1/chat/completions (a question about a passage) and /v1/completions (a passage to continue),
-passages cut at seeded random offsets of bench_throughput's corpus (standard-library docstrings), 20..120 words,
+passages cut at seeded random offsets of the benchmark corpus (standard-library docstrings), 20..120 words,
 max_tokens uniform in the given range, greedy. `jaxpage batch` runs it in a child process, timed from start to
 exit (so model loading and compilation count); the child's peak resident memory comes from getrusage. The last
 line is one JSON object.
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_throughput import corpus_text
+from jaxpage.benchmarks.workloads import corpus_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

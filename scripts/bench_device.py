@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_throughput import copy_bandwidth, log, run_hf_continuous
+
+from jaxpage.benchmarks.hf_baselines import run_hf_continuous
+from jaxpage.benchmarks.measure import copy_bandwidth
+from jaxpage.benchmarks.progress import log
 
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -187,8 +190,8 @@ def main() -> None:
             device = "cuda" if torch.cuda.is_available() and backend == "gpu" else "cpu"
             log(f"hf: building the model on {device}")
             hf = hf_model(directory, device, dtype)
-            hf_args = argparse.Namespace(max_num_batched_tokens=512, max_num_seqs=64)
-            results["hf_continuous"], _ = run_hf_continuous(hf, rows, hf_args, kv_tokens)
+            limits = {key: engine_args[key] for key in ("max_num_batched_tokens", "max_num_seqs")}
+            results["hf_continuous"], _ = run_hf_continuous(hf, rows, **limits, kv_tokens=kv_tokens)
             results["jaxpage/hf_continuous"] = round(
                 results["jaxpage"]["output_tokens_per_s"] / results["hf_continuous"]["output_tokens_per_s"], 2
             )

@@ -21,8 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_throughput import describe, log, make_workload, read_workload
-from kv_plot import plot_kv_run
+from jaxpage.benchmarks.kv_plot import plot_kv_run
+from jaxpage.benchmarks.progress import log
+from jaxpage.benchmarks.workloads import describe, make_workload, read_workload
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_FAMILIES, hf_logits, make_tiny_hf_model
+from hf_reference import PARITY_PROMPTS, TINY_FAMILIES, hf_logits, make_tiny_hf_model
 
 from jaxpage.models import forward, load_model
 from jaxpage.models.gguf_loader import GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, load_gguf
@@ -112,11 +112,7 @@ def test_tiny_gguf_logits_match_transformers(family, tmp_path):
 
 # ----- the default model, SmolLM2-135M-Instruct (Q8_0 embeddings, Q4_1 layers) -----
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter who",
-]
+PROMPTS = PARITY_PROMPTS
 
 
 def test_smollm2_tensors_equal_transformers_gguf_loader(smollm2_path, smollm2_hf):

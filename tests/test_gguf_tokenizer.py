@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import TINY_FAMILIES, make_tiny_hf_model
+from hf_reference import TINY_FAMILIES, make_tiny_hf_model
 from test_gguf import write_gguf
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer

@@ -8,9 +8,9 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-from conftest import TINY_FAMILIES
 from safetensors.numpy import load_file, save_file
 
+from jaxpage.benchmarks.tiny_models import TINY_FAMILIES, write_tiny_model
 from jaxpage.cli import main
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import load_model
@@ -21,10 +21,10 @@ Q_PROJ = "model.layers.1.self_attn.q_proj.weight"
 
 
 @pytest.fixture
-def model_dir(tiny_model_dir, tmp_path):
+def model_dir(tiny_model_path, tmp_path):
     """A private copy of a tiny HF model directory that a test may damage."""
     directory = tmp_path / "model"
-    shutil.copytree(tiny_model_dir(FAMILY)[0], directory)
+    shutil.copytree(tiny_model_path(FAMILY), directory)
     return directory
 
 
@@ -78,8 +78,8 @@ def test_missing_tensor(model_dir):
         load_model(model_dir)
 
 
-def test_tensor_missing_from_a_sharded_index(tiny_model_dir, tmp_path):
-    tiny_model_dir(FAMILY)[1].save_pretrained(tmp_path, max_shard_size="40KB")
+def test_tensor_missing_from_a_sharded_index(tmp_path):
+    write_tiny_model(FAMILY, tmp_path, max_shard_bytes=40_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     del index["weight_map"][Q_PROJ]
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -108,9 +108,12 @@ def test_pickled_checkpoint_is_refused(model_dir):
         load_model(model_dir)
 
 
-def write_minimal_gguf(path, arch="llama", extra_tensor=None, extra_size=2):
+def write_minimal_gguf(path, arch="llama", extra_tensor=None, extra_size=2, block_count=1):
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
+    if isinstance(block_count, str):
+        writer.add_string(f"{arch}.block_count", block_count)
+    else:
+        writer.add_block_count(block_count)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
     writer.add_feed_forward_length(16)
@@ -141,6 +144,21 @@ def test_gguf_unsupported_architecture(tmp_path):
 def test_gguf_rope_frequency_factors_of_the_wrong_length(tmp_path):
     write_minimal_gguf(tmp_path / "m.gguf", extra_tensor="rope_freqs.weight", extra_size=3)  # head_dim 4: 2 factors
     with pytest.raises(ModelLoadError, match=r"m\.gguf: tensor 'rope_freqs.weight' has 3 values, expected"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_gguf_metadata_of_the_wrong_type(tmp_path):
+    write_minimal_gguf(tmp_path / "m.gguf", block_count="one")
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: metadata llama.block_count is 'one', not a number"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_gguf_of_an_unknown_version(tmp_path):
+    write_minimal_gguf(tmp_path / "m.gguf")
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    data[4:8] = (9).to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"m\.gguf: GGUF version 9 is not supported"):
         load_model(tmp_path / "m.gguf")
 
 

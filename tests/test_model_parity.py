@@ -6,8 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_FAMILIES, hf_logits
+import transformers
+from hf_reference import TINY_COMMON_CONFIG, TINY_FAMILIES, hf_logits, load_tiny_hf_model
 
+from jaxpage.benchmarks.tiny_models import tiny_config, write_tiny_model
+from jaxpage.config import ModelConfig
 from jaxpage.models import forward, load_model
 
 LENGTHS = (9, 20, 14)  # padded to 20 in one batch: row 0 padded on the left, row 2 on the right
@@ -22,6 +25,14 @@ def padded_batch(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         tokens[row, start : start + len(prompt)] = prompt
         mask[row, start : start + len(prompt)] = 1
     return tokens, mask
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES, ids=lambda f: f.name)
+def test_tiny_config_means_what_transformers_config_class_means(family):
+    """The config.json write_tiny_model writes (without transformers) describes the model transformers' config
+    class would: the defaults jaxpage reads are stated, not assumed."""
+    theirs = getattr(transformers, family.config_class)(**{**TINY_COMMON_CONFIG, **family.kwargs}).to_dict()
+    assert ModelConfig.from_hf_config(tiny_config(family)) == ModelConfig.from_hf_config(theirs)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES, ids=lambda f: f.name)
@@ -42,12 +53,12 @@ def test_logits_match_transformers_on_a_padded_batch(family, tiny_model_dir):
         np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0, err_msg=f"row {row}")
 
 
-def test_sliding_window_changes_the_result(tiny_model_dir):
+def test_sliding_window_changes_the_result(tiny_model_path):
     """Guards the Mistral case above against passing vacuously: the window must matter at these lengths."""
     import dataclasses
 
     family = next(f for f in TINY_FAMILIES if f.name == "mistral-sliding-window")
-    config, params = load_model(tiny_model_dir(family)[0])
+    config, params = load_model(tiny_model_path(family))
     tokens = np.arange(20, dtype=np.int32)[None] % config.vocab_size
     windowed = np.asarray(forward(config, params, tokens))
     full = np.asarray(forward(dataclasses.replace(config, sliding_window=None), params, tokens))
@@ -55,8 +66,8 @@ def test_sliding_window_changes_the_result(tiny_model_dir):
     assert np.abs(windowed[0, 5:] - full[0, 5:]).max() > 1e-2
 
 
-def test_forward_rejects_bad_shapes(tiny_model_dir):
-    config, params = load_model(tiny_model_dir(TINY_FAMILIES[0])[0])
+def test_forward_rejects_bad_shapes(tiny_model_path):
+    config, params = load_model(tiny_model_path(TINY_FAMILIES[0]))
     with pytest.raises(ValueError, match="token_ids must be"):
         forward(config, params, [1, 2, 3])
     with pytest.raises(ValueError, match="attention_mask shape"):
@@ -75,13 +86,18 @@ def test_bfloat16_parameters_stay_close_to_transformers(tiny_model_dir):
     assert np.abs(ours - reference).max() < 0.05 * scale
 
 
-def test_sharded_safetensors_directory_loads_the_same_parameters(tiny_model_dir, tmp_path):
+def test_sharded_safetensors_directories_load_the_same_parameters(tiny_model_dir, tmp_path):
+    """Shards as transformers' save_pretrained writes them, and as write_tiny_model does (test_load_errors damages
+    those: transformers must read them too)."""
     directory, hf_model = tiny_model_dir(TINY_FAMILIES[0])
-    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file()
-    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    write_tiny_model(TINY_FAMILIES[0], tmp_path / "ours", max_shard_bytes=40_000)
+    load_tiny_hf_model(tmp_path / "ours")  # raises unless transformers finds every tensor it expects, and no other
     _, whole = load_model(directory)
-    _, sharded = load_model(tmp_path)
-    assert jax.tree.structure(sharded) == jax.tree.structure(whole)
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sharded), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for sharded_directory in (tmp_path / "hf", tmp_path / "ours"):
+        assert (sharded_directory / "model.safetensors.index.json").is_file()
+        assert len(list(sharded_directory.glob("model-*.safetensors"))) > 2
+        _, sharded = load_model(sharded_directory)
+        assert jax.tree.structure(sharded) == jax.tree.structure(whole)
+        for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sharded), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

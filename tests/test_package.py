@@ -1,8 +1,11 @@
-"""The package's import surface: vLLM's names from `jaxpage`, imported lazily, and the version."""
+"""The package's import surface: vLLM's names from `jaxpage`, imported lazily, and the version; what imports torch
+(only the tests that compare with Hugging Face transformers)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import pkgutil
 import subprocess
 import sys
 import tomllib
@@ -64,3 +67,69 @@ def test_unknown_names_fail_as_usual():
 def test_version_is_the_installed_distributions():
     pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     assert jaxpage.__version__ == pyproject["project"]["version"]
+
+
+def test_benchmark_helpers_import_no_torch():
+    import jaxpage.benchmarks
+
+    modules = [f"jaxpage.benchmarks.{m.name}" for m in pkgutil.iter_modules(jaxpage.benchmarks.__path__)]
+    probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+    probe += 'print([m for m in ("torch", "transformers", "jax") if m in sys.modules])'
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert len(modules) >= 5 and result.stdout.split() == ["[]"]
+
+
+TESTS = Path(__file__).parent
+HF_MODULES = {"hf_reference", "torch", "transformers"}
+
+
+def modules_comparing_with_hf() -> set[str]:
+    """The test modules that import hf_reference, torch or transformers, directly or through another test module."""
+    imports = {}
+    for path in TESTS.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imports[path.stem] = {name.split(".")[0] for name in names}
+    comparing = {name for name, imported in imports.items() if imported & HF_MODULES}
+    while more := {name for name, imported in imports.items() if imported & comparing} - comparing:
+        comparing |= more
+    return comparing
+
+
+# Run in a fresh interpreter from the repository root: collect the given test modules (which imports conftest and
+# each module), then run a test that asks for the torch-free model fixtures; print whether torch was imported.
+TORCH_PROBE = """
+import sys
+import pytest
+
+collected = pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", *sys.argv[2:]])
+after_collection = "torch" in sys.modules
+sys.path.insert(0, "tests")
+ran = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "conftest", sys.argv[1]])
+print({"collected": int(collected), "ran": int(ran), "torch": [after_collection, "torch" in sys.modules]})
+"""
+
+FIXTURE_TEST = """
+def test_model_fixtures(tiny_model_path, tiny_dir):
+    pass
+"""
+
+
+def test_tests_that_do_not_compare_with_transformers_import_no_torch(tmp_path):
+    comparing = modules_comparing_with_hf()
+    assert {"test_model_parity", "test_gguf", "test_gguf_tokenizer", "test_engine"} <= comparing
+    others = sorted(str(p.relative_to(TESTS.parent)) for p in TESTS.glob("test_*.py") if p.stem not in comparing)
+    assert {"tests/test_scheduler.py", "tests/test_llm_api.py", "tests/test_load_errors.py"} <= set(others)
+    (tmp_path / "test_fixtures.py").write_text(FIXTURE_TEST)
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE, str(tmp_path / "test_fixtures.py"), *others],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = ast.literal_eval(result.stdout.splitlines()[-1])
+    assert report == {"collected": 0, "ran": 0, "torch": [False, False]}, result.stdout[-3000:]

@@ -1,11 +1,15 @@
-"""The benchmark scripts that must be ready to run on a device this machine does not have: their tiny modes."""
+"""The benchmark scripts that must be ready to run on a device this machine does not have (their tiny modes), and
+what the scripts import: the package's API, never one another or the tests."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from jaxpage.benchmarks.kv_plot import plot_kv_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +28,18 @@ def test_bench_device_tiny_mode_runs_every_part():
 
 
 def test_kv_plot_writes_a_png(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from kv_plot import plot_kv_run
-
     path = tmp_path / "kv.png"
     plot_kv_run(path, [0.5, 1.0, 1.5], [0.97, 0.98, 0.99], [2, 5, 3], [10, 30, 20], 40, contiguous_requests=2)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scripts_import_neither_one_another_nor_the_tests():
+    local = {"scripts", "tests"} | {p.stem for folder in ("scripts", "tests") for p in (ROOT / folder).glob("*.py")}
+    scripts = sorted((ROOT / "scripts").glob("*.py"))
+    assert len(scripts) >= 8
+    for script in scripts:
+        tree = ast.parse(script.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {name.split(".")[0] for name in imported} & local, script.name
+        assert "sys.path" not in script.read_text(), f"{script.name}: import jaxpage's API instead"

@@ -1,0 +1,165 @@
+"""Tiny random models of each family jaxpage serves, written as Hugging Face directories without torch.
+
+A family is a transformers config class and its arguments; `write_tiny_model` writes what that model's
+`save_pretrained` would hold (config.json, model.safetensors or shards with an index) from numpy: weights large
+enough that mistakes show in the logits. The parity tests load the same directory with transformers, which checks
+that every tensor name and shape is the one it expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyFamily:
+    name: str
+    config_class: str  # transformers' config class: LlamaConfig, MistralConfig, Qwen2Config or Qwen3Config
+    kwargs: dict
+
+
+TINY_COMMON_CONFIG = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=256
+)
+
+TINY_FAMILIES = [
+    TinyFamily("llama2-mha", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0)),
+    TinyFamily(
+        "llama3-gqa-rope-scaling",
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    TinyFamily(
+        "llama-mqa-biases",
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    ),
+    TinyFamily(
+        "llama-linear-rope",
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+        ),
+    ),
+    TinyFamily(
+        "mistral-sliding-window",
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=5, head_dim=16),
+    ),
+    TinyFamily("qwen2-qkv-bias", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    TinyFamily(
+        "qwen3-qk-norm-head-dim", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    ),
+    TinyFamily(
+        "smollm2-tied",
+        "LlamaConfig",
+        dict(
+            num_attention_heads=6, num_key_value_heads=2, hidden_size=96, tie_word_embeddings=True, rope_theta=100000.0
+        ),
+    ),
+]
+
+# config class -> (model_type, architecture, the defaults of that class that a config.json must state because
+# jaxpage reads them and does not assume them: transformers' own config classes fill these in)
+ARCHITECTURES = {
+    "LlamaConfig": ("llama", "LlamaForCausalLM", dict(bos_token_id=1, eos_token_id=2)),
+    "MistralConfig": ("mistral", "MistralForCausalLM", dict(bos_token_id=1, eos_token_id=2)),
+    "Qwen2Config": ("qwen2", "Qwen2ForCausalLM", {}),
+    "Qwen3Config": ("qwen3", "Qwen3ForCausalLM", {}),
+}
+
+
+def tiny_config(family: TinyFamily) -> dict:
+    """The family's config.json."""
+    model_type, architecture, defaults = ARCHITECTURES[family.config_class]
+    config = dict(architectures=[architecture], model_type=model_type, **defaults)
+    return config | TINY_COMMON_CONFIG | family.kwargs
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model, by its transformers name, in a fixed order."""
+    d, f, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or d // heads
+    model_type = config["model_type"]
+    attention_bias = config.get("attention_bias", False) and model_type in ("llama", "qwen3")
+    layer = {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (heads * hd, d),
+        "self_attn.k_proj.weight": (kv_heads * hd, d),
+        "self_attn.v_proj.weight": (kv_heads * hd, d),
+        "self_attn.o_proj.weight": (d, heads * hd),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    if attention_bias or model_type == "qwen2":
+        layer |= {"self_attn.q_proj.bias": (heads * hd,), "self_attn.k_proj.bias": (kv_heads * hd,)}
+        layer |= {"self_attn.v_proj.bias": (kv_heads * hd,)}
+    if attention_bias:
+        layer["self_attn.o_proj.bias"] = (d,)
+    if model_type == "qwen3":
+        layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    if config.get("mlp_bias", False) and model_type == "llama":
+        layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)}
+    shapes = {"model.embed_tokens.weight": (vocab, d)}
+    for i in range(config["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    shapes["model.norm.weight"] = (d,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, d)
+    return shapes
+
+
+def write_tiny_model(family: TinyFamily, directory: Path, seed: int = 0, max_shard_bytes: int | None = None) -> Path:
+    """Writes the family's model with random float32 weights (norm scales 1 + 0.2 N(0, 1), the rest 0.15 N(0, 1)) into
+    `directory` and returns it. With max_shard_bytes, the tensors go into shards of about that size and an index,
+    as save_pretrained(max_shard_size=...) writes them."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in tensor_shapes(config).items():
+        scale, shift = (0.2, 1.0) if "norm" in name else (0.15, 0.0)
+        tensors[name] = (shift + scale * rng.standard_normal(shape)).astype(np.float32)
+    (directory / "config.json").write_text(json.dumps(config | {"dtype": "float32"}, indent=2))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        if max_shard_bytes and shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor.nbytes
+    if len(shards) == 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return directory
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return directory
