@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer, built from the file's metadata with `gguf` and `tokenizers` alone.
+"""A GGUF file's tokenizer, built from the file's metadata (read by `jaxpage.gguf_file`) with `tokenizers` alone.
 
 transformers builds the same tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), but its GGUF reader
 imports torch, which jaxpage must not need at run time. This module reads llama.cpp's `tokenizer.*` keys itself and
@@ -20,13 +20,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
 
 from jaxpage.errors import ModelLoadError
+
+if TYPE_CHECKING:  # transformers takes most of a second to import: build_tokenizer imports it
+    from transformers import PreTrainedTokenizerFast
+from jaxpage.gguf_file import read_gguf
 
 # Bump when what `load_gguf_tokenizer` builds changes: tokenizers cached from an older builder are then not reused.
 GGUF_TOKENIZER_BUILDER_VERSION = 1
@@ -130,11 +133,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
 def read_gguf_vocab(path: str | os.PathLike) -> GgufVocab:
     """The tokenizer metadata of a GGUF file. ModelLoadError naming the file and the field when it is malformed."""
     path = Path(path)
-    try:
-        fields = gguf.GGUFReader(path, "r").fields
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot read GGUF metadata ({type(e).__name__}: {e})") from None
-    field = _FieldReader(path, fields)
+    field = _FieldReader(path, read_gguf(path).metadata)
 
     model = field.get("tokenizer.ggml.model", str)
     if model is None:
@@ -192,6 +191,8 @@ def read_gguf_vocab(path: str | os.PathLike) -> GgufVocab:
 
 def build_tokenizer(vocab: GgufVocab) -> PreTrainedTokenizerFast:
     """The tokenizer that `vocab` describes, as transformers' GGUF conversion builds it."""
+    from transformers import PreTrainedTokenizerFast
+
     spell = spell_byte_level if vocab.model == "gpt2" else str
     token_ids = {spell(token): index for index, token in enumerate(vocab.tokens)}  # a repeated token: its last id
     try:
@@ -311,18 +312,17 @@ def bos_eos_processor(tokenizer: Tokenizer, bos: str | None, eos: str | None) ->
 class _FieldReader:
     """Typed access to a GGUF file's metadata fields, with errors that name the file and the field."""
 
-    def __init__(self, path: Path, fields: dict[str, Any]):
+    def __init__(self, path: Path, metadata: dict[str, Any]):
         self._path = path
-        self._fields = fields
+        self._metadata = metadata
 
     def get(self, key: str, kind: type, item: type | tuple[type, ...] | None = None, length: int | None = None):
         """The value of field `key` (None when absent), checked to be a `kind` (of `item`s, `length` long)."""
-        if key not in self._fields:
+        if key not in self._metadata:
             return None
-        try:
-            value = self._fields[key].contents()
-        except (ValueError, IndexError) as e:  # e.g. a string that is not UTF-8
-            raise ModelLoadError(f"{self._path}: metadata {key} is unreadable ({type(e).__name__}: {e})") from None
+        value = self._metadata[key]
+        if isinstance(value, np.ndarray):  # an array of numbers: checked below as a list, like an array of strings
+            value = value.tolist()
         if kind is bool and isinstance(value, (bool, int)) and not isinstance(value, str):
             return bool(value)
         if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):

@@ -6,15 +6,16 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-
-import transformers  # transformers.AutoTokenizer imports torch where installed: only model directories use it
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from jaxpage.errors import ModelLoadError
 from jaxpage.gguf_tokenizer import GGUF_TOKENIZER_BUILDER_VERSION, load_gguf_tokenizer
 from jaxpage.models.default_model import cache_dir
 from jaxpage.models.loader import resolve_source, source_format
 from jaxpage.validation import check_text, fail
+
+if TYPE_CHECKING:  # transformers takes most of a second to import: the functions that need it import it
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
@@ -27,6 +28,8 @@ def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokeniz
     try:
         if source_format(path) == "gguf":
             return _gguf_tokenizer(path)
+        import transformers  # transformers.AutoTokenizer imports torch where installed: only model directories use it
+
         return transformers.AutoTokenizer.from_pretrained(str(path))
     except ModelLoadError:
         raise
@@ -105,6 +108,8 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     source = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:builder-{GGUF_TOKENIZER_BUILDER_VERSION}"
     cached = cache_dir() / "gguf-tokenizers" / hashlib.sha256(source.encode()).hexdigest()[:20]
     if cached.is_dir():
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(cached))
     tokenizer = load_gguf_tokenizer(path)
     try:

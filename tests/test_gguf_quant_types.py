@@ -2,6 +2,7 @@
 
 The references below follow llama.cpp's `dequantize_row_*` (ggml-quants.c) block by block and never call
 the gguf package's dequantizer; the gguf package only writes the test file (and quantizes where it can).
+The last tests compare jaxpage's dequantizer with gguf's, bit for bit, on every supported type.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import numpy as np
 import pytest
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.models.gguf_loader import SUPPORTED_TENSOR_TYPES, load_gguf, unpermute_rows
+from jaxpage.models import gguf_dequant
+from jaxpage.models.gguf_loader import (
+    SUPPORTED_TENSOR_TYPES,
+    GGUFSource,
+    config_from_gguf,
+    load_gguf,
+    open_gguf,
+    unpermute_rows,
+)
 
 T = gguf.GGMLQuantizationType
 D, F, H, K, HD, V = 256, 512, 4, 2, 64, 64  # hidden, intermediate, heads, kv heads, head_dim, vocab
@@ -203,3 +212,43 @@ def test_unsupported_type_is_refused_by_name(tmp_path, qtype):
     with pytest.raises(ModelLoadError) as e:
         load_gguf(path, np.float32)
     assert "'blk.0.attn_v.weight'" in str(e.value) and qtype.name in str(e.value)
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)  # NaN payloads aside, every bit agrees (the sign of zero included)
+    np.testing.assert_array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])
+
+
+@pytest.mark.parametrize("chunk_values", [300, 4096, gguf_dequant.CHUNK_VALUES])  # ragged chunks, and the default
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TENSOR_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_dequantize_equals_gguf_bit_for_bit(monkeypatch, qtype, chunk_values):
+    """Random bytes (NaN and infinite scales too) in both layouts, with chunks that split the tensor unevenly."""
+    monkeypatch.setattr(gguf_dequant, "CHUNK_VALUES", chunk_values)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 37, 3 * max(block_size, 256)
+    rng = np.random.default_rng(qtype.value)
+    data = rng.integers(0, 256, rows * cols // block_size * type_size, dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.dequantize(data.reshape(rows, -1), qtype).astype(np.float32).reshape(rows, cols)
+        got = gguf_dequant.dequantize(data, qtype, (rows, cols))
+        order = rng.permutation(rows)
+        transposed = gguf_dequant.dequantize_transposed(data, qtype, (rows, cols), order)
+        flat = gguf_dequant.dequantize(data, qtype, (rows * cols,))
+    _same_bits(got, want)
+    _same_bits(flat, want.reshape(-1))
+    assert transposed.flags.c_contiguous
+    _same_bits(transposed.T, want[order])
+
+
+def test_linear_weights_come_back_in_the_layout_the_model_keeps(tmp_path):
+    """[out, in] weights are transposes of C-contiguous [in, out] arrays: the loader's own transpose copies nothing."""
+    path = tmp_path / "tiny.gguf"
+    _write_model(path, TENSORS)
+    gguf_file = open_gguf(path)
+    source = GGUFSource(gguf_file, config_from_gguf(gguf_file, path), path)
+    q = source.get("model.layers.0.self_attn.q_proj.weight")
+    assert q.shape == (H * HD, D) and q.T.flags.c_contiguous
+    embedding = source.get("model.embed_tokens.weight")
+    assert embedding.shape == (V, D) and embedding.flags.c_contiguous

@@ -1,29 +1,31 @@
-"""Loads a GGUF file: config from its metadata, tensors dequantized to float with the `gguf` package.
+"""Loads a GGUF file: config from its metadata, tensors dequantized to float32.
 
-llama.cpp's converter permutes the rows of the Llama Q and K projections so that RoPE rotates
-interleaved pairs; jaxpage (like transformers) rotates halves, so that permutation is undone here.
+The file is parsed by `gguf_file` (tensors stay memory-mapped) and dequantized by `gguf_dequant`. llama.cpp's
+converter permutes the rows of the Llama Q and K projections so that RoPE rotates interleaved pairs; jaxpage (like
+transformers) rotates halves, so that permutation is undone here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
-import gguf
 import numpy as np
 
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
+from jaxpage.gguf_file import GGUFFile, GGUFTensor, read_gguf
+from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_transposed
 from jaxpage.models.weights import params_from_hf_tensors
 
 # GGUF general.architecture -> jaxpage architecture. Mistral models are written as "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-# Types jaxpage dequantizes (all through gguf.quants.dequantize); anything else is refused by name.
-SUPPORTED_TENSOR_TYPES = {
-    gguf.GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-}
+# Types jaxpage dequantizes; anything else is refused by name.
+SUPPORTED_TENSOR_TYPES = SUPPORTED_TYPES
+
+EMBEDDING = "model.embed_tokens.weight"  # the only 2-D tensor the model keeps as stored; the rest are linear layers
 
 GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,44 +69,40 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(f"{path}: file not found")
-    try:
-        return gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # truncated or not GGUF: the reader fails with ValueError/IndexError/...
-        raise ModelLoadError(f"{path}: not a valid GGUF file, truncated or damaged ({type(e).__name__}: {e})") from None
+    return read_gguf(path)
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
-    gguf_arch = _field(reader, "general.architecture")
+def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
+    gguf_arch = gguf.metadata.get("general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF architecture {gguf_arch!r} is not supported; jaxpage reads {', '.join(GGUF_ARCHITECTURES)}"
         )
-    tensor_names = {t.name for t in reader.tensors}
 
-    def meta(key: str, default=None):
-        value = _field(reader, f"{gguf_arch}.{key}", default)
+    def field(key: str, default=None) -> Any:
+        """A number from the metadata (default when absent); ModelLoadError when it is not a number."""
+        value = gguf.metadata.get(key, default)
+        if value is not None and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
+            raise ModelLoadError(f"{path}: metadata {key} is {value!r}, not a number")
+        return value
+
+    def meta(key: str, default=None) -> Any:
+        value = field(f"{gguf_arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"{path}: metadata {gguf_arch}.{key} is missing")
         return value
 
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
-    vocab = _field(reader, f"{gguf_arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
-    head_dim = _field(reader, f"{gguf_arch}.attention.key_length") or _field(
-        reader, f"{gguf_arch}.rope.dimension_count"
-    )
+    vocab = field(f"{gguf_arch}.vocab_size") or len(gguf.metadata.get("tokenizer.ggml.tokens", []))
+    head_dim = field(f"{gguf_arch}.attention.key_length") or field(f"{gguf_arch}.rope.dimension_count")
     rope_scaling = None
-    if _field(reader, f"{gguf_arch}.rope.scaling.type", "none") == "linear":
+    if gguf.metadata.get(f"{gguf_arch}.rope.scaling.type", "none") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = field("tokenizer.ggml.eos_token_id")
     hf_like = {
         "model_type": GGUF_ARCHITECTURES[gguf_arch],
         "vocab_size": int(vocab),
@@ -118,16 +116,16 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": int(meta("context_length")),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_gate.bias" in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "mlp_bias": "blk.0.ffn_gate.bias" in gguf.tensors,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }
     config = ModelConfig.from_hf_config(hf_like, source=str(path))
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
-        factors = np.asarray(rope_freqs.data, np.float32).reshape(-1)
+        factors = _dequantize(rope_freqs, path).reshape(-1)
         if factors.size != config.head_dim // 2:
             raise ModelLoadError(
                 f"{path}: tensor 'rope_freqs.weight' has {factors.size} values, expected head_dim / 2 = "
@@ -137,14 +135,32 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     return config
 
 
-class GGUFSource:
-    """TensorSource over a GGUF file: tensors renamed to transformers names and dequantized on demand."""
+def _check_type(tensor: GGUFTensor, path: Path) -> None:
+    if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which jaxpage does not "
+            f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))})"
+        )
 
-    def __init__(self, reader: gguf.GGUFReader, config: ModelConfig, path: Path):
+
+def _dequantize(tensor: GGUFTensor, path: Path) -> np.ndarray:
+    _check_type(tensor, path)
+    return dequantize(tensor.data, tensor.tensor_type, tensor.shape)
+
+
+class GGUFSource:
+    """TensorSource over a GGUF file: tensors renamed to transformers names and dequantized on demand.
+
+    A linear layer's weight [out, in] comes back as the transpose of a C-contiguous [in, out] array (Fortran order):
+    the model keeps kernels [in, out], so the caller's transpose is then free, and dequantizing straight into that
+    layout is faster than dequantizing rows and transposing them after.
+    """
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, path: Path):
         self._path = path
         self._config = config
         self._tensors = {}
-        for tensor in reader.tensors:
+        for tensor in gguf.tensors.values():
             name = hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
@@ -157,24 +173,28 @@ class GGUFSource:
 
     def get(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
-        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
-            raise ModelLoadError(
-                f"{self._path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which jaxpage does not "
-                f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))})"
-            )
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        weights = weights.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dims fastest-first
+        _check_type(tensor, self._path)
+        heads = self._permuted_heads(name, tensor.shape)
+        if len(tensor.shape) == 2 and name != EMBEDDING:
+            # Unpermuting the row numbers gives the stored row for each row of the result: the bytes are gathered.
+            order = None if heads is None else unpermute_rows(np.arange(tensor.shape[0]), heads)
+            return dequantize_transposed(tensor.data, tensor.tensor_type, tensor.shape, order).T
+        weights = dequantize(tensor.data, tensor.tensor_type, tensor.shape)
+        return weights if heads is None else unpermute_rows(weights, heads)
+
+    def _permuted_heads(self, name: str, shape: tuple[int, ...]) -> int | None:
+        """The head count whose row permutation llama.cpp applied to tensor `name`, or None."""
         c = self._config
         if c.architecture == "llama":
             for suffix, heads in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads)):
                 # A wrongly shaped tensor is left as it is, for the shape check to report.
-                if name.endswith((f"{suffix}.weight", f"{suffix}.bias")) and weights.shape[0] == heads * c.head_dim:
-                    weights = unpermute_rows(weights, heads)
-        return weights
+                if name.endswith((f"{suffix}.weight", f"{suffix}.bias")) and shape[0] == heads * c.head_dim:
+                    return heads
+        return None
 
 
 def load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
     """(config, numpy parameter tree) from a GGUF file."""
-    reader = open_gguf(path)
-    config = config_from_gguf(reader, path)
-    return config, params_from_hf_tensors(config, GGUFSource(reader, config, path), dtype)
+    gguf = open_gguf(path)
+    config = config_from_gguf(gguf, path)
+    return config, params_from_hf_tensors(config, GGUFSource(gguf, config, path), dtype)

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
@@ -35,6 +34,8 @@ def save_checkpoint(directory: Path, config: ModelConfig, params: dict) -> None:
     if (directory / "params").exists():
         raise FileExistsError(f"{directory / 'params'} already exists")
     directory.mkdir(parents=True, exist_ok=True)
+    import orbax.checkpoint as ocp  # ~0.25 s to import: only when a checkpoint is written or read
+
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / "params", params)
     checkpointer.wait_until_finished()
@@ -71,6 +72,8 @@ def load_checkpoint(directory: Path, dtype, sharding: jax.sharding.Sharding) -> 
     params_dir = directory / "params"
     if not params_dir.is_dir():
         raise ModelLoadError(f"{params_dir}: missing; the checkpoint is incomplete")
+    import orbax.checkpoint as ocp
+
     try:
         params = ocp.StandardCheckpointer().restore(params_dir, abstract)
     except Exception as e:  # orbax/tensorstore raise assorted types for missing or damaged arrays

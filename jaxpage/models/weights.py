@@ -120,21 +120,29 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype) -> 
             raise ModelLoadError(
                 f"{source.file_of(name)}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
             )
-        return np.ascontiguousarray(convert(tensor).astype(dtype, copy=False))
+        return convert(tensor)
 
     layers: dict = {}
     for suffix, path, shape, convert in layer_tensor_specs(c):
-        stacked = np.stack([load(f"{prefix}layers.{i}.{suffix}", shape, convert) for i in range(c.num_layers)])
+        stacked = None
+        for i in range(c.num_layers):  # each layer written once, straight into the stacked array
+            tensor = load(f"{prefix}layers.{i}.{suffix}", shape, convert)
+            if stacked is None:
+                stacked = np.empty((c.num_layers, *tensor.shape), dtype)
+            stacked[i] = tensor
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = stacked
 
+    def load_one(name: str, shape: tuple[int, ...], convert: Callable = _same) -> np.ndarray:
+        return np.ascontiguousarray(load(name, shape, convert).astype(dtype, copy=False))
+
     params = {
-        "embed_tokens": {"embedding": load(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size))},
+        "embed_tokens": {"embedding": load_one(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size))},
         "layers": layers,
-        "norm": {"scale": load(f"{prefix}norm.weight", (c.hidden_size,))},
+        "norm": {"scale": load_one(f"{prefix}norm.weight", (c.hidden_size,))},
     }
     if not c.tie_word_embeddings:
-        params["lm_head"] = {"kernel": load("lm_head.weight", (c.vocab_size, c.hidden_size), _linear())}
+        params["lm_head"] = {"kernel": load_one("lm_head.weight", (c.vocab_size, c.hidden_size), _linear())}
     return params
