@@ -8,8 +8,10 @@ it. Every other page is in exactly one state:
               the same tokens can take it back (match_prefix). Cached pages are evicted least recently used first
               when the free list runs out.
 Only full pages of computed tokens are registered, under a chained key (the previous page's key and this page's
-token ids), so a hit on page i implies the whole prefix up to page i is the same. A page that must be written while
-shared (after fork) is copied first; the copies are handed to the device through take_copies.
+token ids), so a hit on page i implies the whole prefix up to page i is the same.
+
+Sequences can share pages: prefix-cache hits, and fork (a request's n samples share its prompt's pages). A shared page
+that must be written is copied first (copy-on-write); the copies reach the device through take_copies.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class BlockManager:
         self._page_key: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # registered page -> (key, its token ids)
         self._seqs: dict[int, Sequence] = {}  # seq_id -> live sequence that holds (or may hold) pages
         self._seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
-        self._copies: list[tuple[int, int]] = []
+        self._copies: dict[int, int] = {}  # copy-on-write not yet taken: dst page -> src page
 
     @property
     def num_free_pages(self) -> int:
@@ -69,11 +71,6 @@ class BlockManager:
     def num_used_pages(self) -> int:
         """Pages referenced by at least one live sequence."""
         return self._num_referenced
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Pages with ref count 0 kept in the prefix cache (evictable)."""
-        return len(self._cached_pages)
 
     def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Pages that allocate_slots(seq, num_new_tokens) would take from the free pool (incl. copy-on-write pages)."""
@@ -112,7 +109,9 @@ class BlockManager:
         New pages come from the free list, else by evicting the least recently used cached page. A shared page
         (ref count > 1) that these tokens would be written into is copied first: a new page replaces it in the table,
         one reference to it is dropped, and (src, dst) is recorded for take_copies when it holds computed tokens of
-        seq. The device must apply the copies, in order, before the step writes new K/V.
+        seq. If src is itself the destination of a copy not yet taken, dst copies that copy's source instead, so
+        the copies of one step never chain. A page of seq's alone that these tokens would be written into leaves the
+        prefix cache if it was registered (a fork can end part-way through a full page).
         All or nothing: returns False and changes nothing if there are not enough pages.
         """
         assert num_new_tokens >= 0, num_new_tokens
@@ -126,10 +125,13 @@ class BlockManager:
         for i in self._shared_pages(seq, num_new_tokens):
             src, dst = table[i], self._take_page()
             if i * ps < start:
-                self._copies.append((src, dst))
+                self._copies[dst] = self._copies.get(src, src)
             self._ref_counts[src] -= 1  # was > 1: src stays referenced by its other sharers
             table[i] = dst
         first = min(start // ps, len(table))
+        if num_new_tokens:
+            for page in table[first : _cdiv(end, ps)]:
+                self._unregister(page)  # seq's alone now, but full of a sibling's tokens (forked part-way)
         while len(table) < _cdiv(end, ps):
             table.append(self._take_page())
         for i in range(first, _cdiv(end, ps)):
@@ -154,17 +156,21 @@ class BlockManager:
             hashes.append(key)
             parent = key
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child (empty block table) shares all of parent's pages (ref += 1 each) and its computed tokens.
-        The child's token_ids are set by the caller."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """child (empty block table), whose first num_tokens tokens are parent's first num_tokens, shares the pages
+        of parent that hold them (ref += 1 each) and has them computed. A last page that is only partly the child's
+        is copied when the child writes into it (allocate_slots)."""
         assert not child.block_table, f"fork into sequence {child.seq_id} that already holds pages"
         assert child.seq_id != parent.seq_id
+        assert num_tokens <= parent.num_computed_tokens, (num_tokens, parent.num_computed_tokens)
+        assert child.token_ids[:num_tokens] == parent.token_ids[:num_tokens], "fork of other tokens"
         self._register(child)
-        for page in parent.block_table:
+        pages = parent.block_table[: _cdiv(num_tokens, self.page_size)]
+        for page in pages:
             self._ref_counts[page] += 1
-        child.block_table.extend(parent.block_table)
-        child.num_computed_tokens = parent.num_computed_tokens
-        self._seq_hashes[child.seq_id].extend(self._seq_hashes.get(parent.seq_id, ()))
+        child.block_table.extend(pages)
+        child.num_computed_tokens = num_tokens
+        self._seq_hashes[child.seq_id].extend(self._seq_hashes.get(parent.seq_id, [])[: num_tokens // self.page_size])
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first so that the tail of a prefix chain is evicted first. A page whose count
@@ -183,8 +189,11 @@ class BlockManager:
             del self._seq_hashes[seq.seq_id]
 
     def take_copies(self) -> list[tuple[int, int]]:
-        """The (src_page, dst_page) copy-on-write copies recorded since the last call, in order; clears them."""
-        copies, self._copies = self._copies, []
+        """The (src_page, dst_page) copy-on-write copies recorded since the last call; clears them. The device
+        applies them all at once (every src read before any dst is written), before the step writes new K/V.
+        Each dst appears once; a dst page that was freed meanwhile is left out."""
+        copies = [(src, dst) for dst, src in self._copies.items()]
+        self._copies = {}
         return copies
 
     def kv_utilization(self) -> float:
@@ -223,6 +232,7 @@ class BlockManager:
         assert all(1 <= self._filled_slots[p] <= ps for p in referenced)
         assert all(self._filled_slots[p] == 0 for p in free | cached) and self._filled_slots[NULL_PAGE] == 0
         assert sum(self._filled_slots) == self._num_filled_slots
+        assert all(self._ref_counts[dst] > 0 and src != NULL_PAGE for dst, src in self._copies.items())
 
     def _register(self, seq: Sequence) -> None:
         known = self._seqs.setdefault(seq.seq_id, seq)
@@ -242,11 +252,15 @@ class BlockManager:
             page = self._free_pages.popleft()
         else:
             page, _ = self._cached_pages.popitem(last=False)
-            key, _ = self._page_key.pop(page)
-            del self._hash_to_page[key]
+            self._unregister(page)
         self._ref_counts[page] = 1
         self._num_referenced += 1
         return page
+
+    def _unregister(self, page: int) -> None:
+        entry = self._page_key.pop(page, None)
+        if entry is not None:
+            del self._hash_to_page[entry[0]]
 
     def _add_ref(self, page: int) -> None:
         if self._ref_counts[page] == 0:
@@ -255,6 +269,7 @@ class BlockManager:
         self._ref_counts[page] += 1
 
     def _release(self, page: int) -> None:
+        self._copies.pop(page, None)  # nobody reads it any more
         self._num_referenced -= 1
         self._num_filled_slots -= self._filled_slots[page]
         self._filled_slots[page] = 0

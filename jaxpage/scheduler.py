@@ -11,6 +11,15 @@ Every step the scheduler builds one ragged batch under two budgets, `max_num_seq
    each after a prefix-cache lookup, with as much of their prompt as the token budget allows.
 
 A sequence whose scheduled tokens reach the end of its known tokens gets a token sampled this step.
+
+Parallel sampling (a request with n > 1, its sequences in `Sequence.group`): the prompt of L tokens is computed
+once. The first sequence of the group to be admitted computes its first L - 1 tokens (its prefill stops there while
+a sibling waits); a waiting sibling is admitted by forking a running sibling that has them: it shares the pages
+that hold them and computes token L - 1 itself, so every sample draws its first token from its own row (n tokens,
+not n * L). A partly filled last shared page is copied by each sequence that writes into it while it is shared
+(copy-on-write, in the block manager). A waiting sibling skips its turn while another one is still computing the
+prompt; one that finds no running sibling (all preempted or finished) computes the prompt itself. A preempted
+sibling comes back the same way, forking the prompt again when a sibling runs.
 """
 
 from __future__ import annotations
@@ -51,8 +60,7 @@ class ScheduledSequence:
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
-    page_copies: list[tuple[int, int]]  # copy-on-write (src, dst) pages to copy before the step
-    preempted: list[Sequence]
+    page_copies: list[tuple[int, int]]  # copy-on-write (src, dst) pages to copy, all at once, before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,9 +80,6 @@ class Scheduler:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, seq: Sequence) -> None:
         """Ends a sequence (done or aborted) and returns its pages."""
         if seq.status is SequenceStatus.RUNNING:
@@ -87,39 +92,72 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
+        preempted = False
 
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._num_new_tokens(seq, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self.block_manager.match_prefix(seq) if not seq.block_table else 0
-            num_new = min(seq.num_uncomputed_tokens, budget)
+        if not preempted:
+            scheduled += self._admit(budget)
+        return SchedulerOutput(scheduled, self.block_manager.take_copies())
+
+    def _admit(self, budget: int) -> list[ScheduledSequence]:
+        """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""
+        scheduled: list[ScheduledSequence] = []
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) == self.config.max_num_seqs:
+                break
+            shared = seq.num_prompt_tokens - 1  # the prompt tokens siblings share
+            sibling = max(
+                (s for s in seq.group if s.status is SequenceStatus.RUNNING),
+                key=lambda s: s.num_computed_tokens,
+                default=None,
+            )
+            if sibling is None:
+                hits = self.block_manager.match_prefix(seq)
+            elif sibling.num_computed_tokens >= shared:
+                self.block_manager.fork(sibling, seq, shared)
+                hits = 0
+            else:
+                continue  # the sibling is computing the prompt: fork from it once it has
+            num_new = self._num_new_tokens(seq, budget)
             if not self.block_manager.allocate_slots(seq, num_new):
-                self.block_manager.free(seq)  # give back the prefix-cache hits; try again next step
+                self.block_manager.free(seq)  # give back the shared pages; try again next step
                 break
             self.num_prefix_hit_tokens += hits
-            self.waiting.popleft()
+            admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence.of(seq, num_new))
             budget -= num_new
+        for seq in admitted:
+            self.waiting.remove(seq)
+        return scheduled
 
-        return SchedulerOutput(scheduled, self.block_manager.take_copies(), preempted)
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to compute this step: what the budget allows, but a prompt stops before its last token
+        while a sibling waits to fork it."""
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        shared = seq.num_prompt_tokens - 1
+        if seq.num_computed_tokens < shared and any(
+            s.status is SequenceStatus.WAITING and s is not seq for s in seq.group
+        ):
+            num_new = min(num_new, shared - seq.num_computed_tokens)
+        return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees the sequence's pages; it goes back to the front of the queue and recomputes all its tokens."""

@@ -20,6 +20,8 @@ class Sequence:
 
     `token_ids` is the prompt followed by the output. The first `num_computed_tokens` of them have their
     K/V in the page pool; `block_table[i]` is the page that holds tokens [i * page_size, (i + 1) * page_size).
+    `group` holds the n sequences of a request with n > 1 (this one included; empty when n = 1): one of them
+    computes the prompt but its last token, the others share its pages (see Scheduler).
     """
 
     seq_id: int
@@ -30,6 +32,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     sampling_params: SamplingParams | None = None  # None: greedy
     seed: int = 0  # the request's seed (drawn by the engine when the request gives none)
+    group: tuple[Sequence, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):
         if not self.token_ids:

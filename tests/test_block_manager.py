@@ -19,6 +19,11 @@ def make_seq(seq_id: int, tokens) -> Sequence:
     return Sequence(seq_id=seq_id, prompt_token_ids=list(tokens))
 
 
+def num_cached(bm: BlockManager) -> int:
+    """Pages with ref count 0 kept in the prefix cache."""
+    return len(bm._cached_pages)
+
+
 def run_chunk(bm: BlockManager, seq: Sequence, num_tokens: int) -> bool:
     """What one engine step does for a sequence: get slots, compute the tokens, register the full pages."""
     if not bm.allocate_slots(seq, num_tokens):
@@ -73,7 +78,7 @@ def test_free_returns_pages(prefix_caching):
     bm.free(seq)
     assert (seq.block_table, seq.num_computed_tokens) == ([], 0)
     assert (bm.num_free_pages, bm.num_used_pages) == (7, 0)
-    assert bm.num_cached_pages == (2 if prefix_caching else 0)  # the two full pages stay findable
+    assert num_cached(bm) == (2 if prefix_caching else 0)  # the two full pages stay findable
     bm.check_invariants()
 
 
@@ -89,11 +94,11 @@ def test_prefix_hit_reuses_the_same_pages():
     assert bm.num_used_pages == 3  # shared pages count once
     bm.free(a)
     bm.free(live_hit)
-    assert bm.num_cached_pages == 2
+    assert num_cached(bm) == 2
     cached_hit = make_seq(2, [*range(4), 60, 61, 62, 63, 64])
     assert bm.match_prefix(cached_hit) == 4
     assert cached_hit.block_table == shared[:1]
-    assert (bm.num_cached_pages, bm.num_used_pages) == (1, 1)
+    assert (num_cached(bm), bm.num_used_pages) == (1, 1)
     miss = make_seq(3, [0, 1, 2, 9, 4, 5, 6, 7, 8])  # differs in the first page: the chain breaks at once
     assert bm.match_prefix(miss) == 0 and miss.block_table == []
     bm.check_invariants()
@@ -104,7 +109,7 @@ def test_never_matches_the_whole_prompt():
     a = make_seq(0, range(12))
     assert run_chunk(bm, a, 12)
     bm.free(a)
-    assert bm.num_cached_pages == 3
+    assert num_cached(bm) == 3
     assert bm.match_prefix(make_seq(1, range(8))) == 4  # exactly 2 pages: the last token must still be computed
     assert bm.match_prefix(make_seq(2, range(9))) == 8
     assert bm.match_prefix(make_seq(3, range(4))) == 0
@@ -121,7 +126,7 @@ def test_duplicate_page_keeps_the_first_mapping():
     assert first_a != first_b
     bm.free(a)
     bm.free(b)
-    assert bm.num_cached_pages == 1  # b's duplicate page went back to the free list
+    assert num_cached(bm) == 1  # b's duplicate page went back to the free list
     c = make_seq(2, [1, 2, 3])
     assert bm.match_prefix(c) == 2 and c.block_table == [first_a]
     bm.check_invariants()
@@ -163,7 +168,7 @@ def test_hit_page_is_not_evictable_while_referenced():
     bm.free(a)
     b = make_seq(1, [1, 2, 3])
     assert bm.match_prefix(b) == 2 and b.block_table == [1]
-    assert (bm.num_cached_pages, bm.num_free_pages, bm.num_used_pages) == (0, 2, 1)
+    assert (num_cached(bm), bm.num_free_pages, bm.num_used_pages) == (0, 2, 1)
     c = make_seq(2, [7] * 6)
     assert not bm.allocate_slots(c, 6)  # would need page 1, which b holds
     assert run_chunk(bm, c, 4) and sorted(c.block_table) == [2, 3]
@@ -178,7 +183,7 @@ def test_fork_and_copy_on_write():
     assert run_chunk(bm, parent, 6)
     p_full, p_tail = parent.block_table
     child = make_seq(1, parent.prompt_token_ids)
-    bm.fork(parent, child)
+    bm.fork(parent, child, 6)
     assert child.block_table == [p_full, p_tail] and child.num_computed_tokens == 6
     assert bm._ref_counts[p_full] == bm._ref_counts[p_tail] == 2
     assert bm.num_used_pages == 2
@@ -213,11 +218,97 @@ def test_fork_at_a_page_boundary_copies_nothing():
     parent = make_seq(0, range(8))
     assert run_chunk(bm, parent, 8)
     child = make_seq(1, range(8))
-    bm.fork(parent, child)
+    bm.fork(parent, child, 8)
     child.append_token(9)
     assert bm.pages_needed(child, 1) == 1  # a fresh page, not a copy
     assert bm.allocate_slots(child, 1) and bm.take_copies() == []
     assert child.block_table[:2] == parent.block_table and len(child.block_table) == 3
+    bm.check_invariants()
+
+
+def test_fork_of_a_prompt_prefix_shares_only_its_pages():
+    # What parallel sampling does: the parent has gone past the prompt (7 tokens, page_size 4); a sibling with the
+    # same prompt forks its first 6 tokens and computes token 6 itself.
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, range(7))
+    assert run_chunk(bm, parent, 7)
+    parent.append_token(50)
+    parent.append_token(51)
+    assert run_chunk(bm, parent, 2)  # 9 computed tokens: pages [0-3] [4-7] [8]
+    p0, p1, p2 = parent.block_table
+    child = make_seq(1, range(7))
+    bm.fork(parent, child, 6)
+    assert (child.block_table, child.num_computed_tokens) == ([p0, p1], 6)  # p1 holds 4, 5 of the child's
+    assert [bm._ref_counts[p] for p in (p0, p1, p2)] == [2, 2, 1]
+    assert bm._seq_hashes[1] == bm._seq_hashes[0][:1]  # only page 0 is full of the child's tokens
+    assert bm.pages_needed(child, 1) == 1
+    assert run_chunk(bm, child, 1)  # token 6 goes into a copy of p1 (which holds the parent's 6 and 7)
+    c1 = child.block_table[1]
+    assert bm.take_copies() == [(p1, c1)] and c1 not in (p0, p1, p2)
+    assert [bm._ref_counts[p] for p in (p0, p1, p2, c1)] == [2, 1, 1, 1]
+    bm.check_invariants()
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_used_pages == 0
+    bm.check_invariants()
+
+
+def test_fork_of_no_tokens_shares_nothing():
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, [5])
+    assert run_chunk(bm, parent, 1)
+    child = make_seq(1, [5])
+    bm.fork(parent, child, 0)  # a 1-token prompt: nothing to share
+    assert (child.block_table, child.num_computed_tokens) == ([], 0)
+    assert run_chunk(bm, child, 1) and child.block_table != parent.block_table and bm.take_copies() == []
+    bm.check_invariants()
+
+
+def test_a_cached_page_written_by_its_last_holder_leaves_the_cache():
+    # A fork part-way through a full, registered page; once the parent is gone the child writes into it in place:
+    # the page no longer holds what its prefix-cache key says, so the key must go.
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, [1, 2, 3, 4, 5])
+    assert run_chunk(bm, parent, 5)
+    p0 = parent.block_table[0]
+    assert p0 in bm._page_key
+    child = make_seq(1, [1, 2, 9])
+    bm.fork(parent, child, 2)
+    bm.free(parent)
+    assert bm._ref_counts[p0] == 1
+    assert run_chunk(bm, child, 1) and child.block_table == [p0] and bm.take_copies() == []
+    assert p0 not in bm._page_key
+    assert bm.match_prefix(make_seq(2, [1, 2, 3, 4, 5])) == 0
+    bm.check_invariants()
+
+
+def test_copies_of_one_step_never_chain():
+    # b forks a, whose shared page was copied this step but not yet on the device: b's copy must come from the
+    # original page, since the device runs a step's copies all at once.
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, range(7))
+    assert run_chunk(bm, parent, 7)
+    a, b = make_seq(1, range(7)), make_seq(2, range(7))
+    bm.fork(parent, a, 6)
+    assert bm.allocate_slots(a, 1)
+    bm.fork(a, b, 6)
+    assert b.block_table == a.block_table
+    assert bm.allocate_slots(b, 1)
+    p1, a1, b1 = parent.block_table[1], a.block_table[1], b.block_table[1]
+    assert len({p1, a1, b1}) == 3
+    assert bm.take_copies() == [(p1, a1), (p1, b1)]
+    bm.check_invariants()
+
+
+def test_copy_into_a_page_freed_in_the_same_step_is_dropped():
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, range(7))
+    assert run_chunk(bm, parent, 7)
+    child = make_seq(1, range(7))
+    bm.fork(parent, child, 6)
+    assert bm.allocate_slots(child, 1)
+    bm.free(child)  # its copy is gone with it: nobody would read it, and the page may be handed out again
+    assert bm.take_copies() == []
     bm.check_invariants()
 
 
@@ -228,7 +319,7 @@ def test_kv_utilization_worked_example():
     assert run_chunk(bm, a, 6)
     assert bm.kv_utilization() == 6 / 8  # page A0 holds 4 slots, A1 holds 2: 6 of 2 * 4
     b = make_seq(1, a.prompt_token_ids)
-    bm.fork(a, b)
+    bm.fork(a, b, 6)
     assert bm.kv_utilization() == 6 / 8  # shared pages count once
     b.append_token(7)
     assert bm.allocate_slots(b, 1)  # copy-on-write of A1 into B1, which holds positions 4, 5, 6
@@ -254,7 +345,7 @@ def test_prefix_caching_off():
     bm.free(a)
     b = make_seq(1, [1, 2, 3, 4, 5])
     assert bm.match_prefix(b) == 0 and b.block_table == []
-    assert bm.num_cached_pages == 0 and bm.num_free_pages == 7
+    assert num_cached(bm) == 0 and bm.num_free_pages == 7
     bm.check_invariants()
 
 
@@ -311,21 +402,40 @@ def kv_of(seq: Sequence, pos: int) -> tuple[int, ...]:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Drives the block manager like an engine. `pool` is a shadow of the device KV pool: pool[page][offset] is what
-    the K/V in that slot depends on, the tokens up to and including its own. Every live sequence's computed tokens
-    must be intact in the pages its table names (catches a missing copy-on-write, a page handed out while
-    referenced, a stale or unchained prefix-cache entry)."""
+    """Drives the block manager like an engine, one step at a time: sequences get their slots (`schedule`), others
+    are forked, freed or readmitted meanwhile, then `run_step` plays the device: every copy-on-write copy at once
+    (all read before any is written), then the K/V of the scheduled tokens. `pool` is a shadow of the device KV
+    pool: pool[page][offset] is what the K/V in that slot depends on, the tokens up to and including its own. Every
+    live sequence's computed tokens must be intact in the pages its table names (catches a missing or chained
+    copy-on-write, a page handed out while referenced, a stale or unchained prefix-cache entry)."""
 
-    @initialize(num_pages=st.integers(2, 14), page_size=st.integers(1, 4), prefix_caching=st.booleans())
-    def setup(self, num_pages, page_size, prefix_caching):
+    @initialize(
+        num_pages=st.integers(2, 14),
+        page_size=st.integers(1, 4),
+        prefix_caching=st.booleans(),
+        first=st.lists(st.integers(0, 2), max_size=9),
+    )
+    def setup(self, num_pages, page_size, prefix_caching, first):
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
         self.pool = [[None] * page_size for _ in range(num_pages)]
         self.seqs: dict[int, Sequence] = {}
+        self.batch: dict[int, int] = {}  # seq_id -> tokens the next run_step computes (their slots are allocated)
         self.next_id = 0
+        if first:  # a computed sequence to fork from at once
+            self.add(first, len(first), [])
+            self._allocate(self.seqs[0], len(first))
+            self.run_step()
 
     def _pick(self, index, cond=lambda s: True):
         candidates = [s for s in self.seqs.values() if cond(s)]
         return candidates[index % len(candidates)]
+
+    def _device_view(self):
+        """The pool as the step's attention will see it: after the copies not yet taken."""
+        view = list(self.pool)
+        for dst, src in self.bm._copies.items():
+            view[dst] = self.pool[src]
+        return view
 
     def _admit(self, seq):
         bm, ps = self.bm, self.bm.page_size
@@ -333,10 +443,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert matched == seq.num_computed_tokens == len(seq.block_table) * ps
         assert matched <= (seq.num_prompt_tokens - 1) // ps * ps
         assert matched == 0 or bm.enable_prefix_caching
+        view = self._device_view()
         for i, page in enumerate(seq.block_table):
             tokens = seq.token_ids[i * ps : (i + 1) * ps]
             assert bm._page_key[page][1] == tuple(tokens)  # registered tokens equal the new prompt's
-            assert self.pool[page] == [kv_of(seq, pos) for pos in range(i * ps, (i + 1) * ps)]  # and the device's
+            assert view[page] == [kv_of(seq, pos) for pos in range(i * ps, (i + 1) * ps)]  # and the device's
+
+    def _forget(self, seq):
+        del self.seqs[seq.seq_id]
+        self.batch.pop(seq.seq_id, None)
 
     @precondition(lambda self: len(self.seqs) < MAX_LIVE)
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 12), suffix=st.lists(st.integers(0, 2), max_size=5))
@@ -346,44 +461,70 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs[seq.seq_id] = seq
         self._admit(seq)
 
-    @precondition(lambda self: any(s.num_uncomputed_tokens for s in self.seqs.values()))
+    @precondition(lambda self: any(s.num_uncomputed_tokens and s.seq_id not in self.batch for s in self.seqs.values()))
     @rule(index=pick, chunk=st.integers(1, 8))
-    def step(self, index, chunk):
+    def schedule(self, index, chunk):
+        seq = self._pick(index, lambda s: s.num_uncomputed_tokens > 0 and s.seq_id not in self.batch)
+        self._allocate(seq, chunk)
+
+    def _allocate(self, seq, chunk):
         bm, ps = self.bm, self.bm.page_size
-        seq = self._pick(index, lambda s: s.num_uncomputed_tokens > 0)
         n = min(chunk, seq.num_uncomputed_tokens)
         needed, free_before, used_before = bm.pages_needed(seq, n), bm.num_free_pages, bm.num_used_pages
-        table_before, computed_before = list(seq.block_table), seq.num_computed_tokens
+        table_before, computed_before, copies_before = list(seq.block_table), seq.num_computed_tokens, dict(bm._copies)
         if not bm.allocate_slots(seq, n):
             assert needed > free_before
             assert (seq.block_table, seq.num_computed_tokens) == (table_before, computed_before)
-            assert (bm.num_free_pages, bm.num_used_pages, bm.take_copies()) == (free_before, used_before, [])
+            assert (bm.num_free_pages, bm.num_used_pages, bm._copies) == (free_before, used_before, copies_before)
             return
         assert needed <= free_before and bm.num_free_pages == free_before - needed
         assert len(seq.block_table) * ps >= seq.num_computed_tokens + n
-        for src, dst in bm.take_copies():  # the device copies first, then writes the step's K/V
-            self.pool[dst] = list(self.pool[src])
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            self.pool[seq.block_table[pos // ps]][pos % ps] = kv_of(seq, pos)
-        seq.num_computed_tokens += n
-        bm.cache_full_pages(seq)
+        self.batch[seq.seq_id] = n
 
-    @precondition(lambda self: any(s.num_uncomputed_tokens == 0 for s in self.seqs.values()))
+    @precondition(lambda self: self.batch or self.bm._copies)
+    @rule()
+    def run_step(self):
+        bm, ps = self.bm, self.bm.page_size
+        copies = bm.take_copies()
+        assert len({dst for _, dst in copies}) == len(copies)
+        sources = [list(self.pool[src]) for src, _ in copies]  # all at once: every source read first
+        for (_, dst), data in zip(copies, sources, strict=True):
+            self.pool[dst] = data
+        for seq_id, n in self.batch.items():
+            seq = self.seqs[seq_id]
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                self.pool[seq.block_table[pos // ps]][pos % ps] = kv_of(seq, pos)
+            seq.num_computed_tokens += n
+            bm.cache_full_pages(seq)
+        self.batch.clear()
+
+    @precondition(
+        lambda self: any(s.num_uncomputed_tokens == 0 and s.seq_id not in self.batch for s in self.seqs.values())
+    )
     @rule(index=pick, token=st.integers(0, 2))
     def decode(self, index, token):
-        self._pick(index, lambda s: s.num_uncomputed_tokens == 0).append_token(token)
+        self._pick(index, lambda s: s.num_uncomputed_tokens == 0 and s.seq_id not in self.batch).append_token(token)
 
-    @precondition(lambda self: 0 < len(self.seqs) < MAX_LIVE)
-    @rule(index=pick)
-    def fork(self, index):
-        parent = self._pick(index)
-        child = make_seq(self.next_id, parent.prompt_token_ids)
-        child.token_ids = list(parent.token_ids)
+    @precondition(lambda self: len(self.seqs) < MAX_LIVE and any(s.num_computed_tokens for s in self.seqs.values()))
+    @rule(
+        index=pick,
+        back=st.integers(0, 5),
+        suffix=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+        write=st.booleans(),
+    )
+    def fork(self, index, back, suffix, write):
+        # A sibling that shares the parent's first `num_tokens` computed tokens (all of them, or `back` fewer), then
+        # goes its own way; with `write` it computes its next token at once, as the scheduler does.
+        parent = self._pick(index, lambda s: s.num_computed_tokens > 0)
+        num_tokens = max(0, parent.num_computed_tokens - back)
+        child = make_seq(self.next_id, parent.token_ids[:num_tokens] + suffix)
         self.next_id += 1
-        self.bm.fork(parent, child)
-        assert child.block_table == parent.block_table
-        assert child.num_computed_tokens == parent.num_computed_tokens
+        self.bm.fork(parent, child, num_tokens)
+        assert child.block_table == parent.block_table[: -(-num_tokens // self.bm.page_size)]
+        assert child.num_computed_tokens == num_tokens
         self.seqs[child.seq_id] = child
+        if write:
+            self._allocate(child, 1)
 
     @precondition(lambda self: self.seqs)
     @rule(index=pick)
@@ -391,28 +532,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self._pick(index)
         self.bm.free(seq)
         assert (seq.block_table, seq.num_computed_tokens) == ([], 0)
-        del self.seqs[seq.seq_id]
+        self._forget(seq)
 
     @precondition(lambda self: self.seqs)
     @rule(index=pick)
     def preempt_and_readmit(self, index):
         seq = self._pick(index)
         self.bm.free(seq)
+        self.batch.pop(seq.seq_id, None)
         self._admit(seq)  # recompute from scratch, reusing whatever of its prompt is still cached
 
     @invariant()
     def pages_are_consistent(self):
         bm, ps = self.bm, self.bm.page_size
         bm.check_invariants()
-        num_free_list = bm.num_free_pages - bm.num_cached_pages
-        assert num_free_list + bm.num_used_pages + bm.num_cached_pages == bm.num_pages - 1
+        num_free_list = bm.num_free_pages - num_cached(bm)
+        assert num_free_list + bm.num_used_pages + num_cached(bm) == bm.num_pages - 1
         table_entries = collections.Counter(page for s in self.seqs.values() for page in s.block_table)
         assert NULL_PAGE not in table_entries
         assert len(table_entries) == bm.num_used_pages
         assert all(bm._ref_counts[page] == count for page, count in table_entries.items())
+        view = self._device_view()
         for seq in self.seqs.values():
             for pos in range(seq.num_computed_tokens):
-                assert self.pool[seq.block_table[pos // ps]][pos % ps] == kv_of(seq, pos)
+                assert view[seq.block_table[pos // ps]][pos % ps] == kv_of(seq, pos)
         assert 0.0 < bm.kv_utilization() <= 1.0
 
     def teardown(self):
@@ -424,6 +567,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_used_pages == 0
         assert self.bm.num_free_pages == self.bm.num_pages - 1
         assert self.bm.kv_utilization() == 1.0
+        assert self.bm.take_copies() == []
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -30,41 +31,84 @@ def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
     return output
 
 
+def unfinished(scheduler: Scheduler) -> bool:
+    return bool(scheduler.waiting or scheduler.running)
+
+
+def make_group(first_id: int, prompt: list[int], n: int) -> list[Sequence]:
+    """The n sequences of one request, as the engine makes them."""
+    seqs = [Sequence(first_id + i, list(prompt)) for i in range(n)]
+    if n > 1:
+        for seq in seqs:
+            seq.group = tuple(seqs)
+    return seqs
+
+
+def kv_of(seq: Sequence, pos: int) -> tuple[int, ...]:
+    """What the K/V of token `pos` depends on: every token up to it."""
+    return tuple(seq.token_ids[: pos + 1])
+
+
 class SchedulerMachine(RuleBasedStateMachine):
+    """Requests of 1 to 3 samples, steps, aborts. `pool` plays the device: each step applies the copy-on-write copies
+    at once, checks that every scheduled sequence finds its computed tokens in the pages its table names (what
+    attention reads), then writes the new tokens. Siblings sample different tokens, so a page shared when it should
+    have been copied shows."""
+
     def __init__(self):
         super().__init__()
         self.scheduler = make_scheduler()
         self.live: list[tuple[Sequence, int]] = []  # (sequence, max output tokens)
         self.next_id = 0
+        self.pool = [[None] * PAGE_SIZE for _ in range(self.scheduler.block_manager.num_pages)]
 
-    @rule(prompt_len=st.integers(1, 30), shared=st.booleans(), max_out=st.integers(1, 12))
-    def add(self, prompt_len, shared, max_out):
+    @rule(
+        prompt_len=st.integers(1, 30),
+        shared=st.booleans(),
+        max_outs=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    )
+    def add(self, prompt_len, shared, max_outs):
         # Shared prompts start with the same tokens, so prefix-cache hits happen.
         prompt = [(i % 5) + 1 if shared else (self.next_id * 31 + i) % 97 for i in range(prompt_len)]
-        seq = Sequence(self.next_id, prompt)
-        self.next_id += 1
-        self.scheduler.add(seq)
-        self.live.append((seq, max_out))
+        for seq, max_out in zip(make_group(self.next_id, prompt, len(max_outs)), max_outs, strict=True):
+            self.scheduler.add(seq)
+            self.live.append((seq, max_out))
+        self.next_id += len(max_outs)
 
-    @precondition(lambda self: self.scheduler.has_unfinished())
+    @precondition(lambda self: unfinished(self.scheduler))
     @rule()
     def step(self):
         config = self.scheduler.config
+        running_before = list(self.scheduler.running)
         output = self.scheduler.schedule()
         assert output.scheduled, "work is waiting but nothing was scheduled"
         assert output.num_batched_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
+        sources = [list(self.pool[src]) for src, _ in output.page_copies]  # all at once: every source read first
+        for (_, dst), data in zip(output.page_copies, sources, strict=True):
+            self.pool[dst] = data
+        written = set()
         for item in output.scheduled:
             seq = item.seq
             assert seq.status is SequenceStatus.RUNNING
             assert item.num_new_tokens >= 1
             assert len(seq.block_table) * PAGE_SIZE >= seq.num_computed_tokens + item.num_new_tokens
-        for seq in output.preempted:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table
+            for pos in range(item.num_computed_tokens):
+                assert self.pool[seq.block_table[pos // PAGE_SIZE]][pos % PAGE_SIZE] == kv_of(seq, pos)
+            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
+                slot = (seq.block_table[pos // PAGE_SIZE], pos % PAGE_SIZE)
+                assert slot not in written, "two sequences write one slot"
+                written.add(slot)
+        for item in output.scheduled:
+            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
+                self.pool[item.seq.block_table[pos // PAGE_SIZE]][pos % PAGE_SIZE] = kv_of(item.seq, pos)
+        for seq in running_before:
+            if seq.status is SequenceStatus.WAITING:  # preempted
+                assert not seq.block_table and seq.num_computed_tokens == 0
         self.scheduler.commit(output)
         for item in output.scheduled:
             if item.samples:
-                item.seq.append_token(3)
+                item.seq.append_token((item.seq.seq_id + item.seq.num_tokens) % 4)  # siblings differ
         for seq, max_out in list(self.live):
             if seq.status is SequenceStatus.RUNNING and len(seq.output_token_ids) >= max_out:
                 self.scheduler.finish(seq)
@@ -73,8 +117,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
     def abort(self, index):
-        seq, max_out = self.live.pop(index % len(self.live))
-        self.scheduler.finish(seq)
+        # A whole request: every sample of it still live.
+        seq, _ = self.live[index % len(self.live)]
+        for sibling in seq.group or (seq,):
+            if sibling.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(sibling)
+        self.live = [(s, m) for s, m in self.live if s.status is not SequenceStatus.FINISHED]
 
     @invariant()
     def pages_add_up(self):
@@ -82,12 +130,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm.check_invariants()
         assert bm.num_used_pages + bm.num_free_pages == bm.num_pages - 1
         assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
+        for seq in self.scheduler.waiting:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table
 
     def teardown(self):
         for seq, _ in self.live:
             self.scheduler.finish(seq)
         assert self.scheduler.block_manager.num_used_pages == 0
-        assert not self.scheduler.has_unfinished()
+        assert not unfinished(self.scheduler)
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
@@ -111,13 +161,13 @@ def test_every_request_finishes_and_nothing_leaks(lengths, num_pages, budget):
         scheduler.add(seq)
         seqs.append((seq, max_out))
     for _ in range(2000):
-        if not scheduler.has_unfinished():
+        if not unfinished(scheduler):
             break
         run_step(scheduler)
         for seq, max_out in seqs:
             if seq.status is SequenceStatus.RUNNING and len(seq.output_token_ids) >= max_out:
                 scheduler.finish(seq)
-    assert not scheduler.has_unfinished()
+    assert not unfinished(scheduler)
     assert all(len(seq.output_token_ids) == max_out for seq, max_out in seqs)
     assert scheduler.block_manager.num_used_pages == 0
 
@@ -150,7 +200,145 @@ def test_preemption_takes_the_newest_request_and_recomputes_it():
     for _ in range(3):  # fill both third pages: 12 tokens each, then old needs a 4th page
         run_step(scheduler)
     output = scheduler.schedule()
-    assert output.preempted == [new]
     assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
     assert [item.seq for item in output.scheduled] == [old]
     assert scheduler.waiting[0] is new  # first in line once pages are free again
+
+
+def run_group(scheduler: Scheduler, seqs: list[Sequence], max_outs: list[int], check=None) -> int:
+    """Runs the requests of `seqs` to the end, sample i stopping after max_outs[i] tokens; returns the tokens
+    scheduled over all steps. `check(output)` sees each step."""
+    for seq in seqs:
+        scheduler.add(seq)
+    total = 0
+    while unfinished(scheduler):
+        output = scheduler.schedule()
+        assert output.scheduled
+        if check is not None:
+            check(output)
+        scheduler.commit(output)
+        total += output.num_batched_tokens
+        for item in output.scheduled:
+            if item.samples:
+                item.seq.append_token((item.seq.seq_id + item.seq.num_tokens) % 4)
+        for seq, max_out in zip(seqs, max_outs, strict=True):
+            if seq.status is SequenceStatus.RUNNING and len(seq.output_token_ids) >= max_out:
+                scheduler.finish(seq)
+        scheduler.block_manager.check_invariants()
+    assert scheduler.block_manager.num_used_pages == 0
+    return total
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_parallel_samples_compute_the_prompt_once(prefix_caching):
+    scheduler = make_scheduler(num_pages=24, max_num_seqs=4, max_tokens=16, prefix_caching=prefix_caching)
+    bm = scheduler.block_manager
+    parent, *children = seqs = make_group(0, list(range(1, 11)), 4)  # 10 tokens: pages [1-4] [5-8] [9 10]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in first.scheduled] == [(parent, 9, False)]
+    assert all(seq.status is SequenceStatus.WAITING for seq in children)  # waiting for the prompt
+    scheduler.commit(first)
+    second = scheduler.schedule()  # every sample computes token 9 from its own row
+    assert [(i.seq, i.num_computed_tokens, i.num_new_tokens) for i in second.scheduled] == [(s, 9, 1) for s in seqs]
+    assert all(item.samples for item in second.scheduled)
+    full = parent.block_table[:2]
+    assert all(seq.block_table[:2] == full for seq in seqs)
+    assert [bm._ref_counts[p] for p in full] == [4, 4]
+    tails = [seq.block_table[2] for seq in seqs]  # the partial page: the parent keeps it, each child copies it
+    assert len(set(tails)) == 4
+    assert second.page_copies == [(tails[0], tail) for tail in tails[1:]]
+    bm.check_invariants()
+    scheduler.commit(second)
+    for item in second.scheduled:
+        item.seq.append_token(item.seq.seq_id)
+    third = scheduler.schedule()  # decodes: each writes its own page, nothing is copied
+    assert [(i.seq, i.num_new_tokens) for i in third.scheduled] == [(s, 1) for s in seqs] and not third.page_copies
+    for seq in seqs:
+        scheduler.finish(seq)
+    assert bm.num_used_pages == 0
+    bm.check_invariants()
+
+
+def test_a_prompt_ending_on_a_page_boundary_shares_every_page():
+    scheduler = make_scheduler()
+    seqs = make_group(0, list(range(1, 10)), 3)  # 9 tokens: the 8 shared fill 2 pages
+    copies = []
+    total = run_group(scheduler, seqs, [2, 2, 2], check=lambda output: copies.extend(output.page_copies))
+    assert total == 8 + 3 * 2 and copies == []
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "budget", "max_num_seqs", "max_outs"),
+    [
+        (10, 16, 4, [3, 3, 3, 3]),
+        (1, 16, 4, [2, 1, 3]),  # a 1-token prompt: nothing to share, every sample computes it
+        (40, 8, 4, [2, 5, 1]),  # the parent's prompt takes 5 chunks
+        (10, 16, 2, [4, 3, 2, 6, 1]),  # 2 rows: later samples fork a sibling that is still running
+        (17, 5, 4, [1, 1, 1, 1]),  # one token each: every sample ends at once
+    ],
+)
+def test_tokens_computed_for_parallel_samples(prompt_len, budget, max_num_seqs, max_outs):
+    # Without preemption every token is computed once: the prompt's first L - 1 by one sample, then each sample's
+    # last prompt token and outputs but its last: (L - 1) + sum of output lengths.
+    for prefix_caching in (True, False):
+        scheduler = make_scheduler(
+            num_pages=40, max_num_seqs=max_num_seqs, max_tokens=budget, prefix_caching=prefix_caching
+        )
+        seqs = make_group(0, [(7 * i) % 50 for i in range(prompt_len)], len(max_outs))
+        assert run_group(scheduler, seqs, max_outs) == prompt_len - 1 + sum(max_outs)
+        assert [len(seq.output_token_ids) for seq in seqs] == max_outs
+        assert scheduler.num_preemptions == 0
+
+
+def test_a_sample_admitted_after_its_siblings_finished_computes_the_prompt_again():
+    # One row: the parent runs to the end before its sibling can start; the sibling then has nobody to fork and
+    # computes the prompt itself (from the prefix cache where it can), all of it in one step since nobody waits.
+    for prefix_caching, recomputed in ((True, 10 - 8), (False, 10)):
+        scheduler = make_scheduler(max_num_seqs=1, prefix_caching=prefix_caching)
+        seqs = make_group(0, list(range(1, 11)), 2)
+        firsts = []  # (tokens, samples) of each step of a sequence without outputs yet
+
+        def check(output, firsts=firsts):
+            firsts.extend((i.num_new_tokens, i.samples) for i in output.scheduled if not i.seq.output_token_ids)
+
+        assert run_group(scheduler, seqs, [3, 3], check) == 9 + 3 + recomputed + 2
+        assert firsts == [(9, False), (1, True), (recomputed, True)]
+
+
+def test_preempted_sample_forks_the_prompt_again():
+    # 7 pages of 4 tokens; three samples of a 9-token prompt share pages [1-4] [5-8]. As they decode the pool runs
+    # out and the newest sample is preempted after 4 tokens. It comes back, once the second one ends, by forking
+    # the first's 8 prompt tokens again: it recomputes its last prompt token and 4 outputs, nothing more.
+    scheduler = make_scheduler(num_pages=8, max_num_seqs=3, max_tokens=64, prefix_caching=False)
+    parent, _, child = seqs = make_group(0, list(range(1, 10)), 3)
+    comebacks = []
+
+    def check(output):
+        for item in output.scheduled:
+            if item.seq is child and item.num_new_tokens > 1:
+                comebacks.append((item.num_computed_tokens, item.num_new_tokens))
+                assert child.block_table[:2] == parent.block_table[:2]
+
+    total = run_group(scheduler, seqs, [12, 8, 12], check)
+    assert scheduler.num_preemptions == 1 and comebacks == [(8, 5)]
+    assert total == 8 + (12 + 8 + 12) + 4
+
+
+def test_abort_before_and_after_the_fork():
+    for abort_at in range(4):
+        scheduler = make_scheduler(max_tokens=4)
+        seqs = make_group(0, list(range(1, 11)), 3)  # the prompt takes 3 steps (chunks of 4, 4, 1), then forks
+        for seq in seqs:
+            scheduler.add(seq)
+        for _ in range(abort_at):
+            output = scheduler.schedule()
+            scheduler.commit(output)
+            for item in output.scheduled:
+                if item.samples:
+                    item.seq.append_token(item.seq.seq_id)
+        for seq in seqs:
+            scheduler.finish(seq)
+        assert not unfinished(scheduler) and scheduler.block_manager.num_used_pages == 0
+        scheduler.block_manager.check_invariants()
