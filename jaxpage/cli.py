@@ -68,11 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     generate.add_argument("--min-p", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument(
-        "--compilation-cache-dir",
-        default=None,
-        help="XLA's persistent compilation cache: a later run with the same model loads its compiled steps from here",
-    )
+    _add_compilation_cache_options(generate)
     _add_model_options(generate)
 
     predict = commands.add_parser("predict", help="print the most likely next tokens after a prompt")
@@ -105,9 +101,27 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     batch.add_argument("--page-size", type=int, default=16)
     batch.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    batch.add_argument("--compilation-cache-dir", default=None, help="XLA's persistent compilation cache")
+    _add_compilation_cache_options(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
+
+
+def _add_compilation_cache_options(parser: argparse.ArgumentParser) -> None:
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compilation-cache-dir",
+        default="auto",
+        metavar="DIR",
+        help="XLA's persistent compilation cache: a later run with the same model loads its compiled steps from "
+        "here (default: compilation-cache in $JAXPAGE_CACHE, else ~/.cache/jaxpage)",
+    )
+    cache.add_argument(
+        "--no-compilation-cache",
+        dest="compilation_cache_dir",
+        action="store_const",
+        const=None,
+        help="compile everything in this process; read and write no compilation cache",
+    )
 
 
 def _check_prompt(prompt: str) -> None:

@@ -71,10 +71,10 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int, pool_head_dim: int | None = None) -> int:
-        """Bytes of K and V one token takes in the cache: 2 * layers * kv_heads * head_dim * dtype_bytes, with the
-        pool's head_dim where it is padded (the TPU kernels need a multiple of 128)."""
-        return 2 * self.num_layers * self.num_kv_heads * (pool_head_dim or self.head_dim) * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token takes in the cache: 2 * layers * kv_heads * head_dim * dtype_bytes (the
+        attention backend's pool may pad head_dim: see AttentionBackend.kv_bytes_per_token)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     # ----- (de)serialization -----
 
@@ -179,18 +179,27 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # 1 to MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the requests that bring none; >= 0
-    # The paged attention: "auto" (the Pallas kernels on TPU and GPU, the pure-JAX reference on CPU), "reference",
-    # "pallas", or "pallas_tpu_interpret" / "pallas_gpu_interpret" (that backend's Pallas kernel in Pallas'
-    # interpreter, on any backend: slow, for tests).
+    # The attention backend (jaxpage.attention_backend): "auto" (the Pallas kernels on TPU and GPU, the XLA
+    # implementation elsewhere), "xla", "pallas" (this platform's kernels), "pallas_tpu", "pallas_gpu", or
+    # "pallas_tpu_interpret" / "pallas_gpu_interpret" (those kernels in Pallas' interpreter, any platform: for tests).
     attention_impl: str = "auto"
     # XLA's persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
-    # arguments loads its compiled steps from this directory instead of compiling them. None: no cache.
-    compilation_cache_dir: str | None = None
+    # arguments loads its compiled steps from this directory instead of compiling them. "auto": the folder
+    # "compilation-cache" of jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage). None: no cache.
+    compilation_cache_dir: str | None = "auto"
     load_format: str = "auto"  # "auto": the weights of `model`; "dummy": random weights, the config of `model`
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have token ids and no text
 
     CPU_KV_CACHE_BYTES = 2 << 30
-    ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_tpu_interpret", "pallas_gpu_interpret")
+    ATTENTION_IMPLS = (
+        "auto",
+        "xla",
+        "pallas",
+        "pallas_tpu",
+        "pallas_gpu",
+        "pallas_tpu_interpret",
+        "pallas_gpu_interpret",
+    )
     DTYPES = ("float32", "bfloat16", "float16")
     MAX_PAGE_SIZE = 1024
     MAX_NUM_SEQS = 1 << 16
@@ -234,7 +243,7 @@ class EngineConfig:
         check_bool(arg("enable_prefix_caching"), self.enable_prefix_caching)
         put("seed", check_int(arg("seed"), self.seed, 0))
         choose("attention_impl", self.ATTENTION_IMPLS)
-        if self.compilation_cache_dir is not None:
+        if self.compilation_cache_dir not in (None, "auto"):
             put("compilation_cache_dir", check_path(arg("compilation_cache_dir"), self.compilation_cache_dir))
         choose("load_format", ("auto", "dummy"))
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -14,11 +15,11 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
+from jaxpage.attention_backend import AttentionBackend
 from jaxpage.block_manager import BlockManager
-from jaxpage.compilation_cache import enable_compilation_cache
+from jaxpage.compilation_cache import disable_compilation_cache, enable_compilation_cache
 from jaxpage.config import EngineConfig
-from jaxpage.kv_cache import pool_head_dim
-from jaxpage.model_runner import ModelRunner
+from jaxpage.model_runner import CompiledShape, ModelRunner
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
@@ -106,6 +107,7 @@ class StepStats:
     num_decodes: int  # sequences with one new token
     num_sampled: int  # sequences whose logits give a token this step (the rows of the LM head)
     num_attended_keys: int  # query-key pairs of the step's causal attention (sum over its tokens of keys seen)
+    shape: str  # the step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"
     schedule_s: float  # host: the scheduler
     prepare_s: float  # host: the step's arrays
     device_s: float  # dispatch until the sampled tokens are on the host
@@ -149,17 +151,37 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.compilation_cache_dir is not None:
+        self.attention_backend = AttentionBackend.resolve(config.attention_impl)
+        if config.compilation_cache_dir is None:
+            disable_compilation_cache()
+        else:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
+        with concurrent.futures.ThreadPoolExecutor(1) as background:
+            tokenizer = None if config.skip_tokenizer_init else background.submit(load_tokenizer, config.model)
+            self._start(config, params)
+            self.tokenizer = tokenizer.result() if tokenizer else None
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._requests: dict[str, _Request] = {}
+        self._request_of_seq: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._ended: list[RequestOutput] = []  # final outputs of requests aborted or failed, for the next step()
+        self._lock = threading.RLock()  # add, abort and step may come from different threads
+        self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
+
+    def _start(self, config: EngineConfig, params: dict) -> None:
+        """Sizes and allocates the KV pool, builds the scheduler and the runner."""
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
-        head_dim = pool_head_dim(self.model_config.head_dim, config.attention_impl)
-        token_bytes = self.model_config.kv_bytes_per_token(dtype_bytes, head_dim)
+        head_dim = self.attention_backend.pool_head_dim(self.model_config.head_dim)
+        token_bytes = self.attention_backend.kv_bytes_per_token(self.model_config, dtype_bytes)
         num_pages = kv_pool_pages(config, token_bytes, self.max_model_len)
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
@@ -183,23 +205,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model_config,
             params,
+            self.attention_backend,
             num_pages=num_pages,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            attention_impl=config.attention_impl,
         )
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._requests: dict[str, _Request] = {}
-        self._request_of_seq: dict[int, _Request] = {}
-        self._seq_ids = itertools.count()
-        self._seed_rng = np.random.default_rng(config.seed)
-        self._ended: list[RequestOutput] = []  # final outputs of requests aborted or failed, for the next step()
-        self._lock = threading.RLock()  # add, abort and step may come from different threads
-        self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> LLMEngine:
@@ -250,6 +262,7 @@ class LLMEngine:
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len {max_len} leaves no room to generate")
+        # One sequence's pages: the n samples share the prompt's pages and need not run at the same time.
         longest = min(len(token_ids) + (params.max_tokens or max_len), max_len)
         pages = math.ceil(longest / self.block_manager.page_size)
         if pages > self.block_manager.num_pages - 1:
@@ -263,6 +276,9 @@ class LLMEngine:
                 for index in range(params.n)
             ]
             seqs = [Sequence(next(self._seq_ids), token_ids, sampling_params=params, seed=seed) for seed in seeds]
+        if len(seqs) > 1:  # the n samples compute the prompt once and share its pages (see Scheduler)
+            for seq in seqs:
+                seq.group = tuple(seqs)
         logprobs = params.logprobs is not None
         return _Request(
             request_id,
@@ -331,10 +347,10 @@ class LLMEngine:
             fail("prompt_token_ids", "a non-empty list of token ids", ids, wrong_type=True)
         if len(ids) == 0:
             fail("prompt_token_ids", "a non-empty list of token ids", ids)
-        bad = next((t for t in ids if not is_int(t) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise (ArgumentTypeError if not is_int(bad) else ValueError)(
-                f"prompt_token_ids holds {describe(bad)}, not a token id in [0, {vocab})"
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab][:1]  # a list: the bad id may be None
+        if bad:
+            raise (ArgumentTypeError if not is_int(bad[0]) else ValueError)(
+                f"prompt_token_ids holds {describe(bad[0])}, not a token id in [0, {vocab})"
             )
         return [int(t) for t in ids]
 
@@ -354,9 +370,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 
-    def warmup(self) -> None:
-        """Compiles the step for every bucket so that serving compiles nothing."""
-        self.runner.warmup()
+    def warmup(self) -> list[CompiledShape]:
+        """Compiles the step for every shape a workload can reach, so that serving compiles nothing; returns the
+        shapes compiled and the seconds each took (a shape already compiled is not compiled again)."""
+        return self.runner.warmup()
 
     # ----- the step -----
 
@@ -415,6 +432,7 @@ class LLMEngine:
                 num_attended_keys=sum(
                     attended_keys(item, self.model_config.sliding_window) for item in output.scheduled
                 ),
+                shape=str(result.shape),
                 schedule_s=scheduled - start,
                 prepare_s=result.prepare_s,
                 device_s=result.device_s,
@@ -508,16 +526,3 @@ class LLMEngine:
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq)
         self._request_of_seq.pop(seq.seq_id, None)
-
-    # ----- statistics -----
-
-    def kv_stats(self) -> dict[str, float]:
-        bm = self.block_manager
-        return {
-            "used_pages": bm.num_used_pages,
-            "cached_pages": bm.num_cached_pages,
-            "free_pages": bm.num_free_pages - bm.num_cached_pages,
-            "kv_utilization": bm.kv_utilization(),
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-        }

@@ -1,58 +1,101 @@
-"""Turns a scheduled step into int32 arrays, runs the jitted step on the device, returns sampled tokens.
+"""Turns a scheduled step into arrays, runs its two compiled programs on the device, returns sampled tokens.
 
-Buckets. Every step is padded to a shape from a small fixed set, so the step compiles once per shape:
-  T  tokens: powers of two from 16 up to max_num_batched_tokens (which is always one of them);
-  S  sequence rows: min(T, max_num_seqs) (a step never has more sequences than tokens);
-  P  block-table width in pages: powers of two from 4 up to ceil(max_model_len / page_size).
-`warmup()` compiles every (T, P) pair; after it, no workload compiles anything new.
+A step is two programs, dispatched back to back: the forward pass (the model over the step's tokens, writing
+their K/V into the pool) and the sampler (the LM head over the rows that sample, sampling, log-probs). The full
+logits never leave the sampler; only token ids (and log-probs when asked) come back to the host.
+
+Shapes. Every step is padded to one of a few shapes, and each is compiled once, ahead of its first use:
+  decode-only steps (every sequence has one new token): T tokens = S rows, a power of two from 4 up to the most
+      sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
+  mixed steps (some sequence computes several tokens): T a power of two from 64 up to max_num_batched_tokens
+      (always the last), S = min(T, max_num_seqs).
+The sampler depends on S only, so it is compiled once per row count, shared by decode and mixed steps. Whether a
+step is decode-only is known here, on the host: a decode-only step compiles only the decode attention. Block
+tables have one width, ceil(max_model_len / page_size) pages: attention reads each table only up to its
+sequence's kv length, so a wider table costs a few bytes, not time.
+`warmup()` compiles every shape; after it, no workload compiles anything new. With jax's persistent compilation
+cache (on by default, see jaxpage.compilation_cache) a later process loads them instead of compiling.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBatch
 from jaxpage.config import ModelConfig
-from jaxpage.kv_cache import KVCache, PagedAttention, PagedBatch, copy_pages, pool_head_dim
+from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build
-from jaxpage.sampler import SamplingMetadata, sample, sampling_metadata_from_params
+from jaxpage.sampler import SamplingMetadata, sample, sampled_logprobs, sampling_metadata_from_params
+from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import SchedulerOutput
 
-MIN_TOKEN_BUCKET = 4
-MIN_PAGE_BUCKET = 4
-# Token buckets also at 1.5 x these powers of two: a decode step computes every row of its bucket, and while
-# steps are small that is what they cost. Measured on CPU (SmolLM2, float32, 2 cores), median decode step:
-# 8 sequences 143 ms in a 16-token bucket, 91 ms in an 8-token one; 24 sequences 217 ms (32) against 186 ms (24).
-# Larger steps are near the matmul rate, where padding costs little: the 1.5 x buckets stop at 96.
-HALF_STEP_BUCKETS = (16, 32, 64)
+logger = logging.getLogger("jaxpage")
+
+MIN_DECODE_BUCKET = 4
+MIN_MIXED_BUCKET = 64
+MIN_SAMPLE_ROWS = 4
+COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
 
 
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """The step sizes a step's tokens are padded to: powers of two from MIN_TOKEN_BUCKET, 24, 48 and 96, and
-    max_num_batched_tokens itself last."""
-    top = max(max_num_batched_tokens, MIN_TOKEN_BUCKET)
-    buckets = powers_of_two(MIN_TOKEN_BUCKET, top)
-    return sorted(set(buckets) | {b * 3 // 2 for b in HALF_STEP_BUCKETS if b * 3 // 2 < top})
-
-
-def powers_of_two(lo: int, hi: int) -> list[int]:
-    """lo, 2 lo, 4 lo, ... up to and including hi (hi itself is always the last)."""
+def powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi itself (always the last; [hi] when hi <= lo). `factor` 4 gives lo,
+    4 lo, 16 lo, ..."""
     buckets = []
     size = lo
     while size < hi:
         buckets.append(size)
-        size *= 2
+        size *= factor
     return [*buckets, hi]
 
 
 def bucket_for(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    """The static shape of a step's forward pass."""
+
+    num_tokens: int  # T
+    num_rows: int  # S: sequence rows (block tables, kv lengths)
+    sample_rows: int  # R >= S: rows of the sampler (its own, coarser buckets: it compiles once per R)
+    decode_only: bool
+
+    def __str__(self) -> str:
+        kind = "decode" if self.decode_only else "mixed"
+        return f"{kind}(T={self.num_tokens}, S={self.num_rows}, R={self.sample_rows})"
+
+
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
+    """Every shape a step can take, decode-only shapes first, small to large."""
+    max_rows = min(max_num_seqs, max_num_batched_tokens)  # the most sequences a step can hold
+    sample_rows = powers_of_two(MIN_SAMPLE_ROWS, max_rows, factor=4)
+    decode = [StepShape(t, t, bucket_for(t, sample_rows), True) for t in powers_of_two(MIN_DECODE_BUCKET, max_rows)]
+    mixed = [
+        StepShape(t, min(t, max_num_seqs), bucket_for(min(t, max_num_seqs), sample_rows), False)
+        for t in powers_of_two(MIN_MIXED_BUCKET, max_num_batched_tokens)
+    ]
+    return decode + mixed
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledShape:
+    program: str  # "forward" (the model, for a StepShape) or "sample" (LM head and sampler, for S rows)
+    shape: StepShape | int
+    seconds: float  # lowering and compiling (or loading from the persistent cache)
+
+    def __str__(self) -> str:
+        shape = self.shape if self.program == "forward" else f"rows={self.shape}"
+        return f"{self.program} {shape}: {self.seconds:.2f}s"
 
 
 @jax.tree_util.register_dataclass
@@ -61,30 +104,25 @@ class StepInput:
     token_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     attention: PagedBatch
-    logits_indices: jax.Array  # [S] int32, the token whose logits each row samples from
-    sampling: SamplingMetadata  # [S] rows
+    logits_indices: jax.Array  # [R] int32, the token whose logits each sampler row samples from
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInput:
+    sampling: SamplingMetadata  # [R] rows
+    want_logprobs: jax.Array  # [] bool: some row asks for logprobs (else they are not computed)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     token_ids: np.ndarray  # [num scheduled] int32; meaningful where the scheduled item samples
-    logprobs: np.ndarray | None  # [num scheduled] float32, log-prob of the sampled token
-    top_logprob_ids: np.ndarray | None  # [num scheduled, MAX_LOGPROBS]
-    top_logprobs: np.ndarray | None
+    logprobs: np.ndarray | None  # [num scheduled] float32, log-prob of the sampled token; None unless asked
+    top_logprob_ids: np.ndarray | None  # [num scheduled, MAX_LOGPROBS] int32
+    top_logprobs: np.ndarray | None  # [num scheduled, MAX_LOGPROBS] float32
+    shape: StepShape  # what the step was padded to
     prepare_s: float = 0.0  # host: building the step's arrays
     device_s: float = 0.0  # dispatch until the sampled tokens are back on the host
-
-
-MAX_LOGPROBS = 20
-
-
-@functools.partial(jax.jit, static_argnames=("num",))
-def top_logprobs(logits: jax.Array, token_ids: jax.Array, num: int = MAX_LOGPROBS):
-    """(log-prob of token_ids [S], top-`num` ids [S, num], their log-probs [S, num]) of logits [S, V]."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    values, ids = jax.lax.top_k(logprobs, num)
-    return sampled, ids, values
 
 
 class ModelRunner:
@@ -92,60 +130,121 @@ class ModelRunner:
         self,
         config: ModelConfig,
         params: dict,
+        backend: AttentionBackend,
         *,
         num_pages: int,
         page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        attention_impl: str = "auto",
     ):
         self.config = config
         self.params = params
+        self.backend = backend
         dtype = params["embed_tokens"]["embedding"].dtype
-        head_dim = pool_head_dim(config.head_dim, attention_impl)
-        self.kv_cache = KVCache.allocate(config, num_pages, page_size, dtype, head_dim)
+        self.kv_cache = backend.allocate_pool(config, num_pages, page_size, dtype)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        self.token_buckets = token_buckets(max_num_batched_tokens)
-        max_pages = math.ceil(max_model_len / page_size)
-        self.page_buckets = powers_of_two(min(MIN_PAGE_BUCKET, max_pages), max_pages)
-        attention = PagedAttention(config.head_dim**-0.5, config.sliding_window, attention_impl)
-        self.model = build(config, attention, dtype)
-        self.num_compilations = 0  # traces of the step function: one per bucket shape
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
+        self.block_table_width = math.ceil(max_model_len / page_size)
+        self.models = {
+            decode_only: build(
+                config, PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, decode_only), dtype
+            )
+            for decode_only in (False, True)
+        }
+        self.executables: dict[StepShape, jax.stages.Compiled] = {}  # the forward pass of each step shape
+        self.samplers: dict[int, jax.stages.Compiled] = {}  # LM head and sampler, by rows
+        self.compile_log: list[CompiledShape] = []
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
+        self._sample = jax.jit(self._sample_fn)
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
+
+    @property
+    def num_compilations(self) -> int:
+        """Programs compiled (or loaded from the persistent cache) so far: forward shapes and sampler shapes."""
+        return len(self.executables) + len(self.samplers)
 
     # ----- device side -----
 
-    def _step_fn(self, params, kv_cache: KVCache, step: StepInput):
-        self.num_compilations += 1  # runs only while tracing
-        variables = {"params": params}
-        hidden, kv_cache = self.model.apply(variables, step.token_ids, step.positions, step.attention, kv_cache)
-        logits = self.model.apply(variables, hidden[step.logits_indices], method=Llama.logits)  # [S, V] float32
-        sampled = sample(logits, step.sampling)
-        return sampled.token_ids, logits, kv_cache
+    def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, decode_only: bool):
+        """(hidden states [R, hidden] of the tokens the sampler's rows sample from, kv_cache with the step's K/V)."""
+        hidden, kv_cache = self.models[decode_only].apply(
+            {"params": params}, step.token_ids, step.positions, step.attention, kv_cache
+        )
+        return hidden[step.logits_indices], kv_cache
+
+    def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
+        """(token ids [R], (their log-probs [R], top ids [R, MAX_LOGPROBS], top log-probs)): the full logits
+        never leave this function; the log-probs are computed only when some row asks for them."""
+        logits = self.models[False].apply({"params": params}, hidden, method=Llama.logits)  # [R, V] float32
+        token_ids = sample(logits, inputs.sampling).token_ids
+        rows = logits.shape[0]
+        no_logprobs = (
+            jnp.zeros(rows, jnp.float32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+        )
+        logprobs = lax.cond(
+            inputs.want_logprobs, lambda: sampled_logprobs(logits, token_ids, MAX_LOGPROBS), lambda: no_logprobs
+        )
+        return token_ids, logprobs
+
+    def compile(self, shape: StepShape) -> jax.stages.Compiled:
+        """Lowers and compiles the forward pass of `shape` (jax's persistent cache may serve the compilation)."""
+        start = time.perf_counter()
+        step, _ = self._padding_input(shape)
+        executable = self._forward.lower(self.params, self.kv_cache, step, shape.decode_only).compile()
+        self.executables[shape] = executable
+        self._log(CompiledShape("forward", shape, time.perf_counter() - start))
+        return executable
+
+    def compile_sampler(self, rows: int) -> jax.stages.Compiled:
+        """Lowers and compiles the LM head and sampler for `rows` rows."""
+        start = time.perf_counter()
+        shape = next(s for s in self.shapes if s.sample_rows == rows)
+        _, inputs = self._padding_input(shape)
+        hidden = jax.ShapeDtypeStruct((rows, self.config.hidden_size), self.kv_cache.k.dtype)
+        executable = self._sample.lower(self.params, hidden, inputs).compile()
+        self.samplers[rows] = executable
+        self._log(CompiledShape("sample", rows, time.perf_counter() - start))
+        return executable
+
+    def _log(self, compiled: CompiledShape) -> None:
+        self.compile_log.append(compiled)
+        logger.info("compiled %s", compiled)
+
+    def warmup(self) -> list[CompiledShape]:
+        """Compiles every step shape and sampler shape not compiled yet (and the page copy); returns what it
+        compiled."""
+        start = len(self.compile_log)
+        for shape in self.shapes:
+            if shape not in self.executables:
+                self.compile(shape)
+            if shape.sample_rows not in self.samplers:
+                self.compile_sampler(shape.sample_rows)
+        self.copy_pages([(0, 0)])
+        return self.compile_log[start:]
 
     # ----- host side -----
 
-    def bucket_shape(self, num_tokens: int, max_pages: int) -> tuple[int, int, int]:
-        tokens = bucket_for(num_tokens, self.token_buckets)
-        return tokens, min(tokens, self.max_num_seqs), bucket_for(max(max_pages, 1), self.page_buckets)
+    def shape_for(self, output: SchedulerOutput) -> StepShape:
+        decode_only = all(item.num_new_tokens == 1 for item in output.scheduled)
+        size = len(output.scheduled) if decode_only else output.num_batched_tokens
+        return next(s for s in self.shapes if s.decode_only == decode_only and s.num_tokens >= size)
 
-    def prepare(self, output: SchedulerOutput) -> StepInput:
-        """The step's int32 arrays (numpy), padded to its bucket."""
+    def prepare(self, output: SchedulerOutput, shape: StepShape) -> tuple[StepInput, SampleInput]:
+        """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's."""
         items = output.scheduled
         page_size = self.page_size
-        max_pages = max(len(item.seq.block_table) for item in items)
-        num_tokens_bucket, num_rows, num_pages_bucket = self.bucket_shape(output.num_batched_tokens, max_pages)
-        assert len(items) <= num_rows, (len(items), num_rows)
-        token_ids = np.zeros(num_tokens_bucket, np.int32)
-        positions = np.zeros(num_tokens_bucket, np.int32)
-        slot_mapping = np.zeros(num_tokens_bucket, np.int32)  # padding tokens write into the null page
-        cu_q_lens = np.zeros(num_rows + 1, np.int32)
-        kv_lens = np.zeros(num_rows, np.int32)
-        block_tables = np.zeros((num_rows, num_pages_bucket), np.int32)
-        logits_indices = np.zeros(num_rows, np.int32)
+        assert len(items) <= shape.num_rows, (len(items), shape)
+        token_ids = np.zeros(shape.num_tokens, np.int32)
+        positions = np.zeros(shape.num_tokens, np.int32)
+        slot_mapping = np.zeros(shape.num_tokens, np.int32)  # padding tokens write into the null page
+        cu_q_lens = np.zeros(shape.num_rows + 1, np.int32)
+        kv_lens = np.zeros(shape.num_rows, np.int32)
+        block_tables = np.zeros((shape.num_rows, self.block_table_width), np.int32)
+        logits_indices = np.zeros(shape.sample_rows, np.int32)
         start = 0
         for row, item in enumerate(items):
             seq, computed, n = item.seq, item.num_computed_tokens, item.num_new_tokens
@@ -165,59 +264,52 @@ class ModelRunner:
             [item.seq.sampling_params if item.samples else None for item in items],
             steps=[len(item.seq.output_token_ids) for item in items],
             seeds=[item.seq.seed for item in items],
-            num_rows=num_rows,
+            num_rows=shape.sample_rows,
+        )
+        want_logprobs = any(
+            item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
+            for item in items
         )
         attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
-        return StepInput(token_ids, positions, attention, logits_indices, sampling)
+        return StepInput(token_ids, positions, attention, logits_indices), SampleInput(
+            sampling, np.bool_(want_logprobs)
+        )
+
+    def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
+        """A step of `shape` with no sequence in it."""
+        return self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
 
     def execute(self, output: SchedulerOutput) -> StepOutput:
         if output.page_copies:
             self.copy_pages(output.page_copies)
         start = time.perf_counter()
-        step = self.prepare(output)
+        shape = self.shape_for(output)
+        step, sample_input = self.prepare(output, shape)
         dispatched = time.perf_counter()
-        token_ids, logits, self.kv_cache = self._step(self.params, self.kv_cache, step)
+        forward = self.executables.get(shape) or self.compile(shape)
+        sampler = self.samplers.get(shape.sample_rows) or self.compile_sampler(shape.sample_rows)
+        hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
+        token_ids, logprobs = sampler(self.params, hidden, sample_input)
         count = len(output.scheduled)
-        want_logprobs = any(
-            item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
-            for item in output.scheduled
-        )
-        logprobs = (None, None, None)
-        if want_logprobs:
-            logprobs = tuple(np.asarray(x)[:count] for x in top_logprobs(logits, token_ids))
+        logprobs = tuple(np.asarray(x)[:count] for x in logprobs) if sample_input.want_logprobs else (None, None, None)
         token_ids = np.asarray(token_ids)[:count]
-        return StepOutput(token_ids, *logprobs, dispatched - start, time.perf_counter() - dispatched)
+        return StepOutput(token_ids, *logprobs, shape, dispatched - start, time.perf_counter() - dispatched)
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
-        k = self.kv_cache.k
-        self.kv_cache = KVCache.allocate(self.config, k.shape[1], k.shape[2], k.dtype, k.shape[4])
+        self.kv_cache = KVCache.zeros(self.kv_cache.k.shape, self.kv_cache.k.dtype)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        size = max(8, 1 << (len(copies) - 1).bit_length())  # padded with (0, 0): copies of the null page
-        src = np.zeros(size, np.int32)
-        dst = np.zeros(size, np.int32)
-        src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
-        self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
-
-    def warmup(self) -> None:
-        """Compiles the step for every bucket (and the logprobs and page-copy functions), running on padding only."""
-        for num_tokens in self.token_buckets:
-            for num_pages in self.page_buckets:
-                num_rows = min(num_tokens, self.max_num_seqs)
-                step = StepInput(
-                    token_ids=np.zeros(num_tokens, np.int32),
-                    positions=np.zeros(num_tokens, np.int32),
-                    attention=PagedBatch(
-                        slot_mapping=np.zeros(num_tokens, np.int32),
-                        block_tables=np.zeros((num_rows, num_pages), np.int32),
-                        kv_lens=np.zeros(num_rows, np.int32),
-                        cu_q_lens=np.zeros(num_rows + 1, np.int32),
-                        num_seqs=np.int32(0),
-                    ),
-                    logits_indices=np.zeros(num_rows, np.int32),
-                    sampling=sampling_metadata_from_params([], steps=[], seeds=[], num_rows=num_rows),
-                )
-                token_ids, logits, self.kv_cache = self._step(self.params, self.kv_cache, step)
-            jax.block_until_ready(top_logprobs(logits, token_ids))
-        self.copy_pages([(0, 0)])
+        """The copy-on-write copies (src, dst) of a step, applied as if all at once (every source read before any
+        destination is written). COPY_CHUNK at a time, so that one compiled program serves any number, unless a
+        destination is also a source (a page freed and reused within the step): then in one call, whose size
+        may compile anew (rare)."""
+        sources = {src for src, _ in copies}
+        chunk = COPY_CHUNK if not any(dst in sources for _, dst in copies) else max(COPY_CHUNK, len(copies))
+        for start in range(0, len(copies), chunk):
+            part = copies[start : start + chunk]
+            size = COPY_CHUNK if chunk == COPY_CHUNK else 1 << (len(part) - 1).bit_length()
+            src = np.zeros(size, np.int32)  # padded with (0, 0): copies of the null page onto itself
+            dst = np.zeros(size, np.int32)
+            src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
+            self.kv_cache = self._copy_pages(self.kv_cache, src, dst)

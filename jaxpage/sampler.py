@@ -91,14 +91,22 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, num_logprobs: int | No
 
     if num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return SamplerOutput(token_ids, *sampled_logprobs(logits, token_ids, num_logprobs))
+
+
+def sampled_logprobs(
+    logits: jax.Array,  # [S, vocab] float32
+    token_ids: jax.Array,  # [S] int32
+    num: int,  # static, 0 <= num <= vocab
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-prob of each row's token [S], the `num` most likely tokens [S, num] int32 most likely first, their
+    log-probs [S, num]), of the raw distribution log_softmax(logits)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=1)[:, 0]
-    if num_logprobs == 0:
-        top_values = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    else:
-        top_values, top_ids = lax.top_k(logprobs, num_logprobs)
-    return SamplerOutput(token_ids, sampled, top_ids.astype(jnp.int32), top_values)
+    if num == 0:
+        return sampled, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_values, top_ids = lax.top_k(logprobs, num)
+    return sampled, top_ids.astype(jnp.int32), top_values
 
 
 def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:

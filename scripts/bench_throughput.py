@@ -11,7 +11,7 @@ fixed list of Python standard-library modules, tokenized with the model's tokeni
 greedily to exactly its max_tokens (EOS ignored), by three systems on the same weights, one after the other:
 
   jaxpage        LLMEngine: add_request for every row, then engine.step() until done. Warm-up (engine.warmup(),
-                 which compiles every bucket) runs first and is not timed; compilations during the timed run are
+                 which compiles every step shape) runs first and is not timed; compilations during the timed run are
                  counted (must be 0). After every step the KV utilization (block_manager.kv_utilization(): filled
                  slots / slots of referenced pages), the pages in use and the requests in the step are sampled
                  while requests hold pages; --plot draws them over the run (matplotlib).
@@ -40,124 +40,16 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import inspect
 import json
-import math
 import os
-import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
-# Standard-library modules whose docstrings make the prompt text: prose and code, in varied styles.
-TEXT_MODULES = (
-    "argparse",
-    "collections",
-    "json",
-    "re",
-    "textwrap",
-    "pathlib",
-    "functools",
-    "itertools",
-    "logging",
-    "email.message",
-    "http.client",
-    "unittest",
-    "datetime",
-    "decimal",
-    "fractions",
-    "statistics",
-    "string",
-    "difflib",
-    "heapq",
-    "csv",
-)
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def machine_load(cpu_s: float, wall_s: float) -> dict:
-    """This process's mean busy cores over a run and the 1-minute load average after it: a load well above the
-    process's own cores means other work shared the machine and the figures are low."""
-    return {"process_cores_busy": round(cpu_s / wall_s, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2)}
-
-
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# ----- workload -----
-
-
-def corpus_text() -> str:
-    """Docstrings of TEXT_MODULES and their public members, in a fixed order."""
-    parts = []
-    for name in TEXT_MODULES:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for member_name in sorted(vars(module)):
-            if member_name.startswith("_"):
-                continue
-            doc = inspect.getdoc(getattr(module, member_name))
-            if doc and len(doc) > 40:
-                parts.append(doc)
-    return "\n\n".join(parts)
-
-
-def make_workload(tokenizer, num_requests: int, seed: int, prompt_lens=(16, 512), max_tokens=(16, 256)) -> list[dict]:
-    """Mixed-length requests whose prompts are windows of the tokenized corpus at seeded random offsets."""
-    import numpy as np
-
-    corpus = list(tokenizer(corpus_text()).input_ids)
-    if len(corpus) < 2 * prompt_lens[1]:
-        raise SystemExit(f"the prompt corpus is only {len(corpus)} tokens")
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(num_requests):
-        length = int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))
-        start = int(rng.integers(0, len(corpus) - length))
-        rows.append(
-            {
-                "id": f"req-{i}",
-                "prompt_token_ids": corpus[start : start + length],
-                "max_tokens": int(rng.integers(max_tokens[0], max_tokens[1] + 1)),
-            }
-        )
-    return rows
-
-
-def read_workload(path: Path) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for row in rows:
-        if set(row) < {"id", "prompt_token_ids", "max_tokens"}:
-            raise SystemExit(f"{path}: a row lacks id, prompt_token_ids or max_tokens: {sorted(row)}")
-        row["id"] = str(row["id"])
-    if not rows:
-        raise SystemExit(f"{path}: no rows")
-    return rows
-
-
-def write_workload(rows: list[dict], path: Path) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def describe(rows: list[dict]) -> dict:
-    prompts = [len(r["prompt_token_ids"]) for r in rows]
-    outputs = [r["max_tokens"] for r in rows]
-    return {
-        "num_requests": len(rows),
-        "prompt_tokens": sum(prompts),
-        "output_tokens": sum(outputs),
-        "prompt_len_min_mean_max": [min(prompts), round(statistics.mean(prompts), 1), max(prompts)],
-        "max_tokens_min_mean_max": [min(outputs), round(statistics.mean(outputs), 1), max(outputs)],
-        "longest_request": max(p + o for p, o in zip(prompts, outputs, strict=True)),
-    }
-
+from jaxpage.benchmarks.hf_baselines import hf_source, load_hf_baseline, run_hf_continuous, run_hf_static
+from jaxpage.benchmarks.measure import copy_bandwidth, cpu_seconds, machine_load, matmul_flops_per_s
+from jaxpage.benchmarks.progress import log
+from jaxpage.benchmarks.workloads import describe, make_workload, read_workload, write_workload
 
 # ----- jaxpage -----
 
@@ -179,16 +71,13 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
     engine = llm.engine
     load_s = time.perf_counter() - start
     runner, bm = engine.runner, engine.block_manager
-    buckets = len(runner.token_buckets) * len(runner.page_buckets)
-    log(
-        f"jaxpage: loaded in {load_s:.1f}s; warming up {buckets} buckets (token {runner.token_buckets} x pages "
-        f"{runner.page_buckets})"
-    )
+    log(f"jaxpage: loaded in {load_s:.1f}s; warming up {len(runner.shapes)} step shapes")
     start = time.perf_counter()
-    engine.warmup()
+    for compiled in engine.warmup():
+        log(f"jaxpage:   compiled {compiled}")
     warmup_s = time.perf_counter() - start
     compilations_warmup = runner.num_compilations
-    log(f"jaxpage: warm-up took {warmup_s:.1f}s, {compilations_warmup} compilations")
+    log(f"jaxpage: warm-up took {warmup_s:.1f}s, {compilations_warmup} programs compiled")
 
     utilization: list[float] = []
     used_pages: list[int] = []
@@ -227,7 +116,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         weight_bytes -= params["embed_tokens"]["embedding"].nbytes
     kv_token_bytes = engine.model_config.kv_bytes_per_token(params["embed_tokens"]["embedding"].dtype.itemsize)
     if args.plot:
-        from kv_plot import plot_kv_run
+        from jaxpage.benchmarks.kv_plot import plot_kv_run
 
         title = f"jaxpage, {total} requests, KV pool of {bm.num_pages - 1} pages"
         plot_kv_run(args.plot, sample_s, utilization, running, used_pages, bm.num_pages - 1, title=title)
@@ -252,7 +141,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
         "step_ms_median": round(1000 * statistics.median(step_times), 2),
         "step_ms_p90": round(1000 * statistics.quantiles(step_times, n=10)[-1], 2) if len(step_times) > 1 else None,
         "step_ms_max": round(1000 * max(step_times), 2),
-        "steps_by_token_bucket": steps_by_token_bucket(step_stats, runner.token_buckets),
+        "steps_by_shape": steps_by_shape(step_stats),
         **decode_flops(engine.model_config, step_stats, weight_bytes, kv_token_bytes),
         "host_fraction_all_steps": round(
             sum(s.host_s for s in step_stats) / sum(s.host_s + s.device_s for s in step_stats), 4
@@ -280,35 +169,6 @@ def step_flops(config, stats) -> int:
     )
 
 
-def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, a).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = dot(a, a)
-    out.block_until_ready()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
-
-
-def copy_bandwidth(num_bytes: int, repeats: int = 10) -> float:
-    """Bytes per second of a large copy on the default device (it reads and writes each byte)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones(num_bytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0)
-    jax.block_until_ready(copy(x))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        y = copy(x)
-    jax.block_until_ready(y)
-    return 2 * num_bytes * repeats / (time.perf_counter() - start)
-
-
 def decode_flops(config, stats: list, weight_bytes: int, kv_token_bytes: int) -> dict:
     """FLOP rate over the steps where every sequence decodes, with their host share, and what those steps must
     read: every weight once (the embedding table is the LM head when tied; otherwise only its rows are read) and
@@ -328,15 +188,13 @@ def decode_flops(config, stats: list, weight_bytes: int, kv_token_bytes: int) ->
     }
 
 
-def steps_by_token_bucket(stats: list, token_buckets: list[int]) -> dict[int, dict]:
-    """Per token bucket: steps, total seconds, mean sequences, mean host and device milliseconds per step."""
-    from jaxpage.model_runner import bucket_for
-
-    groups: dict[int, list] = {}
+def steps_by_shape(stats: list) -> dict[str, dict]:
+    """Per step shape: steps, total seconds, mean sequences, mean host and device milliseconds per step."""
+    groups: dict[str, list] = {}
     for s in stats:
-        groups.setdefault(bucket_for(s.num_tokens, token_buckets), []).append(s)
+        groups.setdefault(s.shape, []).append(s)
     return {
-        bucket: {
+        shape: {
             "steps": len(g),
             "seconds": round(sum(s.host_s + s.device_s for s in g), 2),
             "mean_seqs": round(statistics.mean(s.num_seqs for s in g), 1),
@@ -344,154 +202,8 @@ def steps_by_token_bucket(stats: list, token_buckets: list[int]) -> dict[int, di
             "host_ms": round(1000 * statistics.mean(s.host_s for s in g), 2),
             "device_ms": round(1000 * statistics.mean(s.device_s for s in g), 2),
         }
-        for bucket, g in sorted(groups.items())
+        for shape, g in sorted(groups.items())
     }
-
-
-# ----- Hugging Face -----
-
-
-def hf_source(model: str | None) -> Path:
-    """The .gguf file or HF directory transformers loads; exits early for a source it cannot read."""
-    from jaxpage.models.default_model import default_model_path
-
-    path = Path(model) if model else default_model_path()
-    if path.suffix != ".gguf" and not ((path / "config.json").is_file() and any(path.glob("*.safetensors*"))):
-        raise SystemExit(f"transformers cannot load {path}: give a .gguf file or an HF directory, or skip the HF runs")
-    return path
-
-
-def load_hf_model(path: Path):
-    import torch
-    import transformers
-
-    if path.suffix == ".gguf":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    hf.eval()
-    hf.generation_config.eos_token_id = None  # generate to max_new_tokens, like ignore_eos
-    return hf
-
-
-def run_hf_static(hf, rows: list[dict], batch_size: int) -> tuple[dict, dict[str, list[int]]]:
-    import torch
-    from transformers import GenerationConfig
-
-    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    outputs: dict[str, list[int]] = {}
-    generated = 0
-    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
-    cpu_start, start = cpu_seconds(), time.perf_counter()
-    for index, batch in enumerate(batches):
-        width = max(len(r["prompt_token_ids"]) for r in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, row in enumerate(batch):  # left padding
-            ids = row["prompt_token_ids"]
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            mask[i, width - len(ids) :] = 1
-        max_new = max(r["max_tokens"] for r in batch)
-        config = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
-        batch_start = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-        new = out[:, width:]
-        if new.shape[1] != max_new:
-            raise SystemExit(f"hf_static: batch {index} generated {new.shape[1]} tokens, expected {max_new}")
-        generated += new.numel()
-        for i, row in enumerate(batch):
-            outputs[row["id"]] = new[i, : row["max_tokens"]].tolist()
-        log(
-            f"hf_static: batch {index + 1}/{len(batches)} ({len(batch)} rows, width {width}, {max_new} new tokens) "
-            f"in {time.perf_counter() - batch_start:.1f}s"
-        )
-    wall_s = time.perf_counter() - start
-    useful = sum(len(t) for t in outputs.values())
-    return {
-        "output_tokens": useful,
-        "generated_tokens_incl_waste": generated,
-        "wall_s": round(wall_s, 3),
-        "output_tokens_per_s": round(useful / wall_s, 2),
-        "batch_size": batch_size,
-        "attn_implementation": hf.config._attn_implementation,
-        **machine_load(cpu_seconds() - cpu_start, wall_s),
-    }, outputs
-
-
-def run_hf_continuous(hf, rows: list[dict], args, kv_tokens: int) -> tuple[dict, dict[str, list[int]]]:
-    import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    page_size = ContinuousBatchingConfig().page_size
-    cb_config = ContinuousBatchingConfig(
-        max_batch_tokens=args.max_num_batched_tokens,
-        max_requests_per_batch=args.max_num_seqs,
-        num_blocks=math.ceil(kv_tokens / page_size),  # the same KV capacity as jaxpage's pool
-    )
-    hints = WorkloadHints(
-        max_prompt_length=max(len(r["prompt_token_ids"]) for r in rows),
-        max_generated_length=max(r["max_tokens"] for r in rows),
-        num_requests=len(rows),
-    )
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in rows), eos_token_id=-1)
-    outputs: dict[str, list[int]] = {}
-    errors: dict[str, str] = {}
-    attn_before = hf.config._attn_implementation
-    log("hf_continuous: starting the manager (not timed)")
-    setup_start = time.perf_counter()
-    with (
-        torch.inference_mode(),
-        hf.continuous_batching_context_manager(
-            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints, block=True
-        ) as manager,
-    ):
-        setup_s = time.perf_counter() - setup_start
-        attn_used = hf.config._attn_implementation
-        log(f"hf_continuous: manager ready in {setup_s:.1f}s (attn {attn_used}); queuing {len(rows)} requests")
-        cpu_start, start = cpu_seconds(), time.perf_counter()
-        for row in rows:
-            manager.add_request(
-                row["prompt_token_ids"], request_id=row["id"], max_new_tokens=row["max_tokens"], eos_token_id=-1
-            )
-        last_report = start
-        while len(outputs) + len(errors) < len(rows):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise SystemExit("hf_continuous: the generation thread stopped before every request finished")
-            elif result.is_finished():
-                if result.error is not None:
-                    errors[result.request_id] = str(result.error)
-                else:
-                    outputs[result.request_id] = list(result.generated_tokens)
-            now = time.perf_counter()
-            if now - last_report > 10:
-                log(f"hf_continuous: {len(outputs)}/{len(rows)} done, {now - start:.0f}s")
-                last_report = now
-        wall_s = time.perf_counter() - start
-        load = machine_load(cpu_seconds() - cpu_start, wall_s)
-        resolved = manager.continuous_batching_config
-    if errors:
-        first = next(iter(errors.items()))
-        raise SystemExit(f"hf_continuous: {len(errors)} requests failed, e.g. {first}")
-    tokens = sum(len(t) for t in outputs.values())
-    return {
-        "output_tokens": tokens,
-        "wall_s": round(wall_s, 3),
-        "output_tokens_per_s": round(tokens / wall_s, 2),
-        "setup_s": round(setup_s, 2),
-        "attn_implementation": attn_used,
-        "attn_implementation_loaded": attn_before,
-        "page_size": resolved.page_size,
-        "num_blocks": resolved.num_blocks,
-        "max_batch_tokens": resolved.max_batch_tokens,
-        "max_requests_per_batch": resolved.max_requests_per_batch,
-        **load,
-    }, outputs
 
 
 # ----- report -----
@@ -572,11 +284,13 @@ def main() -> None:
     hf_outputs = {}
     if run_hf:
         log("hf: loading the model")
-        hf = load_hf_model(hf_path)
+        hf = load_hf_baseline(hf_path)
         if not args.skip_hf_static:
             results["hf_static"], hf_outputs["hf_static"] = run_hf_static(hf, rows, args.hf_batch_size)
         if not args.skip_hf_continuous:
-            results["hf_continuous"], hf_outputs["hf_continuous"] = run_hf_continuous(hf, rows, args, kv_tokens)
+            results["hf_continuous"], hf_outputs["hf_continuous"] = run_hf_continuous(
+                hf, rows, args.max_num_batched_tokens, args.max_num_seqs, kv_tokens
+            )
 
     summary = {
         "output_tokens_per_s": {name: r["output_tokens_per_s"] for name, r in results.items()},

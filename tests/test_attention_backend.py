@@ -1,5 +1,6 @@
-"""The paged attention the model layers call: it writes the step's K/V into the pool, then attends through the
-block tables with the engine's attention_impl. With a Pallas kernel, decode-only steps take the decode kernel."""
+"""The attention backend: chosen once from attention_impl; it owns the pool's shape, the K/V write and attending.
+Every backend writes the same pool and gives the same attention as the XLA backend, for decode-only steps (the
+decode kernels) and mixed ones (the ragged kernels)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 from test_ragged_paged_attention import CASES, GQA, make_batch
 
-from jaxpage.kv_cache import KVCache, PagedAttention, PagedBatch, is_decode_only, pool_head_dim
+from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBatch
+from jaxpage.config import ModelConfig
+from jaxpage.kv_cache import KVCache
 from pallas_kernels.impl import pad_head_dim
 
 DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 100)]
@@ -35,26 +38,43 @@ def step(seqs, seed=0):
     return batch.q, k, v, paged, KVCache(k=batch.k_pages[None], v=batch.v_pages[None])
 
 
-@pytest.mark.parametrize(
-    ("seqs", "num_seqs", "decode_only"),
-    [(DECODES, None, True), (MIXED, None, False), (MIXED, 1, True), (MIXED, 0, True), ([(2, 5)], None, False)],
-)
-def test_is_decode_only(seqs, num_seqs, decode_only):
-    _, _, _, batch, _ = step(seqs)
-    if num_seqs is not None:  # the same rows, fewer of them live
-        batch = PagedBatch(batch.slot_mapping, batch.block_tables, batch.kv_lens, batch.cu_q_lens, jnp.int32(num_seqs))
-    assert bool(is_decode_only(batch)) == decode_only
+def test_auto_is_xla_on_cpu_and_names_are_checked():
+    if jax.default_backend() == "cpu":
+        assert AttentionBackend.resolve("auto") == AttentionBackend("xla")
+        for impl in ("pallas", "pallas_tpu", "pallas_gpu"):
+            with pytest.raises(ValueError, match=f"attention_impl='{impl}' cannot run on cpu"):
+                AttentionBackend.resolve(impl)
+    assert AttentionBackend.resolve("pallas_tpu_interpret").name == "pallas_tpu_interpret"
+    with pytest.raises(ValueError, match="attention_impl must be"):
+        AttentionBackend.resolve("reference")
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
-@pytest.mark.parametrize("seqs", [DECODES, MIXED], ids=["decode-only", "mixed"])
-def test_kernels_match_the_reference(impl, seqs):
+def test_the_backend_owns_the_pool_shape():
+    config = ModelConfig("llama", 96, 64, 96, 3, 4, 2, 16, 1e-6, 1e4, 256)
+    for name, head_dim in (("xla", 16), ("pallas_gpu_interpret", 16), ("pallas_tpu_interpret", 128)):
+        backend = AttentionBackend(name)
+        pool = backend.allocate_pool(config, num_pages=5, page_size=8, dtype=jnp.float32)
+        assert pool.k.shape == pool.v.shape == (3, 5, 8, 2, head_dim)
+        assert backend.kv_bytes_per_token(config, 4) == 2 * 3 * 2 * head_dim * 4
+    assert config.kv_bytes_per_token(4) == 2 * 3 * 2 * 16 * 4  # the model's own formula: no padding
+
+
+@pytest.mark.parametrize("name", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize(("seqs", "decode_only"), [(DECODES, True), (MIXED, False)], ids=["decode-only", "mixed"])
+def test_kernels_match_the_xla_backend(name, seqs, decode_only):
     q, k, v, batch, kv_cache = step(seqs)
-    attention = jax.jit(lambda impl, *args: PagedAttention(0.2, None, impl)(*args), static_argnums=0)
-    want, want_cache = attention("reference", q, k, v, batch, kv_cache, jnp.int32(0))
-    head_dim = pool_head_dim(GQA.head_dim, impl)  # 128 for the TPU kernel: the engine allocates the pool padded
+
+    attention = jax.jit(
+        lambda backend, *args: PagedAttention(backend, 0.2, None, decode_only)(*args, jnp.int32(0)),
+        static_argnums=0,
+    )
+    if decode_only:
+        q, k, v, batch = one_token_per_row(q, k, v, batch)
+    want, want_cache = attention(AttentionBackend("xla"), q, k, v, batch, kv_cache)
+    backend = AttentionBackend(name)
+    head_dim = backend.pool_head_dim(GQA.head_dim)  # 128 for the TPU kernels: the engine allocates the pool padded
     padded = KVCache(k=pad_head_dim(kv_cache.k, head_dim), v=pad_head_dim(kv_cache.v, head_dim))
-    got, got_cache = attention(impl, q, k, v, batch, padded, jnp.int32(0))
+    got, got_cache = attention(backend, q, k, v, batch, padded)
     assert got_cache.k.shape[-1] == head_dim
     for got_pool, want_pool in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
         np.testing.assert_array_equal(np.asarray(got_pool[..., : GQA.head_dim]), np.asarray(want_pool))
@@ -62,3 +82,24 @@ def test_kernels_match_the_reference(impl, seqs):
     got, want = np.asarray(got), np.asarray(want)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def one_token_per_row(q, k, v, batch: PagedBatch):
+    """The step cut to T == S tokens, the layout of a decode-only step (padding rows have no token)."""
+    rows = batch.kv_lens.shape[0]
+    batch = PagedBatch(batch.slot_mapping[:rows], batch.block_tables, batch.kv_lens, batch.cu_q_lens, batch.num_seqs)
+    return q[:rows], k[:rows], v[:rows], batch
+
+
+@pytest.mark.parametrize("seqs", [DECODES, [(1, 40)], [(1, 1), (1, 2)]])
+def test_decode_only_and_mixed_give_the_same_attention(seqs):
+    q, k, v, batch, kv_cache = step(seqs)
+    q, k, v, batch = one_token_per_row(q, k, v, batch)
+    outs = [
+        jax.jit(lambda *a, d=d: PagedAttention(AttentionBackend("xla"), 0.2, None, d)(*a, jnp.int32(0)))(
+            q, k, v, batch, kv_cache
+        )
+        for d in (False, True)
+    ]
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(outs[0][1].k), np.asarray(outs[1][1].k))

@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TinyFamily, make_tiny_hf_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpage.batch import run_batch
+from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
 from jaxpage.config import EngineConfig
 from jaxpage.llm import LLM
 from jaxpage.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ def llm(tmp_path_factory, smollm2_path):
     from jaxpage.tokenizer import load_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-full-vocab")
-    make_tiny_hf_model(CHAT_FAMILY).save_pretrained(directory)
+    write_tiny_model(CHAT_FAMILY, directory)
     load_tokenizer(smollm2_path).save_pretrained(str(directory))
     return LLM(str(directory), **ENGINE)
 
@@ -138,6 +138,7 @@ BAD_PROMPTS = [
     ({"prompt_token_ids": [1, VOCAB]}, "prompt_token_ids"), ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
     ({"prompt_token_ids": [1, 2**40]}, "prompt_token_ids"), ({"prompt_token_ids": [1, True]}, "prompt_token_ids"),
     ({"prompt_token_ids": [1, 2.0]}, "prompt_token_ids"), ({"prompt_token_ids": ["1"]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [None]}, "prompt_token_ids"), ({"prompt_token_ids": [3, None]}, "prompt_token_ids"),
     ({"prompt_token_ids": "123"}, "prompt_token_ids"), ({"prompt_token_ids": {"a": 1}}, "prompt_token_ids"),
     ({"prompt_token_ids": None}, "prompt_token_ids"), ({"prompt_token_ids": [[1, 2]]}, "prompt_token_ids"),
     ({"prompt_token_ids": np.zeros((2, 2), np.int32)}, "prompt_token_ids"), ({}, "prompt"), ({"text": "hi"}, "prompt"),

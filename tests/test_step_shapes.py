@@ -1,0 +1,54 @@
+"""The step shapes: every step has one, the largest is the token budget, and there are few of them."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxpage.model_runner import StepShape, bucket_for, powers_of_two, step_shapes
+
+
+@given(st.integers(1, 4096), st.integers(1, 8192))
+def test_every_step_has_a_shape(max_num_seqs, max_num_batched_tokens):
+    shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
+    assert len(set(shapes)) == len(shapes)
+    decode = [s.num_tokens for s in shapes if s.decode_only]
+    mixed = [s.num_tokens for s in shapes if not s.decode_only]
+    assert decode == sorted(decode) and mixed == sorted(mixed)
+    assert decode[-1] == min(max_num_seqs, max_num_batched_tokens)  # the most decodes a step can hold
+    assert mixed[-1] == max_num_batched_tokens
+    sample_rows = sorted({s.sample_rows for s in shapes})
+    assert sample_rows[-1] == decode[-1]
+    for shape in shapes:
+        assert shape.num_rows == (shape.num_tokens if shape.decode_only else min(shape.num_tokens, max_num_seqs))
+        assert shape.sample_rows == bucket_for(shape.num_rows, sample_rows)  # the sampler's rows: its own buckets
+        assert shape.sample_rows < 4 * shape.num_rows or shape.sample_rows == 4
+    for n in {min(k, decode[-1]) for k in (1, 2, 3, decode[-1] // 2 + 1, decode[-1])}:  # 2x padding at most, past 4
+        bucket = bucket_for(n, decode)
+        assert n <= bucket and (bucket < 2 * n or bucket <= 4)
+    for n in {min(2, max_num_batched_tokens), max_num_batched_tokens // 2 + 1, max_num_batched_tokens}:
+        assert bucket_for(n, mixed) >= n
+
+
+def test_the_default_arguments_compile_twelve_programs():
+    shapes = step_shapes(max_num_seqs=64, max_num_batched_tokens=512)
+    assert [str(s) for s in shapes] == [
+        "decode(T=4, S=4, R=4)",
+        "decode(T=8, S=8, R=16)",
+        "decode(T=16, S=16, R=16)",
+        "decode(T=32, S=32, R=64)",
+        "decode(T=64, S=64, R=64)",
+        "mixed(T=64, S=64, R=64)",
+        "mixed(T=128, S=64, R=64)",
+        "mixed(T=256, S=64, R=64)",
+        "mixed(T=512, S=64, R=64)",
+    ]
+    assert StepShape(4, 4, 4, True) in shapes
+    assert len(shapes) + len({s.sample_rows for s in shapes}) == 12  # 9 forward passes, 3 samplers
+
+
+def test_powers_of_two_end_at_the_maximum():
+    assert powers_of_two(4, 64) == [4, 8, 16, 32, 64]
+    assert powers_of_two(4, 100) == [4, 8, 16, 32, 64, 100]
+    assert powers_of_two(64, 32) == [32]
+    assert powers_of_two(4, 64, factor=4) == [4, 16, 64]
