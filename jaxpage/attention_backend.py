@@ -93,10 +93,9 @@ class AttentionBackend:
         """2 * layers * kv_heads * head_dim * dtype_bytes, with the pool's (padded) head_dim."""
         return config.kv_bytes_per_token(dtype_bytes) // config.head_dim * self.pool_head_dim(config.head_dim)
 
-    def allocate_pool(self, config: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:
-        head_dim = self.pool_head_dim(config.head_dim)
-        shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, head_dim)
-        return KVCache.zeros(shape, dtype, sharding)
+    def pool_shape(self, config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+        """[num_layers, num_pages, page_size, num_kv_heads, head_dim] with the pool's head_dim."""
+        return (config.num_layers, num_pages, page_size, config.num_kv_heads, self.pool_head_dim(config.head_dim))
 
     def write_kv(self, kv_cache: KVCache, k, v, slot_mapping, layer) -> KVCache:
         """The step's new K/V ([T, kv_heads, head_dim] each) into layer `layer` of the pool at slot_mapping [T]."""

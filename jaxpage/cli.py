@@ -112,7 +112,7 @@ def _add_compilation_cache_options(parser: argparse.ArgumentParser) -> None:
         "--compilation-cache-dir",
         default="auto",
         metavar="DIR",
-        help="XLA's persistent compilation cache: a later run with the same model loads its compiled steps from "
+        help="the persistent compilation cache: a later run with the same model loads its compiled steps from "
         "here (default: compilation-cache in $JAXPAGE_CACHE, else ~/.cache/jaxpage)",
     )
     cache.add_argument(

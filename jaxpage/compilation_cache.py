@@ -1,24 +1,39 @@
-"""XLA's persistent compilation cache, on by default: the engine argument `compilation_cache_dir`.
+"""The persistent compilation cache, on by default: compiled step programs kept on disk, so that a later start
+with the same model and arguments neither traces, lowers nor compiles them.
 
-Every program jax compiles (the step of each shape, weight conversions) is written to that directory, and a later
-process with the same model, engine arguments, jax version and device loads it instead of compiling: a second
-start compiles nothing. As vLLM keeps its compile cache under its own cache directory, the default ("auto") is
-the folder `compilation-cache` of jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage); None turns it
-off. The cache keeps at most MAX_CACHE_BYTES, dropping the least recently used programs first. jax's cache is
-process-wide: the last engine to set a directory decides where later compilations go. Treat the directory as
-trusted code (jax's own warning): do not share it with users you do not trust.
+Entries are keyed by what determines a program -- the source code of jaxpage and pallas_kernels, the jax and
+jaxlib versions, the devices, XLA_FLAGS, the program's name and static arguments (model config, attention backend,
+shape) and the tree, shapes and dtypes of its arguments -- and hold it as jax.experimental.serialize_executable
+writes it (donation included). jax's own persistent cache would save the compiling but not the tracing and
+lowering, which it needs to compute its keys: most of a second per program on CPU, on the path to the first token.
+(jaxpage does not use both: on XLA CPU a process that loads one program from both fails to run it.)
+
+The engine argument `compilation_cache_dir` places it: "auto" (the default) is the folder `compilation-cache` of
+jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage), as vLLM keeps its compile cache under its own
+cache directory; None turns it off. It keeps MAX_PROGRAMS entries, the least recently used leaving first. An entry
+that cannot be read is ignored (the program compiles as usual, and is written again). Entries are pickles: trust
+the directory as you would your code.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
 import os
+import pickle
+from pathlib import Path
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
+import jaxlib
+from jax.experimental import serialize_executable
 
+import jaxpage
 from jaxpage.models.default_model import cache_dir
 
-MAX_CACHE_BYTES = 4 << 30
+logger = logging.getLogger("jaxpage")
+
+MAX_PROGRAMS = 256
 
 
 def compilation_cache_path(setting: str) -> str:
@@ -27,27 +42,88 @@ def compilation_cache_path(setting: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def enable_compilation_cache(setting: str) -> str:
-    """Points jax's persistent compilation cache at the directory for `setting` (created if missing) and caches
-    every compilation. Returns the directory; raises ValueError when it cannot be created or written."""
-    path = compilation_cache_path(setting)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"engine argument compilation_cache_dir: cannot create {path}: {e.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"engine argument compilation_cache_dir: {path} is not writable")
-    if jax.config.jax_compilation_cache_dir != path:
-        compilation_cache.set_cache_dir(path)
-        compilation_cache.reset_cache()  # jax decides once per process whether it caches: make it look again
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default (1 s) skips small programs
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
-    return path
+@functools.cache
+def source_hash() -> str:
+    """A hash of every Python file of jaxpage and pallas_kernels: a change to either makes every key new."""
+    import pallas_kernels
+
+    digest = hashlib.sha256()
+    for package in (jaxpage, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
-def disable_compilation_cache() -> None:
-    """Later compilations in this process neither read nor write a persistent cache."""
-    if jax.config.jax_compilation_cache_dir is not None:
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
+def program_key(name: str, static: tuple, args: tuple) -> str:
+    """The key of the program `name` with these static arguments (hashable, with a faithful repr) and dynamic
+    arguments (a pytree of arrays: their tree, shapes and dtypes count, not their values)."""
+    leaves, tree = jax.tree.flatten(args)
+    devices = jax.devices()
+    parts = (
+        source_hash(),
+        jax.__version__,
+        jaxlib.__version__,
+        devices[0].platform,
+        devices[0].device_kind,
+        len(devices),
+        os.environ.get("XLA_FLAGS", ""),
+        name,
+        repr(static),
+        str(tree),
+        [(tuple(x.shape), str(x.dtype)) for x in leaves],
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+class CompilationCache:
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    @classmethod
+    def open(cls, setting: str) -> CompilationCache:
+        """The cache for the engine argument's value, its directory created if missing; ValueError when it cannot
+        be created or written."""
+        path = compilation_cache_path(setting)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"engine argument compilation_cache_dir: cannot create {path}: {e.strerror}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"engine argument compilation_cache_dir: {path} is not writable")
+        return cls(path)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.program"
+
+    def load(self, key: str) -> jax.stages.Compiled | None:
+        """The program stored under `key`, or None (absent, or unreadable: then it is left to be written again)."""
+        path = self._path(key)
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            os.utime(path)  # recently used
+            return program
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # a truncated or foreign entry: compile instead
+            logger.warning("ignoring the cached program %s (%s: %s)", path, type(e).__name__, e)
+            return None
+
+    def store(self, key: str, compiled: jax.stages.Compiled) -> None:
+        """Writes `compiled` under `key` (atomically); a failure to write is logged, never raised."""
+        path = self._path(key)
+        try:
+            data = pickle.dumps(serialize_executable.serialize(compiled))
+            partial = path.with_suffix(f".{os.getpid()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+            self._prune()
+        except Exception as e:  # a full disk, a directory gone read-only, a program jax cannot serialize
+            logger.warning("cannot keep the compiled program in %s (%s: %s)", path, type(e).__name__, e)
+
+    def _prune(self) -> None:
+        entries = sorted(self.directory.glob("*.program"), key=lambda p: p.stat().st_mtime)
+        for path in entries[: max(0, len(entries) - MAX_PROGRAMS)]:
+            path.unlink(missing_ok=True)

@@ -183,7 +183,7 @@ class EngineConfig:
     # implementation elsewhere), "xla", "pallas" (this platform's kernels), "pallas_tpu", "pallas_gpu", or
     # "pallas_tpu_interpret" / "pallas_gpu_interpret" (those kernels in Pallas' interpreter, any platform: for tests).
     attention_impl: str = "auto"
-    # XLA's persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
+    # The persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
     # arguments loads its compiled steps from this directory instead of compiling them. "auto": the folder
     # "compilation-cache" of jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage). None: no cache.
     compilation_cache_dir: str | None = "auto"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -30,13 +29,6 @@ class KVCache:
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
-
-    @classmethod
-    def zeros(cls, shape: tuple[int, ...], dtype, sharding=None) -> KVCache:
-        """A zeroed pool of `shape` ([num_layers, num_pages, page_size, num_kv_heads, head_dim]), made on the
-        device (with `sharding` where given), never on the host."""
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return cls(k=zeros(), v=zeros())
 
 
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

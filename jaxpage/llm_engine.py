@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxpage.attention_backend import AttentionBackend
 from jaxpage.block_manager import BlockManager
-from jaxpage.compilation_cache import disable_compilation_cache, enable_compilation_cache
+from jaxpage.compilation_cache import CompilationCache
 from jaxpage.config import EngineConfig
 from jaxpage.model_runner import CompiledShape, ModelRunner
 from jaxpage.models.loader import load_model
@@ -152,10 +152,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.attention_backend = AttentionBackend.resolve(config.attention_impl)
-        if config.compilation_cache_dir is None:
-            disable_compilation_cache()
-        else:
-            enable_compilation_cache(config.compilation_cache_dir)
+        self.compilation_cache = None
+        if config.compilation_cache_dir is not None:
+            self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format)
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
@@ -211,6 +210,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            compilation_cache=self.compilation_cache,
         )
 
     @classmethod

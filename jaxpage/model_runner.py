@@ -13,8 +13,8 @@ The sampler depends on S only, so it is compiled once per row count, shared by d
 step is decode-only is known here, on the host: a decode-only step compiles only the decode attention. Block
 tables have one width, ceil(max_model_len / page_size) pages: attention reads each table only up to its
 sequence's kv length, so a wider table costs a few bytes, not time.
-`warmup()` compiles every shape; after it, no workload compiles anything new. With jax's persistent compilation
-cache (on by default, see jaxpage.compilation_cache) a later process loads them instead of compiling.
+`warmup()` compiles every shape; after it, no workload compiles anything new. With the persistent compilation
+cache (on by default, see jaxpage.compilation_cache) a later process loads them instead: no tracing, no compiling.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBatch
+from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build
@@ -89,13 +90,14 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShap
 
 @dataclasses.dataclass(frozen=True)
 class CompiledShape:
-    program: str  # "forward" (the model, for a StepShape) or "sample" (LM head and sampler, for S rows)
-    shape: StepShape | int
-    seconds: float  # lowering and compiling (or loading from the persistent cache)
+    program: str  # "forward" (the model, for a StepShape), "sample" (LM head and sampler, for R rows), "pool", "copy"
+    shape: StepShape | int | tuple
+    seconds: float = 0.0  # lowering and compiling (or loading from a cache)
+    loaded: bool = False  # from the compilation cache: neither traced, lowered nor compiled
 
     def __str__(self) -> str:
-        shape = self.shape if self.program == "forward" else f"rows={self.shape}"
-        return f"{self.program} {shape}: {self.seconds:.2f}s"
+        shape = f"rows={self.shape}" if self.program == "sample" else self.shape
+        return f"{self.program} {shape}: {'loaded' if self.loaded else 'compiled'} in {self.seconds:.2f}s"
 
 
 @jax.tree_util.register_dataclass
@@ -137,12 +139,16 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        compilation_cache: CompilationCache | None = None,
     ):
         self.config = config
+        self.compilation_cache = compilation_cache
         self.params = params
         self.backend = backend
         dtype = params["embed_tokens"]["embedding"].dtype
-        self.kv_cache = backend.allocate_pool(config, num_pages, page_size, dtype)
+        self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
+        self._pool_shape = backend.pool_shape(config, num_pages, page_size)
+        self.kv_cache = self._allocate_pool(dtype)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
@@ -155,10 +161,10 @@ class ModelRunner:
         }
         self.executables: dict[StepShape, jax.stages.Compiled] = {}  # the forward pass of each step shape
         self.samplers: dict[int, jax.stages.Compiled] = {}  # LM head and sampler, by rows
-        self.compile_log: list[CompiledShape] = []
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
         self._sample = jax.jit(self._sample_fn)
-        self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
+        self._copy_pages_jit = jax.jit(copy_pages, donate_argnums=(0,))
+        self._copy_chunk = None  # the copy of COPY_CHUNK pages, compiled at its first use
 
     @property
     def num_compilations(self) -> int:
@@ -191,28 +197,48 @@ class ModelRunner:
         return token_ids, logprobs
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
-        """Lowers and compiles the forward pass of `shape` (jax's persistent cache may serve the compilation)."""
-        start = time.perf_counter()
+        """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
         step, _ = self._padding_input(shape)
-        executable = self._forward.lower(self.params, self.kv_cache, step, shape.decode_only).compile()
+        args = (self.params, self.kv_cache, step)
+        executable = self._load_or_compile(
+            CompiledShape("forward", shape), args, lambda: self._forward.lower(*args, shape.decode_only).compile()
+        )
         self.executables[shape] = executable
-        self._log(CompiledShape("forward", shape, time.perf_counter() - start))
         return executable
 
     def compile_sampler(self, rows: int) -> jax.stages.Compiled:
-        """Lowers and compiles the LM head and sampler for `rows` rows."""
-        start = time.perf_counter()
+        """The LM head and sampler for `rows` rows, as `compile` gets the forward pass."""
         shape = next(s for s in self.shapes if s.sample_rows == rows)
         _, inputs = self._padding_input(shape)
         hidden = jax.ShapeDtypeStruct((rows, self.config.hidden_size), self.kv_cache.k.dtype)
-        executable = self._sample.lower(self.params, hidden, inputs).compile()
+        args = (self.params, hidden, inputs)
+        executable = self._load_or_compile(
+            CompiledShape("sample", rows), args, lambda: self._sample.lower(*args).compile()
+        )
         self.samplers[rows] = executable
-        self._log(CompiledShape("sample", rows, time.perf_counter() - start))
+        return executable
+
+    def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
+        """The program `what` from the compilation cache, else compile_it() (kept in the cache). Its key: `static`
+        (default: the model config, the attention backend and what.shape) and the arguments' shapes and dtypes."""
+        start = time.perf_counter()
+        key = None
+        if self.compilation_cache is not None:
+            static = (self.config, self.backend, what.shape) if static is None else static
+            key = program_key(what.program, static, args)
+            executable = self.compilation_cache.load(key)
+            if executable is not None:
+                self._log(dataclasses.replace(what, seconds=time.perf_counter() - start, loaded=True))
+                return executable
+        executable = compile_it()
+        if key is not None:
+            self.compilation_cache.store(key, executable)
+        self._log(dataclasses.replace(what, seconds=time.perf_counter() - start))
         return executable
 
     def _log(self, compiled: CompiledShape) -> None:
         self.compile_log.append(compiled)
-        logger.info("compiled %s", compiled)
+        logger.info("%s", compiled)
 
     def warmup(self) -> list[CompiledShape]:
         """Compiles every step shape and sampler shape not compiled yet (and the page copy); returns what it
@@ -297,7 +323,27 @@ class ModelRunner:
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
-        self.kv_cache = KVCache.zeros(self.kv_cache.k.shape, self.kv_cache.k.dtype)
+        self.kv_cache = self._allocate_pool(self.kv_cache.k.dtype)
+
+    def _allocate_pool(self, dtype) -> KVCache:
+        """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's."""
+        shape = self._pool_shape
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
+        fill = self._load_or_compile(
+            CompiledShape("pool", shape), (), lambda: zeros.lower().compile(), static=(shape, jnp.dtype(dtype).name)
+        )
+        return KVCache(k=fill(), v=fill())
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if len(src) != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
+            self.kv_cache = self._copy_pages_jit(self.kv_cache, src, dst)
+            return
+        if self._copy_chunk is None:
+            args = (self.kv_cache, src, dst)
+            self._copy_chunk = self._load_or_compile(
+                CompiledShape("copy", COPY_CHUNK), args, lambda: self._copy_pages_jit.lower(*args).compile()
+            )
+        self.kv_cache = self._copy_chunk(self.kv_cache, src, dst)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """The copy-on-write copies (src, dst) of a step, applied as if all at once (every source read before any
@@ -312,4 +358,4 @@ class ModelRunner:
             src = np.zeros(size, np.int32)  # padded with (0, 0): copies of the null page onto itself
             dst = np.zeros(size, np.int32)
             src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
-            self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
+            self._copy(src, dst)

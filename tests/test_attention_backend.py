@@ -53,8 +53,7 @@ def test_the_backend_owns_the_pool_shape():
     config = ModelConfig("llama", 96, 64, 96, 3, 4, 2, 16, 1e-6, 1e4, 256)
     for name, head_dim in (("xla", 16), ("pallas_gpu_interpret", 16), ("pallas_tpu_interpret", 128)):
         backend = AttentionBackend(name)
-        pool = backend.allocate_pool(config, num_pages=5, page_size=8, dtype=jnp.float32)
-        assert pool.k.shape == pool.v.shape == (3, 5, 8, 2, head_dim)
+        assert backend.pool_shape(config, num_pages=5, page_size=8) == (3, 5, 8, 2, head_dim)
         assert backend.kv_bytes_per_token(config, 4) == 2 * 3 * 2 * head_dim * 4
     assert config.kv_bytes_per_token(4) == 2 * 3 * 2 * 16 * 4  # the model's own formula: no padding
 

@@ -1,11 +1,10 @@
-"""XLA's persistent compilation cache is on by default, in jaxpage's cache directory; an engine argument and a
-command-line flag move it or turn it off. (A second start served by it: test_llm_api.)"""
+"""The persistent compilation cache is on by default, in jaxpage's cache directory; an engine argument and a
+command-line flag move it or turn it off. A later engine loads its programs from it without tracing them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import pytest
 
 from jaxpage.cli import CommandError, _parser
@@ -33,13 +32,11 @@ def test_an_engine_caches_its_programs_by_default_and_not_when_turned_off(monkey
     monkeypatch.setenv("JAXPAGE_CACHE", str(tmp_path))
     cache = tmp_path / "compilation-cache"
     llm = LLM(tiny_dir, **ENGINE)
-    assert jax.config.jax_compilation_cache_dir == str(cache)
     llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2))
     written = files_in(cache)
-    assert written  # the step's programs, at least
+    assert len(written) == len(llm.engine.runner.compile_log) > 0  # the step's programs
 
     off = LLM(tiny_dir, compilation_cache_dir=None, **ENGINE | dict(max_num_batched_tokens=16))  # new shapes
-    assert jax.config.jax_compilation_cache_dir is None
     off.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2))
     assert off.engine.runner.num_compilations > 0 and files_in(cache) == written
 
@@ -52,3 +49,45 @@ def test_command_line_flags(tmp_path):
     assert args.compilation_cache_dir == str(tmp_path)
     with pytest.raises(CommandError, match="not allowed with"):
         parser.parse_args(["generate", "hi", "--no-compilation-cache", "--compilation-cache-dir", str(tmp_path)])
+
+
+class NoLowering:
+    def lower(self, *args, **kwargs):
+        raise AssertionError("a program was traced and lowered")
+
+
+def test_a_second_engine_loads_its_programs_without_tracing_them(tmp_path, tiny_dir):
+    args = ENGINE | dict(compilation_cache_dir=str(tmp_path))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = LLM(tiny_dir, **args)
+    want = first.generate(PROMPT, greedy)[0].outputs[0].token_ids
+    compiled = first.engine.runner.compile_log
+    assert compiled and not any(c.loaded for c in compiled)
+    assert len(list(tmp_path.glob("*.program"))) == len(compiled)
+
+    second = LLM(tiny_dir, **args)
+    second.engine.runner._forward = second.engine.runner._sample = NoLowering()
+    assert second.generate(PROMPT, greedy)[0].outputs[0].token_ids == want
+    loaded = second.engine.runner.compile_log
+    assert [(c.program, c.shape) for c in loaded] == [(c.program, c.shape) for c in compiled]
+    assert all(c.loaded for c in loaded)
+
+    for entry in tmp_path.glob("*.program"):  # damaged entries: compiled again, and rewritten
+        entry.write_bytes(entry.read_bytes()[:100])
+    third = LLM(tiny_dir, **args)
+    assert third.generate(PROMPT, greedy)[0].outputs[0].token_ids == want
+    assert not any(c.loaded for c in third.engine.runner.compile_log)
+    fourth = LLM(tiny_dir, **args)
+    assert fourth.generate(PROMPT, greedy)[0].outputs[0].token_ids == want
+    assert all(c.loaded for c in fourth.engine.runner.compile_log)
+
+
+def test_programs_of_other_arguments_are_not_loaded(tmp_path, tiny_dir):
+    args = ENGINE | dict(compilation_cache_dir=str(tmp_path))
+    LLM(tiny_dir, **args).generate(PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    other = LLM(tiny_dir, **args | dict(page_size=16))  # another pool shape: other forward programs
+    other.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    log = other.engine.runner.compile_log
+    forward = [c.loaded for c in log if c.program in ("forward", "pool")]
+    assert forward and not any(forward)
+    assert [c.loaded for c in log if c.program == "sample"] == [True]  # the sampler does not read the pool

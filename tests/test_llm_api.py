@@ -95,7 +95,8 @@ def test_no_compilation_after_warmup(tiny_dir):
     warmed = llm.engine.warmup()
     compiled = runner.num_compilations
     rows = {shape.sample_rows for shape in runner.shapes}
-    assert compiled == len(warmed) == len(runner.shapes) + len(rows)
+    assert compiled == len(runner.shapes) + len(rows)
+    assert [c.program for c in warmed].count("copy") == 1 and len(warmed) == compiled + 1
     assert sorted(c.shape for c in warmed if c.program == "forward") == sorted(runner.shapes)
     assert sorted(c.shape for c in warmed if c.program == "sample") == sorted(rows)
     assert llm.engine.warmup() == []  # nothing left to compile
@@ -311,32 +312,38 @@ def test_incremental_detokenizer_across_multibyte_characters(smollm2_path):
     assert deltas.count("") > 0  # some tokens ended inside a character and were held back
 
 
-# A start of the engine in a fresh process: one short greedy request; prints its tokens and jax's compilation
-# cache hits and misses as JSON.
+# A start of the engine in a fresh process: one short greedy request; prints its tokens, the programs it compiled or
+# loaded, and how many programs jax compiled (jax's log of compilations), as JSON.
 START_AND_GENERATE = """
-import json, sys, jax
+import json, logging, sys, jax
 from jaxpage.llm import LLM
 from jaxpage.sampling_params import SamplingParams
-events = {}
-jax.monitoring.register_event_listener(lambda event, **_: events.__setitem__(event, events.get(event, 0) + 1))
+compiled = []
+class Count(logging.Handler):
+    def emit(self, record):
+        compiled.extend(["x"] if record.getMessage().startswith("Finished XLA compilation") else [])
+logging.getLogger("jax").addHandler(Count())
+jax.config.update("jax_log_compiles", True)
 llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[2], max_model_len=128, max_num_seqs=8,
           max_num_batched_tokens=64, page_size=8)
 out = llm.generate([{"prompt_token_ids": [5, 9, 13]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-cache = {k.rsplit("/", 1)[1]: v for k, v in events.items() if k.startswith("/jax/compilation_cache/cache_")}
-print(json.dumps({"tokens": out[0].outputs[0].token_ids, **cache}))
+programs = [[c.program, c.loaded] for c in llm.engine.runner.compile_log]
+print(json.dumps({"tokens": out[0].outputs[0].token_ids, "programs": programs, "xla_compilations": len(compiled)}))
 """
 
 
 def test_a_second_start_with_the_compilation_cache_compiles_nothing(tiny_dir, tmp_path):
     def start() -> dict:
-        cmd = [sys.executable, "-c", START_AND_GENERATE, tiny_dir, str(tmp_path / "xla-cache")]
+        cmd = [sys.executable, "-c", START_AND_GENERATE, tiny_dir, str(tmp_path / "cache")]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout.splitlines()[-1])
 
     first, second = start(), start()
-    assert first.get("cache_misses", 0) > 0 and first.get("cache_hits", 0) == 0
-    assert second.get("cache_misses", 0) == 0 and second["cache_hits"] == first["cache_misses"]
+    assert first["xla_compilations"] >= len(first["programs"]) >= 3  # pool, forward, sampler at least
+    assert not any(loaded for _, loaded in first["programs"])
+    assert second["xla_compilations"] == 0
+    assert second["programs"] == [[program, True] for program, _ in first["programs"]]
     assert second["tokens"] == first["tokens"]
 
 
