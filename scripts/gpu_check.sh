@@ -13,6 +13,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$
 # The kernels' sweeps (the GPU kernel natively, the TPU kernel interpreted), then the engine with attention_impl
 # "auto" (the GPU kernels natively) against a dense forward pass.
 python3 -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py tests/test_paged_attention.py \
-    tests/test_kv_cache.py "tests/test_llm_api.py::test_greedy_equals_the_dense_forward" \
+    tests/test_attention_backend.py "tests/test_llm_api.py::test_greedy_equals_the_dense_forward" \
     2>&1 | tee "$out/gpu_check_tests.log"
 python3 scripts/bench_decode_kernel.py 2>&1 | tee "$out/gpu_check_bench.log"
