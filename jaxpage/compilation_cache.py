@@ -2,11 +2,12 @@
 with the same model and arguments neither traces, lowers nor compiles them.
 
 Entries are keyed by what determines a program -- the source code of jaxpage and pallas_kernels, the jax and
-jaxlib versions, the devices, XLA_FLAGS, the program's name and static arguments (model config, attention backend,
-shape) and the tree, shapes and dtypes of its arguments -- and hold it as jax.experimental.serialize_executable
-writes it (donation included). jax's own persistent cache would save the compiling but not the tracing and
-lowering, which it needs to compute its keys: most of a second per program on CPU, on the path to the first token.
-(jaxpage does not use both: on XLA CPU a process that loads one program from both fails to run it.)
+jaxlib versions, the devices, XLA_FLAGS, jax's x64 and matmul-precision options, the program's name and static
+arguments (model config, attention backend, shape) and the tree, shapes and dtypes of its arguments -- and hold it
+as jax.experimental.serialize_executable writes it (donation included). jax's own persistent cache would save the
+compiling but not the tracing and lowering, which it needs to compute its keys: most of a second per program on
+CPU, on the path to the first token. (jaxpage does not use both: on XLA CPU a process that loads one program from
+both fails to run it.)
 
 The engine argument `compilation_cache_dir` places it: "auto" (the default) is the folder `compilation-cache` of
 jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage), as vLLM keeps its compile cache under its own
@@ -69,6 +70,8 @@ def program_key(name: str, static: tuple, args: tuple) -> str:
         devices[0].device_kind,
         len(devices),
         os.environ.get("XLA_FLAGS", ""),
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
         name,
         repr(static),
         str(tree),
