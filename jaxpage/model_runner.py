@@ -5,11 +5,12 @@ their K/V into the pool) and the sampler (the LM head over the rows that sample,
 logits never leave the sampler; only token ids (and log-probs when asked) come back to the host.
 
 Shapes. Every step is padded to one of a few shapes, and each is compiled once, ahead of its first use:
-  decode-only steps (every sequence has one new token): T tokens = S rows, a power of two from 4 up to the most
-      sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
-  mixed steps (some sequence computes several tokens): T a power of two from 64 up to max_num_batched_tokens
-      (always the last), S = min(T, max_num_seqs).
-The sampler depends on S only, so it is compiled once per row count, shared by decode and mixed steps. Whether a
+  decode-only steps (every sequence has one new token): T tokens = S rows, a power of two from 4, or 24 or 48, up
+      to the most sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
+  mixed steps (some sequence computes several tokens): T = 128, 512, 2048, ... up to max_num_batched_tokens (always
+      the last), S = min(T, max_num_seqs).
+The sampler takes R >= S rows, R = 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
+decode and mixed steps. Whether a
 step is decode-only is known here, on the host: a decode-only step compiles only the decode attention. Block
 tables have one width, ceil(max_model_len / page_size) pages: attention reads each table only up to its
 sequence's kv length, so a wider table costs a few bytes, not time.
@@ -40,9 +41,15 @@ from jaxpage.scheduler import SchedulerOutput
 
 logger = logging.getLogger("jaxpage")
 
+# Bucket sizes, by measurement (scripts/bench_throughput.py, SmolLM2 float32 on 2 cores). A decode step computes
+# every row of its bucket, about 2 ms of model FLOPs per padding row here: decode buckets are powers of two from 4
+# with 24 and 48 between (a step of 25-48 sequences took 420 ms padded to 32/64, 270-350 ms at 24/48). Mixed steps
+# are mostly full prefill chunks: buckets 128, 512, 2048, ... and the token budget. The sampler's rows (its LM head
+# reads every row) go by powers of 4 from 8: it compiles once per row count, shared by decode and mixed steps.
 MIN_DECODE_BUCKET = 4
-MIN_MIXED_BUCKET = 64
-MIN_SAMPLE_ROWS = 4
+DECODE_HALF_STEPS = (16, 32)  # decode buckets also at 1.5 x these: 24, 48
+MIN_MIXED_BUCKET = 128
+MIN_SAMPLE_ROWS = 8
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
 
@@ -80,10 +87,12 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShap
     """Every shape a step can take, decode-only shapes first, small to large."""
     max_rows = min(max_num_seqs, max_num_batched_tokens)  # the most sequences a step can hold
     sample_rows = powers_of_two(MIN_SAMPLE_ROWS, max_rows, factor=4)
-    decode = [StepShape(t, t, bucket_for(t, sample_rows), True) for t in powers_of_two(MIN_DECODE_BUCKET, max_rows)]
+    decode_sizes = powers_of_two(MIN_DECODE_BUCKET, max_rows)
+    decode_sizes = sorted(set(decode_sizes) | {t * 3 // 2 for t in DECODE_HALF_STEPS if t * 3 // 2 < max_rows})
+    decode = [StepShape(t, t, bucket_for(t, sample_rows), True) for t in decode_sizes]
     mixed = [
         StepShape(t, min(t, max_num_seqs), bucket_for(min(t, max_num_seqs), sample_rows), False)
-        for t in powers_of_two(MIN_MIXED_BUCKET, max_num_batched_tokens)
+        for t in powers_of_two(MIN_MIXED_BUCKET, max_num_batched_tokens, factor=4)
     ]
     return decode + mixed
 
