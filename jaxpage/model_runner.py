@@ -157,6 +157,7 @@ class ModelRunner:
         dtype = params["embed_tokens"]["embedding"].dtype
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
         self._pool_shape = backend.pool_shape(config, num_pages, page_size)
+        self._fill_pool = None  # the program that makes a zeroed K or V pool
         self.kv_cache = self._allocate_pool(dtype)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -306,9 +307,8 @@ class ModelRunner:
             for item in items
         )
         attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
-        return StepInput(token_ids, positions, attention, logits_indices), SampleInput(
-            sampling, np.bool_(want_logprobs)
-        )
+        step = StepInput(token_ids, positions, attention, logits_indices)
+        return step, SampleInput(sampling, np.bool_(want_logprobs))
 
     def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
         """A step of `shape` with no sequence in it."""
@@ -335,13 +335,15 @@ class ModelRunner:
         self.kv_cache = self._allocate_pool(self.kv_cache.k.dtype)
 
     def _allocate_pool(self, dtype) -> KVCache:
-        """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's."""
-        shape = self._pool_shape
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
-        fill = self._load_or_compile(
-            CompiledShape("pool", shape), (), lambda: zeros.lower().compile(), static=(shape, jnp.dtype(dtype).name)
-        )
-        return KVCache(k=fill(), v=fill())
+        """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's (got
+        once: a reset after a failed step reuses it)."""
+        if self._fill_pool is None:
+            shape = self._pool_shape
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
+            self._fill_pool = self._load_or_compile(
+                CompiledShape("pool", shape), (), lambda: zeros.lower().compile(), static=(shape, jnp.dtype(dtype).name)
+            )
+        return KVCache(k=self._fill_pool(), v=self._fill_pool())
 
     def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         if len(src) != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
