@@ -111,6 +111,14 @@ def sampled_logprobs(
 
 def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     """[S] int32 token ids of float32 logits [S, vocab]: the general path, for any mix of rows."""
+    greedy = metadata.temperature.astype(jnp.float32) < GREEDY_TEMPERATURE
+    uniforms = jnp.where(greedy[:, None], 0.0, _row_uniforms(metadata.seeds, metadata.steps))
+    return inverse_cdf(filtered_weights(logits, metadata), uniforms)
+
+
+def filtered_weights(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
+    """[S, V] float32: each row's distribution after temperature, top-k, top-p and min-p, unnormalized (its top
+    token weighs 1, dropped tokens 0). Greedy rows: the indicator of their maximum."""
     vocab = logits.shape[1]
     temperature = metadata.temperature.astype(jnp.float32)
     greedy = temperature < GREEDY_TEMPERATURE
@@ -119,7 +127,7 @@ def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     top_k = jnp.where(greedy | (metadata.top_k >= vocab), 0, metadata.top_k).astype(jnp.int32)
     top_p = jnp.where(greedy, 1.0, metadata.top_p).astype(jnp.float32)
     min_p = jnp.where(greedy, 0.0, metadata.min_p).astype(jnp.float32)
-    weights = lax.cond(
+    return lax.cond(
         jnp.any((top_k > 0) | (top_p < 1) | (min_p > 0)),
         _apply_filters,
         lambda w, *_: w,
@@ -128,9 +136,6 @@ def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
         top_p,
         min_p,
     )
-
-    uniforms = jnp.where(greedy[:, None], 0.0, _row_uniforms(metadata.seeds, metadata.steps))
-    return _inverse_cdf(weights, uniforms)
 
 
 def sampling_metadata_from_params(
@@ -272,7 +277,7 @@ def _row_uniforms(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(row)(seeds.astype(jnp.uint32), steps.astype(jnp.int32))
 
 
-def _inverse_cdf(
+def inverse_cdf(
     weights: jax.Array,  # [S, V] float32 >= 0, each row with some positive weight
     uniforms: jax.Array,  # [S, 2] float32 in [0, 1)
 ) -> jax.Array:  # [S] int32
