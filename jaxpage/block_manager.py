@@ -138,6 +138,26 @@ class BlockManager:
             self._set_filled(table[i], min(ps, end - i * ps))
         return True
 
+    def release_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the slots seq holds past its first num_tokens tokens: those a step reserved for speculative
+        draft tokens that verification rejected (num_tokens >= seq.num_computed_tokens). Pages past them return to
+        the free list, and the last page kept counts only the slots it keeps. The K/V written into released slots
+        is garbage that later tokens overwrite; it was never computed, so it was never registered in the prefix
+        cache. Only pages of seq's alone hold such slots (allocate_slots copies a shared page before a write)."""
+        assert num_tokens >= seq.num_computed_tokens, (num_tokens, seq.num_computed_tokens)
+        ps, table = self.page_size, seq.block_table
+        keep = _cdiv(num_tokens, ps)
+        while len(table) > keep:
+            page = table.pop()
+            assert self._ref_counts[page] == 1 and page not in self._page_key, f"page {page} is not seq's alone"
+            self._ref_counts[page] = 0
+            self._release(page)
+        if table and len(table) == keep and self._ref_counts[table[-1]] == 1:
+            last, slots = table[-1], num_tokens - (keep - 1) * ps
+            if slots < self._filled_slots[last]:
+                self._num_filled_slots -= self._filled_slots[last] - slots
+                self._filled_slots[last] = slots
+
     def cache_full_pages(self, seq: Sequence) -> None:
         """Register in the prefix cache each page of seq that is now full of computed tokens and not yet registered.
         If an identical key already maps to another page, that mapping is kept. No-op when prefix caching is off."""

@@ -572,3 +572,51 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 30),
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), min_size=1, max_size=12),
+)
+def test_rejected_draft_slots_are_given_back(prompt_len, page_size, steps):
+    # Each step reserves slots for the last token and k draft tokens, accepts n <= k of them and gives back the
+    # rest: afterwards the pool is as if only the 1 + n tokens had been allocated (a twin manager does just that),
+    # and no page holding a rejected draft token's slot is in the prefix cache.
+    spec, plain = BlockManager(64, page_size), BlockManager(64, page_size)
+    a, b = make_seq(0, range(prompt_len)), make_seq(0, range(prompt_len))
+    assert run_chunk(spec, a, prompt_len) and run_chunk(plain, b, prompt_len)
+    for step, (k, n) in enumerate(steps):
+        n = min(n, k)
+        if not spec.allocate_slots(a, 1 + k):
+            break
+        assert plain.allocate_slots(b, 1 + n)
+        for seq in (a, b):
+            seq.num_computed_tokens += 1 + n
+            for i in range(1 + n):
+                seq.append_token(1000 + 10 * step + i)
+        spec.cache_full_pages(a)
+        plain.cache_full_pages(b)
+        spec.release_slots(a, a.num_computed_tokens)
+        spec.check_invariants()
+        assert len(a.block_table) == len(b.block_table) == -(-a.num_computed_tokens // page_size)
+        assert spec.num_used_pages == plain.num_used_pages and spec.num_free_pages == plain.num_free_pages
+        assert spec.kv_utilization() == plain.kv_utilization()
+        assert len(spec._page_key) == len(plain._page_key) == a.num_computed_tokens // page_size
+
+
+def test_release_slots_keeps_shared_pages():
+    bm = BlockManager(num_pages=8, page_size=4)
+    parent = make_seq(0, range(6))
+    assert run_chunk(bm, parent, 6)
+    child = make_seq(1, range(6))
+    bm.fork(parent, child, 6)
+    bm.release_slots(child, 6)  # nothing reserved past its tokens: its shared pages stay as they are
+    assert child.block_table == parent.block_table and bm.num_used_pages == 2
+    assert bm.allocate_slots(child, 3)  # its own copy of the shared tail page, and one more page
+    bm.release_slots(child, 6)
+    assert len(child.block_table) == 2 and child.block_table[0] == parent.block_table[0]
+    bm.check_invariants()
+    with pytest.raises(AssertionError):
+        bm.release_slots(child, 5)  # fewer than its computed tokens
