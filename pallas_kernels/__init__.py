@@ -3,7 +3,7 @@
 Public entry points, each with an `impl` argument ("auto", "xla", "pallas"; see `impl`):
   ragged_paged_attention  a mixed batch of prefill chunks and decodes (`ragged_paged_attention.py`)
   paged_attention         a decode batch, one query row per sequence (`paged_attention.py`)
-Implementations: `xla_ragged_attention.py` (plain JAX; with decode_only=True the decode path),
+Implementations: `xla_ragged_attention.py` (plain JAX; with max_q_len=1 the decode path),
 `tpu_ragged_attention.py` and `tpu_decode_attention.py` (sharing `tpu_page_pipeline.py`), `gpu_ragged_attention.py`
 and `gpu_decode_attention.py` (sharing `gpu_online_softmax.py`). Each file holds its own tuning constants.
 

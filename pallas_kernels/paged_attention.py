@@ -1,7 +1,7 @@
 """Decode paged attention: one query token per sequence, the common serving step. The public entry point.
 
 `impl` ("auto", "xla", "pallas"), `interpret` and `backend` pick the implementation as `pallas_kernels.impl` says:
-the XLA implementation (`xla_ragged_attention` with `decode_only=True`: no prefill loop is compiled) or a Pallas
+the XLA implementation (`xla_ragged_attention` with `max_q_len=1`: no prefill loop is compiled) or a Pallas
 kernel (`tpu_decode_attention`, `gpu_decode_attention`).
 """
 
@@ -54,7 +54,7 @@ def paged_attention(
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     if kernel == "xla":
         metadata = (kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs))
-        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, layer, **options, decode_only=True)
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, layer, **options, max_q_len=1)
     elif kernel == "tpu":
         from pallas_kernels.tpu_decode_attention import tpu_decode_attention  # Pallas: imported when used
         from pallas_kernels.tpu_page_pipeline import tpu_pages_per_kv_tile

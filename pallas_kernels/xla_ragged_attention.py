@@ -6,11 +6,12 @@ back to back -- to that sequence's keys in the paged KV pool, read through its b
 Work scales like the sum over sequences of q_len x kv_len (never T x max_kv), in query tiles of `q_tile` rows by
 kv tiles of `kv_tile` keys, and memory like one kv tile for all sequences ([S, kv_tile, kv_heads, head_dim]):
   1. The LAST query row of every sequence, all sequences at once, runs an online softmax (flash attention) over
-     kv tiles up to the longest kv_len in the batch. For a decode row (q_len == 1) that is the whole job.
-  2. The other rows of sequences with q_len > 1 go through a loop over just those sequences, one query tile at a
-     time, each tile an online softmax over only the kv tiles its rows see (causal mask, sliding window). With
-     `decode_only=True` the caller promises there are no such rows, and this loop is not built at all: a decode
-     step compiles only what it runs.
+     kv tiles up to the longest kv_len in the batch. For a decode row (q_len == 1) that is the whole job. With
+     `max_q_len=R` the caller promises that no sequence has more than R rows, and this part takes the last R rows
+     of every sequence (a decode step: R = 1; verifying k speculative tokens: R = k + 1).
+  2. Without `max_q_len`, the other rows of sequences with q_len > 1 go through a loop over just those sequences,
+     one query tile at a time, each tile an online softmax over only the kv tiles its rows see (causal mask,
+     sliding window). With `max_q_len` this loop is not built at all: a decode step compiles only what it runs.
 Each kv tile is gathered from the pool through the block table with positions >= kv_len ZEROED (jnp.where on the
 values, not only masked in the logits): stale slots, the null page and freed pages may hold NaN/inf garbage, and
 NaN times a zero probability is still NaN.
@@ -39,7 +40,7 @@ LAST_ROW_TILE = 16  # sequences whose last query rows are attended together (par
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "decode_only", "q_tile", "kv_tile", "all_pairs"),
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "max_q_len", "q_tile", "kv_tile", "all_pairs"),
 )
 def xla_ragged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
@@ -54,16 +55,16 @@ def xla_ragged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    decode_only: bool = False,
+    max_q_len: int | None = None,
     q_tile: int = Q_TILE,
     kv_tile: int = KV_TILE,
     all_pairs: bool | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
     """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
 
-    The pool's head_dim must be q's. With `decode_only`, every live sequence must have q_len <= 1 (rows of longer
-    sequences other than their last come out as 0). The tuning is an argument so that tests can shrink the tiles
-    to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
+    The pool's head_dim must be q's. With `max_q_len`, every live sequence must have q_len <= max_q_len (rows of
+    longer sequences before their last max_q_len come out as 0). The tuning is an argument so that tests can shrink
+    the tiles to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[-3:-1]
@@ -156,13 +157,16 @@ def xla_ragged_attention(
     def first_kv_tile_for(query_pos):  # the first kv tile within the sliding window of the earliest query
         return 0 if sliding_window is None else jnp.maximum(query_pos - sliding_window + 1, 0) // kv_tile
 
-    # 1. The last row of every sequence, all at once. It sits at position kv_len - 1 and sees the whole cache (or
-    # window); for a decode row (q_len == 1) that is the whole job.
+    # 1. The last row (or last max_q_len rows) of every sequence, all at once. The last row sits at position
+    # kv_len - 1 and sees the whole cache (or window); for a decode row (q_len == 1) that is the whole job.
     # Sequences go longest first, LAST_ROW_TILE at a time, each tile reading only as many kv tiles as its own
     # longest sequence needs: with mixed lengths, one batch-wide loop would read the longest length for all.
-    last_row = cu_q_lens[1:] - 1  # [S]
-    q_last = q[jnp.clip(last_row, 0, num_tokens - 1)].reshape(num_seq_rows, 1, num_kv_heads, group, head_dim)
-    last_pos = kv_lens - 1
+    last_rows = 1 if max_q_len is None else max_q_len  # R
+    offsets = jnp.arange(last_rows) - (last_rows - 1)  # -(R - 1) .. 0: the rows before each sequence's last
+    rows_of_seq = (cu_q_lens[1:] - 1)[:, None] + offsets  # [S, R] token rows
+    own_rows = offsets > -q_lens[:, None]  # [S, R]: rows of the sequence itself (not a neighbour's, not padding)
+    q_last = q[jnp.clip(rows_of_seq, 0, num_tokens - 1)].reshape(num_seq_rows, last_rows, num_kv_heads, group, head_dim)
+    last_pos = (kv_lens - 1)[:, None] + offsets  # [S, R]
     seqs_per_tile = min(LAST_ROW_TILE, num_seq_rows)
     num_last_row_tiles = -(-num_seq_rows // seqs_per_tile)
     order = jnp.argsort(-kv_lens)  # live sequences (kv_len >= 1) first, padding rows (kv_len 0) last
@@ -171,26 +175,20 @@ def xla_ragged_attention(
     def last_row_tile_step(t, out_last):
         seqs = lax.dynamic_slice_in_dim(order, t * seqs_per_tile, seqs_per_tile)
         pos, lens = last_pos[seqs], kv_lens[seqs]
-        o = attend(
-            q_last[seqs],
-            pos[:, None],
-            tables[seqs],
-            lens,
-            first_kv_tile_for(jnp.min(jnp.where(lens > 0, pos, jnp.iinfo(jnp.int32).max))),
-            jnp.max(pos) // kv_tile,
-        )[:, 0]
+        earliest = jnp.min(jnp.where(own_rows[seqs] & (lens > 0)[:, None], pos, jnp.iinfo(jnp.int32).max))
+        o = attend(q_last[seqs], pos, tables[seqs], lens, first_kv_tile_for(earliest), jnp.max(pos) // kv_tile)
         return out_last.at[seqs].set(o)
 
     live_tiles = -(-jnp.sum(kv_lens > 0) // seqs_per_tile)
-    out_last = jnp.zeros((num_seq_rows, num_heads, head_dim), jnp.float32)
+    out_last = jnp.zeros((num_seq_rows, last_rows, num_heads, head_dim), jnp.float32)
     out_last = lax.fori_loop(0, live_tiles, last_row_tile_step, out_last)
 
     # 2. The other rows of sequences with q_len > 1, a query tile of q_tile rows at a time. q and out get q_tile
     # extra rows so that a tile starting at any row in [0, T) fits: dynamic_slice would otherwise clamp its start.
-    # Not built at all for a decode-only step.
-    extra_rows = 0 if decode_only else q_tile
+    # Not built at all with max_q_len.
+    extra_rows = 0 if max_q_len is not None else q_tile
     out = jnp.zeros((num_tokens + extra_rows, num_heads, head_dim), jnp.float32)
-    if not decode_only:
+    if max_q_len is None:
         q_padded = jnp.pad(q, ((0, q_tile), (0, 0), (0, 0)))
         chunked = q_lens > 1
         chunked_seqs = jnp.nonzero(chunked, size=num_seq_rows, fill_value=0)[0]
@@ -219,7 +217,7 @@ def xla_ragged_attention(
 
         out = lax.fori_loop(0, chunked.sum(), seq_step, out)
 
-    # Each live sequence's last row gets step 1's result; sequences without rows write out of range (dropped).
-    last_row = jnp.where(q_lens > 0, last_row, num_tokens + extra_rows)
-    out = out.at[last_row].set(out_last, mode="drop")
+    # Each sequence's own rows of step 1 get its result; other rows write out of range (dropped).
+    rows_of_seq = jnp.where(own_rows, rows_of_seq, num_tokens + extra_rows)
+    out = out.at[rows_of_seq.reshape(-1)].set(out_last.reshape(-1, num_heads, head_dim), mode="drop")
     return out[:num_tokens].astype(q.dtype)

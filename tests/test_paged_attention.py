@@ -138,13 +138,13 @@ def test_auto_is_xla_on_cpu():
 
 
 def test_xla_decode_compiles_no_prefill_loop():
-    # impl="xla" runs the XLA implementation with decode_only=True: the same while loops, none for prefill rows.
+    # impl="xla" runs the XLA implementation with max_q_len=1: the same while loops, none for prefill rows.
     batch = make_batch(LAYOUTS[1], decode_case(LAYOUTS[1].page_size))
     q, k_pages, v_pages, kv_lens, block_tables = decode_args(batch)
     decode = while_loops(functools.partial(paged_attention, sm_scale=0.2, impl="xla"), *decode_args(batch))
     metadata = (kv_lens, block_tables, jnp.arange(NUM_SEQ_ROWS + 1, dtype=jnp.int32), jnp.int32(NUM_SEQ_ROWS))
     general = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2), q, k_pages, v_pages, *metadata)
-    decode_only = functools.partial(xla_ragged_attention, sm_scale=0.2, decode_only=True)
+    decode_only = functools.partial(xla_ragged_attention, sm_scale=0.2, max_q_len=1)
     assert decode == while_loops(decode_only, q, k_pages, v_pages, *metadata) < general
 
 

@@ -241,7 +241,7 @@ def test_decode_only_gives_the_same_result(layout, tuning, options):
     batch = make_batch(layout, decode_seqs(layout.page_size), seed=4, poison=True)
     kwargs = dict(sm_scale=sm_scale(layout), **options)
     general = xla_ragged_attention(*batch.args, **kwargs, **tuning)
-    decode = xla_ragged_attention(*batch.args, **kwargs, **tuning, decode_only=True)
+    decode = xla_ragged_attention(*batch.args, **kwargs, **tuning, max_q_len=1)
     np.testing.assert_array_equal(np.asarray(decode, np.float32), np.asarray(general, np.float32))
     assert_matches_reference(layout, batch, decode, **kwargs)
 
@@ -256,8 +256,36 @@ def test_decode_only_compiles_no_prefill_loop():
     # each tile's kv tiles) is not in its program at all.
     batch = make_batch(GQA, decode_seqs(GQA.page_size))
     general = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2), *batch.args)
-    decode = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2, decode_only=True), *batch.args)
+    decode = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2, max_q_len=1), *batch.args)
     assert 0 < decode < general
+    verify = while_loops(functools.partial(xla_ragged_attention, sm_scale=0.2, max_q_len=4), *batch.args)
+    assert verify == decode
+
+
+def few_rows_seqs(page_size: int) -> list[tuple[int, int]]:
+    """(q_len, kv_len) of a batch whose sequences have at most 4 query rows (verifying speculative tokens)."""
+    return [(4, 50), (1, 1), (0, 0), (3, 3), (4, 4), (2, page_size + 1), (4, page_size), (4, MAX_KV)]
+
+
+@pytest.mark.parametrize(
+    ("layout", "tuning", "options"),
+    [
+        (GQA, dict(), dict()),
+        (LAYOUTS[4], dict(kv_tile=16), dict(sliding_window=20, soft_cap=2.0)),
+        (LAYOUTS[5], dict(kv_tile=16, all_pairs=False), dict()),
+        (LAYOUTS[0], dict(kv_tile=8), dict(sliding_window=3)),
+    ],
+    ids=["gqa-float32", "bfloat16-small-kv-tiles-window-softcap", "bfloat16-per-kv-head", "mha-window-3"],
+)
+def test_a_few_rows_per_sequence_all_at_once_give_the_same_result(layout, tuning, options):
+    # max_q_len=4: every sequence's rows in the batched last-rows path, no prefill loop; NaN in every slot that
+    # holds no live position and in the padding query rows.
+    batch = make_batch(layout, few_rows_seqs(layout.page_size), seed=5, poison=True)
+    kwargs = dict(sm_scale=sm_scale(layout), **options)
+    general = xla_ragged_attention(*batch.args, **kwargs, **tuning)
+    few_rows = xla_ragged_attention(*batch.args, **kwargs, **tuning, max_q_len=4)
+    np.testing.assert_allclose(np.asarray(few_rows, np.float32), np.asarray(general, np.float32), atol=layout.atol)
+    assert_matches_reference(layout, batch, few_rows, **kwargs)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
