@@ -84,24 +84,33 @@ class Worker:
     def __init__(self, name: str, root: Path, args: dict):
         self.name = name
         env = dict(os.environ, PYTHONPATH=str(root))
+        self.log = tempfile.TemporaryFile("w+")  # the worker's stderr (its logs), shown if it fails
         self.process = subprocess.Popen(
             [sys.executable, "-c", WORKER, json.dumps(args)],
             cwd=root,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
         )
         self.steps: list[list] = []
         self.done = False
         if self.process.stdout.readline().strip() != "ready":
-            raise SystemExit(f"{name}: the worker failed to start (run its checkout's tests)")
+            self.fail("failed to start")
+
+    def fail(self, what: str) -> None:
+        self.process.kill()
+        self.log.seek(0)
+        raise SystemExit(f"{self.name} ({self.process.args[-1]}): the worker {what}:\n{self.log.read()[-3000:]}")
 
     def take_turn(self, num_steps: int) -> None:
         self.process.stdin.write(f"{num_steps}\n")
         self.process.stdin.flush()
-        steps = json.loads(self.process.stdout.readline())
+        line = self.process.stdout.readline()
+        if not line:
+            self.fail("stopped")
+        steps = json.loads(line)
         self.steps += steps
         self.done = len(steps) < num_steps
 
@@ -148,6 +157,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps_per_turn < 1:
         parser.error("--steps-per-turn must be at least 1")
+    if not (args.candidate / "jaxpage" / "__init__.py").is_file():
+        parser.error(f"--candidate {args.candidate} is not a jaxpage checkout (no jaxpage/__init__.py)")
 
     from jaxpage.tokenizer import load_tokenizer
 
