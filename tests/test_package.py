@@ -80,6 +80,27 @@ def test_benchmark_helpers_import_no_torch():
     assert len(modules) >= 5 and result.stdout.split() == ["[]"]
 
 
+HOST_MODULES = [
+    "jaxpage.block_manager",
+    "jaxpage.scheduler",
+    "jaxpage.sequence",
+    "jaxpage.sampling_params",
+    "jaxpage.validation",
+    "jaxpage.speculative_config",
+    "jaxpage.ngram_proposer",
+    "jaxpage.spec_decode_stats",
+]
+
+
+def test_host_bookkeeping_imports_no_jax():
+    # The scheduler's side stays plain Python (and numpy), so that its tests are fast and property-based.
+    probe = f"import importlib, sys\nfor m in {HOST_MODULES!r}: importlib.import_module(m)\n"
+    probe += 'print([m for m in ("torch", "transformers", "jax") if m in sys.modules])'
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]
+
+
 TESTS = Path(__file__).parent
 HF_MODULES = {"hf_reference", "torch", "transformers"}
 
