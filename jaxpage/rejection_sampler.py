@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpage.sampler import GREEDY_TEMPERATURE, SamplingMetadata, filtered_weights, inverse_cdf
+from jaxpage.sampler import GREEDY_TEMPERATURE, SamplingMetadata, filtered_weights, inverse_cdf, row_uniforms
 
 
 @jax.tree_util.register_dataclass
@@ -43,16 +43,6 @@ def target_probs(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     greedy = metadata.temperature.astype(jnp.float32) < GREEDY_TEMPERATURE
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy[:, None], one_hot, weights / jnp.sum(weights, axis=-1, keepdims=True))
-
-
-def position_uniforms(seeds: jax.Array, steps: jax.Array, num_positions: int) -> jax.Array:
-    """[S, num_positions, 3] float32 in [0, 1): position j of row s from fold_in(key(seeds[s]), steps[s] + j)."""
-
-    def row(seed, step):
-        keys = jax.vmap(lambda j: jax.random.fold_in(jax.random.key(seed), step + j))(jnp.arange(num_positions))
-        return jax.vmap(lambda key: jax.random.uniform(key, (3,)))(keys)
-
-    return jax.vmap(row)(seeds.astype(jnp.uint32), steps.astype(jnp.int32))
 
 
 def verify_drafts(
@@ -78,7 +68,8 @@ def verify_drafts(
         steps=(metadata.steps[:, None] + positions[None, :]).reshape(-1),
     )
     p = target_probs(logits.reshape(-1, vocab).astype(jnp.float32), position_metadata).reshape(logits.shape)
-    uniforms = position_uniforms(metadata.seeds, metadata.steps, num_positions)  # [S, k + 1, 3]
+    # Position j of row s: 3 uniforms from fold_in(key(seed), step + j), as the sampler draws its 2.
+    uniforms = row_uniforms(position_metadata.seeds, position_metadata.steps, 3).reshape(num_rows, num_positions, 3)
 
     # Acceptance of each draft token, then the accepted prefix.
     p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [S, k]

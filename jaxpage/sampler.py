@@ -112,7 +112,7 @@ def sampled_logprobs(
 def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     """[S] int32 token ids of float32 logits [S, vocab]: the general path, for any mix of rows."""
     greedy = metadata.temperature.astype(jnp.float32) < GREEDY_TEMPERATURE
-    uniforms = jnp.where(greedy[:, None], 0.0, _row_uniforms(metadata.seeds, metadata.steps))
+    uniforms = jnp.where(greedy[:, None], 0.0, row_uniforms(metadata.seeds, metadata.steps))
     return inverse_cdf(filtered_weights(logits, metadata), uniforms)
 
 
@@ -268,11 +268,11 @@ def _largest_passing(enough, num_rows: int) -> jax.Array:
     return lax.bitcast_convert_type(lo, jnp.float32)
 
 
-def _row_uniforms(seeds: jax.Array, steps: jax.Array) -> jax.Array:
-    """[S, 2] float32 in [0, 1), a function of each row's (seed, step) only."""
+def row_uniforms(seeds: jax.Array, steps: jax.Array, count: int = 2) -> jax.Array:
+    """[S, count] float32 in [0, 1) from fold_in(key(seed), step): a function of each row's (seed, step) only."""
 
     def row(seed, step):
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (2,))
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (count,))
 
     return jax.vmap(row)(seeds.astype(jnp.uint32), steps.astype(jnp.int32))
 
