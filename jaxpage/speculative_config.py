@@ -75,15 +75,15 @@ class SpeculativeConfig:
         if self.method == "ngram":
             if self.model is not None:
                 fail(key("model"), "left out with method 'ngram' (n-gram lookup uses no model)", self.model)
-            given = {
-                name: None
-                if getattr(self, name) is None
-                else check_int(key(name), getattr(self, name), 1, MAX_PROMPT_LOOKUP)
-                for name in ("prompt_lookup_min", "prompt_lookup_max")
-            }
-            low = next((v for v in (given["prompt_lookup_min"], given["prompt_lookup_max"]) if v is not None), None)
-            low = DEFAULT_PROMPT_LOOKUP if low is None else low
-            high = low if given["prompt_lookup_max"] is None else given["prompt_lookup_max"]
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            if low is not None:
+                low = check_int(key("prompt_lookup_min"), low, 1, MAX_PROMPT_LOOKUP)
+            if high is not None:
+                high = check_int(key("prompt_lookup_max"), high, 1, MAX_PROMPT_LOOKUP)
+            if low is None:  # as in vLLM: the other size, else the default
+                low = DEFAULT_PROMPT_LOOKUP if high is None else high
+            if high is None:
+                high = low
             if low > high:
                 fail(key("prompt_lookup_min"), f"<= prompt_lookup_max ({high})", low)
             put("prompt_lookup_min", low)
