@@ -10,10 +10,9 @@ Shapes. Every step is padded to one of a few shapes, and each is compiled once, 
   mixed steps (some sequence computes several tokens): T = 128, 512, 2048, ... up to max_num_batched_tokens (always
       the last), S = min(T, max_num_seqs).
 The sampler takes R >= S rows, R = 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
-decode and mixed steps. Whether a
-step is decode-only is known here, on the host: a decode-only step compiles only the decode attention. Block
-tables have one width, ceil(max_model_len / page_size) pages: attention reads each table only up to its
-sequence's kv length, so a wider table costs a few bytes, not time.
+decode and mixed steps. Whether a step is decode-only is known here, on the host: a decode-only step compiles only
+the decode attention. Block tables have one width, ceil(max_model_len / page_size) pages: attention reads each
+table only up to its sequence's kv length, so a wider table costs a few bytes, not time.
 `warmup()` compiles every shape; after it, no workload compiles anything new. With the persistent compilation
 cache (on by default, see jaxpage.compilation_cache) a later process loads them instead: no tracing, no compiling.
 """
