@@ -33,6 +33,15 @@ def run_chunk(bm: BlockManager, seq: Sequence, num_tokens: int) -> bool:
     return True
 
 
+def computed_and_forked(bm: BlockManager, tokens, fork_at: int) -> tuple[Sequence, Sequence]:
+    """A parent with all its tokens computed, and a child of the same tokens forked from it at fork_at."""
+    parent = make_seq(0, tokens)
+    assert run_chunk(bm, parent, len(parent.prompt_token_ids))
+    child = make_seq(1, tokens)
+    bm.fork(parent, child, fork_at)
+    return parent, child
+
+
 def test_rejects_bad_sizes():
     with pytest.raises(ValueError, match="num_pages"):
         BlockManager(num_pages=1, page_size=4)
@@ -179,11 +188,8 @@ def test_hit_page_is_not_evictable_while_referenced():
 
 def test_fork_and_copy_on_write():
     bm = BlockManager(num_pages=8, page_size=4)
-    parent = make_seq(0, [1, 2, 3, 4, 5, 6])
-    assert run_chunk(bm, parent, 6)
+    parent, child = computed_and_forked(bm, [1, 2, 3, 4, 5, 6], 6)
     p_full, p_tail = parent.block_table
-    child = make_seq(1, parent.prompt_token_ids)
-    bm.fork(parent, child, 6)
     assert child.block_table == [p_full, p_tail] and child.num_computed_tokens == 6
     assert bm._ref_counts[p_full] == bm._ref_counts[p_tail] == 2
     assert bm.num_used_pages == 2
@@ -215,10 +221,7 @@ def test_fork_and_copy_on_write():
 
 def test_fork_at_a_page_boundary_copies_nothing():
     bm = BlockManager(num_pages=8, page_size=4)
-    parent = make_seq(0, range(8))
-    assert run_chunk(bm, parent, 8)
-    child = make_seq(1, range(8))
-    bm.fork(parent, child, 8)
+    parent, child = computed_and_forked(bm, range(8), 8)
     child.append_token(9)
     assert bm.pages_needed(child, 1) == 1  # a fresh page, not a copy
     assert bm.allocate_slots(child, 1) and bm.take_copies() == []
@@ -302,10 +305,7 @@ def test_copies_of_one_step_never_chain():
 
 def test_copy_into_a_page_freed_in_the_same_step_is_dropped():
     bm = BlockManager(num_pages=8, page_size=4)
-    parent = make_seq(0, range(7))
-    assert run_chunk(bm, parent, 7)
-    child = make_seq(1, range(7))
-    bm.fork(parent, child, 6)
+    parent, child = computed_and_forked(bm, range(7), 6)
     assert bm.allocate_slots(child, 1)
     bm.free(child)  # its copy is gone with it: nobody would read it, and the page may be handed out again
     assert bm.take_copies() == []
@@ -608,10 +608,7 @@ def test_rejected_draft_slots_are_given_back(prompt_len, page_size, steps):
 
 def test_release_slots_keeps_shared_pages():
     bm = BlockManager(num_pages=8, page_size=4)
-    parent = make_seq(0, range(6))
-    assert run_chunk(bm, parent, 6)
-    child = make_seq(1, range(6))
-    bm.fork(parent, child, 6)
+    parent, child = computed_and_forked(bm, range(6), 6)
     bm.release_slots(child, 6)  # nothing reserved past its tokens: its shared pages stay as they are
     assert child.block_table == parent.block_table and bm.num_used_pages == 2
     assert bm.allocate_slots(child, 3)  # its own copy of the shared tail page, and one more page
