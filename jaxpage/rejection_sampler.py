@@ -12,12 +12,20 @@ tokens that come out are distributed exactly as plain sampling from the target w
 - the first rejected position j emits one token drawn from max(p_j - q_j, 0), normalized; when every draft token
   is accepted, a bonus token is drawn from p_{k+1}.
 
+Point-mass drafts (n-gram) are verified by a coupling of that rule: position j draws the token x_j that plain
+sampling would draw there (the sampler's own function of the logits and the uniforms of (seed, step + j)), and
+d_j is accepted iff x_j == d_j, which happens with probability p_j(d_j); on rejection, x_j is distributed as p_j
+given x_j != d_j, which is max(p_j - point mass on d_j, 0) normalized. So the tokens are the ones decoding without
+speculation gives, for sampled rows too: a seeded request's output does not depend on whether, or how much, it
+speculated (up to float rounding between step shapes).
+
 Greedy rows (temperature < 1e-5) have p_j = the one-hot of argmax (lowest index on ties, as `jnp.argmax`): a draft
 token is accepted iff it is the target's greedy token, and the emitted token is the target's greedy token. Their
 output is token for token what decoding without speculation gives.
 
-Randomness: position j of a row draws 3 uniforms from fold_in(key(seed), step + j) (two for the draw, as the
-sampler's, one for acceptance): a seeded request's tokens depend on its own logits, seed and position only.
+Randomness: position j of a row draws its uniforms from fold_in(key(seed), step + j): 2 for point-mass drafts (the
+sampler's), 3 for draft distributions (two for the draw, one for acceptance): a seeded request's tokens depend on
+its own logits, seed and position only.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpage.sampler import GREEDY_TEMPERATURE, SamplingMetadata, filtered_weights, inverse_cdf, row_uniforms
+from jaxpage.sampler import GREEDY_TEMPERATURE, SamplingMetadata, filtered_weights, inverse_cdf, row_uniforms, sample
 
 
 @jax.tree_util.register_dataclass
@@ -67,31 +75,33 @@ def verify_drafts(
         seeds=per_position(metadata.seeds),
         steps=(metadata.steps[:, None] + positions[None, :]).reshape(-1),
     )
+    rows = jnp.arange(num_rows)
+    padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
+    if draft_probs is None:  # point masses: the coupling of the module docstring
+        plain = sample(logits.reshape(-1, vocab), position_metadata).token_ids.reshape(num_rows, num_positions)
+        accepted = (plain[:, :k] == draft_tokens) & (positions[None, :k] < num_drafts[:, None])
+        num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
+        token_ids = jnp.where(positions[None, :] <= num_accepted[:, None], plain, -1)
+        return VerifiedTokens(token_ids.astype(jnp.int32), num_accepted)
+
     p = target_probs(logits.reshape(-1, vocab).astype(jnp.float32), position_metadata).reshape(logits.shape)
     # Position j of row s: 3 uniforms from fold_in(key(seed), step + j), as the sampler draws its 2.
     uniforms = row_uniforms(position_metadata.seeds, position_metadata.steps, 3).reshape(num_rows, num_positions, 3)
 
     # Acceptance of each draft token, then the accepted prefix.
     p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [S, k]
-    if draft_probs is None:
-        q_draft = jnp.ones_like(p_draft)
-    else:
-        q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     accepted = (uniforms[:, :k, 2] * q_draft < p_draft) & (positions[None, :k] < num_drafts[:, None])
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)  # [S]
 
     # The emitted token: from the residual at the first rejection, or the bonus after a fully accepted draft.
-    rows = jnp.arange(num_rows)
     p_next = p[rows, num_accepted]  # [S, V]
     rejected = num_accepted < num_drafts
     if k == 0:
         distribution = p_next
     else:
         at = jnp.minimum(num_accepted, k - 1)
-        if draft_probs is None:
-            q_next = jax.nn.one_hot(draft_tokens[rows, at], vocab, dtype=jnp.float32)
-        else:
-            q_next = draft_probs[rows, at].astype(jnp.float32)
+        q_next = draft_probs[rows, at].astype(jnp.float32)
         residual = jnp.maximum(p_next - q_next, 0.0)
         # A residual of no mass can only come from rounding (a rejection has probability 0 when p >= q): use p.
         usable = rejected & (jnp.sum(residual, axis=-1) > 0)
@@ -100,7 +110,6 @@ def verify_drafts(
     draw_uniforms = jnp.where(greedy[:, None], 0.0, uniforms[rows, num_accepted, :2])
     emitted = inverse_cdf(distribution, draw_uniforms)
 
-    padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     token_ids = jnp.where(positions[None, :] < num_accepted[:, None], padded_drafts, -1)
     token_ids = jnp.where(positions[None, :] == num_accepted[:, None], emitted[:, None], token_ids)
     return VerifiedTokens(token_ids.astype(jnp.int32), num_accepted)
