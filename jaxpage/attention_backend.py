@@ -13,8 +13,9 @@ config never branch on backends:
 `attention_impl` "auto" is the kernels of the platform jax runs on (TPU, GPU), else "xla"; "pallas" is the
 platform's kernels, refused where there are none.
 
-Whether a step is decode-only (every sequence has one new token) is known on the host and passed as a static
-argument: a decode-only step compiles only the decode attention, a mixed step only the ragged one.
+The most query rows any sequence of a step has is known on the host and passed as a static argument `max_q_len`:
+1 for a decode-only step (it compiles only the decode attention), k + 1 for a step that verifies k speculative
+tokens per sequence (the ragged attention, told that no sequence has more rows), None for a mixed step.
 """
 
 from __future__ import annotations
@@ -115,19 +116,20 @@ class AttentionBackend:
         *,
         sm_scale: float,
         sliding_window: int | None,
-        decode_only: bool,
+        max_q_len: int | None,
     ) -> jax.Array:  # [T, num_heads, head_dim]
         """Causal attention of the step's query tokens to their sequences' cached keys (this step's included).
 
-        decode_only (static): every live sequence has one query token, token s being sequence s's, and T == S."""
+        max_q_len (static): no live sequence has more query tokens than this (None: any number). With 1, every
+        live sequence has one query token, token s being sequence s's, and T == S."""
         options = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer, **self._kernel_args)
-        if decode_only:
+        if max_q_len == 1:
             assert q.shape[0] == batch.kv_lens.shape[0], (q.shape, batch.kv_lens.shape)
             live = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs
             kv_lens = jnp.where(live, batch.kv_lens, 0)
             return paged_attention(q, kv_cache.k, kv_cache.v, kv_lens, batch.block_tables, **options)
         metadata = (batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
-        return ragged_paged_attention(q, kv_cache.k, kv_cache.v, *metadata, **options)
+        return ragged_paged_attention(q, kv_cache.k, kv_cache.v, *metadata, **options, max_q_len=max_q_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,7 @@ class PagedAttention:
     backend: AttentionBackend
     sm_scale: float
     sliding_window: int | None = None
-    decode_only: bool = False
+    max_q_len: int | None = None  # see AttentionBackend.attend
 
     def __call__(self, q, k, v, batch: PagedBatch, kv_cache: KVCache, layer):
         # q [T, H, d]; k, v [T, K, d]
@@ -149,6 +151,6 @@ class PagedAttention:
             layer,
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
-            decode_only=self.decode_only,
+            max_q_len=self.max_q_len,
         )
         return out, kv_cache

@@ -44,14 +44,23 @@ class BatchSummary:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
+    spec_decoding: dict | None = None  # SpecDecodingStats.as_dict() of this run, with speculative decoding
 
     def describe(self) -> str:
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
-        return (
+        text = (
             f"{self.requests} requests: {self.succeeded} succeeded, {self.failed} failed, {self.resumed} already "
             f"done; {self.prompt_tokens} prompt and {self.completion_tokens} completion tokens in {self.seconds:.1f}s "
             f"({rate:.1f} completion tokens/s)"
         )
+        spec = self.spec_decoding
+        if spec is not None and spec["num_drafts"]:
+            text += (
+                f"; speculative decoding: {spec['num_drafts']} drafts, {spec['num_accepted_tokens']} of "
+                f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.2f}), mean accepted "
+                f"length {spec['mean_accepted_length']:.2f}"
+            )
+        return text
 
 
 def run_batch(input_path, output_path, llm=None, *, quiet: bool = False, **engine_args) -> BatchSummary:
@@ -71,8 +80,12 @@ def run_batch(input_path, output_path, llm=None, *, quiet: bool = False, **engin
         out = open(output_path, "a", encoding="utf-8")  # noqa: SIM115 (closed below, after the job)
     except OSError as e:
         raise BatchError(f"cannot write the output {output_path}: {e.strerror or e}") from None
+    stats = llm.engine.spec_decoding_stats
+    before = None if stats is None else stats.copy()
     with out, open(input_path, encoding="utf-8", errors="replace") as lines:
         job.run(lines, out, total)
+    if stats is not None:
+        job.summary.spec_decoding = stats.since(before).as_dict()
     return job.summary
 
 

@@ -160,13 +160,16 @@ class BlockManager:
 
     def cache_full_pages(self, seq: Sequence) -> None:
         """Register in the prefix cache each page of seq that is now full of computed tokens and not yet registered.
-        If an identical key already maps to another page, that mapping is kept. No-op when prefix caching is off."""
+        If an identical key already maps to another page, that mapping is kept. No-op when prefix caching is off.
+        Computed tokens not yet in seq.token_ids (accepted draft tokens, before the engine appends them) wait for
+        a later call."""
         hashes = self._seq_hashes.get(seq.seq_id)
         if not self.enable_prefix_caching or hashes is None:
             return
         ps = self.page_size
         parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), min(seq.num_computed_tokens // ps, len(seq.block_table))):
+        full_pages = min(seq.num_computed_tokens, seq.num_tokens) // ps
+        for i in range(len(hashes), min(full_pages, len(seq.block_table))):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             key = hash_page(parent, tokens)
             page = seq.block_table[i]

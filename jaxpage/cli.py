@@ -54,6 +54,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, in vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxpage", description="PagedAttention LLM serving on JAX/XLA.")
     parser.add_argument("--version", action="version", version=f"jaxpage {jaxpage.__version__}")
@@ -68,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     generate.add_argument("--min-p", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
+    _add_speculative_option(generate)
     _add_compilation_cache_options(generate)
     _add_model_options(generate)
 
@@ -101,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     batch.add_argument("--page-size", type=int, default=16)
     batch.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    _add_speculative_option(batch)
     _add_compilation_cache_options(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -164,7 +176,13 @@ def _generate(args) -> None:
     from jaxpage.llm import LLM
     from jaxpage.tokenizer import encode_prompt
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, compilation_cache_dir=args.compilation_cache_dir)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=1,
+        compilation_cache_dir=args.compilation_cache_dir,
+        speculative_config=args.speculative_config,
+    )
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
     final = None
@@ -248,6 +266,7 @@ def _batch(args) -> None:
         page_size=args.page_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         compilation_cache_dir=args.compilation_cache_dir,
+        speculative_config=args.speculative_config,
     )
     try:
         summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **engine_args)

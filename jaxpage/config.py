@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from jaxpage.errors import ModelLoadError
+from jaxpage.speculative_config import SpeculativeConfig
 from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, fail
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -189,6 +190,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = "auto"
     load_format: str = "auto"  # "auto": the weights of `model`; "dummy": random weights, the config of `model`
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have token ids and no text
+    # Speculative decoding (jaxpage.speculative_config): None (off), a SpeculativeConfig, a dict in vLLM's keys such
+    # as {"method": "ngram", "num_speculative_tokens": 3}, or that dict as a JSON string. Kept as a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = (
@@ -247,3 +251,4 @@ class EngineConfig:
             put("compilation_cache_dir", check_path(arg("compilation_cache_dir"), self.compilation_cache_dir))
         choose("load_format", ("auto", "dummy"))
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
+        put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))

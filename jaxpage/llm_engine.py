@@ -19,12 +19,16 @@ from jaxpage.attention_backend import AttentionBackend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
 from jaxpage.config import EngineConfig
+from jaxpage.draft_model import check_draft_tokenizer, load_draft_model
+from jaxpage.drafter import Drafter
 from jaxpage.model_runner import CompiledShape, ModelRunner
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.spec_decode_stats import SpecDecodingStats
+from jaxpage.speculation_policy import SpeculationPolicy
 from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
 from jaxpage.validation import INT32_MAX, ArgumentTypeError, check_number, check_text, describe, fail, is_int
 
@@ -105,6 +109,8 @@ class StepStats:
     num_seqs: int
     num_tokens: int  # scheduled tokens (before padding to the bucket)
     num_decodes: int  # sequences with one new token
+    num_draft_tokens: int  # speculative tokens verified (0 without speculative decoding)
+    num_accepted_tokens: int  # ... and accepted
     num_sampled: int  # sequences whose logits give a token this step (the rows of the LM head)
     num_attended_keys: int  # query-key pairs of the step's causal attention (sum over its tokens of keys seen)
     shape: str  # the step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"
@@ -156,11 +162,17 @@ class LLMEngine:
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
         self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(spec.model, config.dtype, self.model_config)
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
             tokenizer = None if config.skip_tokenizer_init else background.submit(load_tokenizer, config.model)
-            self._start(config, params)
+            self._start(config, params, draft)
             self.tokenizer = tokenizer.result() if tokenizer else None
+        if draft is not None and self.tokenizer is not None:
+            check_draft_tokenizer(spec.model, self.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -172,8 +184,8 @@ class LLMEngine:
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
 
-    def _start(self, config: EngineConfig, params: dict) -> None:
-        """Sizes and allocates the KV pool, builds the scheduler and the runner."""
+    def _start(self, config: EngineConfig, params: dict, draft: tuple | None = None) -> None:
+        """Sizes and allocates the KV pool (and a draft model's), builds the scheduler and the runner(s)."""
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
@@ -181,6 +193,8 @@ class LLMEngine:
         dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
         head_dim = self.attention_backend.pool_head_dim(self.model_config.head_dim)
         token_bytes = self.attention_backend.kv_bytes_per_token(self.model_config, dtype_bytes)
+        if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
+            token_bytes += self.attention_backend.kv_bytes_per_token(draft[0], dtype_bytes)
         num_pages = kv_pool_pages(config, token_bytes, self.max_model_len)
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
@@ -201,17 +215,24 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
-        self.runner = ModelRunner(
-            self.model_config,
-            params,
-            self.attention_backend,
+        spec = config.speculative_config
+        self.drafter = None if spec is None else Drafter(spec, self.max_model_len)
+        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
+        self.speculation_policy = SpeculationPolicy()
+        runner_args = dict(
             num_pages=num_pages,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             compilation_cache=self.compilation_cache,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            max_verify_rows=0 if spec is None else config.max_num_seqs,
         )
+        self.runner = ModelRunner(
+            self.model_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None
+        )
+        self.draft_runner = None if draft is None else ModelRunner(*draft, self.attention_backend, **runner_args)
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> LLMEngine:
@@ -373,7 +394,10 @@ class LLMEngine:
     def warmup(self) -> list[CompiledShape]:
         """Compiles the step for every shape a workload can reach, so that serving compiles nothing; returns the
         shapes compiled and the seconds each took (a shape already compiled is not compiled again)."""
-        return self.runner.warmup()
+        compiled = self.runner.warmup()
+        if self.draft_runner is not None:
+            compiled += self.draft_runner.warmup_draft()
+        return compiled
 
     # ----- the step -----
 
@@ -387,7 +411,10 @@ class LLMEngine:
         """
         with self._lock:
             start = time.perf_counter()
-            output = self.scheduler.schedule()
+            drafts = None
+            if self.drafter is not None and self.scheduler.can_draft():
+                drafts = self._drafts_that_pay(self.drafter.propose(self.scheduler.running))
+            output = self.scheduler.schedule(drafts)
             if not output.scheduled:
                 return self._take_ended()
             scheduled = time.perf_counter()
@@ -397,20 +424,42 @@ class LLMEngine:
                 metrics = self._request_of_seq[item.seq.seq_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
-                result = self.runner.execute(output)
+                started = time.perf_counter()
+                draft_probs = None
+                if self.draft_runner is not None and any(item.draft_token_ids for item in output.scheduled):
+                    output, draft_probs = self.draft_runner.propose(output)
+                result = self.runner.execute(output, draft_probs)
+                if self.draft_runner is not None:
+                    self.draft_runner.forward_only(output)  # the draft model's cache keeps up with the target's
+                    jax.block_until_ready(self.draft_runner.kv_cache)
+                    result = dataclasses.replace(result, device_s=time.perf_counter() - started - result.prepare_s)
             except Exception as e:  # not a request's fault: every request was checked when it was added
                 logger.exception("engine step failed; every unfinished request ends with this error")
                 self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
                 return self._take_ended()
-            self.scheduler.commit(output)
+            self.scheduler.commit(output, result.num_accepted.tolist())
+            self.speculation_policy.observe_step(result.shape, result.device_s)
             now = time.time()
             progressed: dict[str, _Request] = {}
+            num_draft_tokens = sum(len(item.draft_token_ids) for item in output.scheduled)
+            num_accepted_tokens = 0
             for row, item in enumerate(output.scheduled):
                 request = self._request_of_seq.get(item.seq.seq_id)
                 if not item.samples or request is None:  # None: the request failed earlier in this loop
                     continue
+                num_accepted = int(result.num_accepted[row])
+                if item.draft_token_ids:
+                    self.spec_decoding_stats.observe_draft(len(item.draft_token_ids), num_accepted)
+                    self.speculation_policy.observe_draft(item.seq.seq_id, len(item.draft_token_ids), num_accepted)
+                    num_accepted_tokens += num_accepted
                 try:
-                    self._append_token(request, item.seq, int(result.token_ids[row]), result, row, now)
+                    for position in range(num_accepted + 1):  # the accepted drafts, then the sampled token
+                        token = int(result.token_ids[row, position])
+                        self._append_token(request, item.seq, token, result, (row, position), now)
+                        if item.seq.status is SequenceStatus.FINISHED:  # a stop in the middle of the draft
+                            break
+                    else:
+                        self.block_manager.cache_full_pages(item.seq)  # pages full of accepted drafts
                 except Exception as e:  # this request's own failure: it ends, the others go on
                     logger.exception("request %r failed", request.request_id)
                     self._end_request(request, "error", f"{type(e).__name__}: {e}")
@@ -428,6 +477,8 @@ class LLMEngine:
                 num_seqs=len(output.scheduled),
                 num_tokens=output.num_batched_tokens,
                 num_decodes=sum(item.num_new_tokens == 1 for item in output.scheduled),
+                num_draft_tokens=num_draft_tokens,
+                num_accepted_tokens=num_accepted_tokens,
                 num_sampled=num_sampled,
                 num_attended_keys=sum(
                     attended_keys(item, self.model_config.sliding_window) for item in output.scheduled
@@ -440,14 +491,22 @@ class LLMEngine:
             )
             return outputs
 
-    def _append_token(self, request: _Request, seq: Sequence, token: int, result, row: int, now: float) -> None:
-        """Commits one sampled token: the sequence, its completion (logprobs, text), stop checks, metrics."""
+    def _drafts_that_pay(self, drafts: dict[int, list[int]]) -> dict[int, list[int]] | None:
+        """The drafts, if verifying them is expected to give more tokens per second than a plain decode step (see
+        jaxpage.speculation_policy); else None."""
+        count = len(self.scheduler.running)
+        verify, decode = self.runner.smallest_shape("verify", count), self.runner.smallest_shape("decode", count)
+        return drafts if self.speculation_policy.should_verify(count, drafts, verify, decode) else None
+
+    def _append_token(self, request: _Request, seq: Sequence, token: int, result, at: tuple, now: float) -> None:
+        """Commits one token (result's at = (row, position)): the sequence, its completion (logprobs, text), stop
+        checks, metrics."""
         index = request.seqs.index(seq)
         seq.append_token(token)
         completion = request.completions[index]
         completion.token_ids.append(token)
         if result.logprobs is not None and request.params.logprobs is not None:
-            self._record_logprobs(completion, request.params.logprobs, token, result, row)
+            self._record_logprobs(completion, request.params.logprobs, token, result, at)
         detokenizer = request.detokenizers[index]
         delta = detokenizer.add(token) if detokenizer else ""
         completion.text = detokenizer.text if detokenizer else ""
@@ -483,18 +542,20 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler.config, self.block_manager)
         self.runner.reset_kv_cache()
+        if self.draft_runner is not None:
+            self.draft_runner.reset_kv_cache()
 
-    def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, row: int) -> None:
+    def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, at: tuple) -> None:
         decode = self.tokenizer.decode if self.tokenizer else lambda ids: None
-        entry = {token: Logprob(float(result.logprobs[row]), None, decode([token]))}
-        top = zip(result.top_logprob_ids[row][:num], result.top_logprobs[row][:num], strict=True)
+        entry = {token: Logprob(float(result.logprobs[at]), None, decode([token]))}
+        top = zip(result.top_logprob_ids[at][:num], result.top_logprobs[at][:num], strict=True)
         for rank, (tid, value) in enumerate(top, 1):
             entry[int(tid)] = Logprob(float(value), rank, decode([int(tid)]))
         if entry[token].rank is None:
-            ranks = [i for i, t in enumerate(result.top_logprob_ids[row], 1) if int(t) == token]
+            ranks = [i for i, t in enumerate(result.top_logprob_ids[at], 1) if int(t) == token]
             entry[token] = dataclasses.replace(entry[token], rank=ranks[0] if ranks else None)
         completion.logprobs.append(entry)
-        completion.cumulative_logprob += float(result.logprobs[row])
+        completion.cumulative_logprob += float(result.logprobs[at])
 
     def _check_stop(self, seq: Sequence, completion: CompletionOutput, token: int, delta: str) -> None:
         params = seq.sampling_params
@@ -525,4 +586,5 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq)
+        self.speculation_policy.forget(seq.seq_id)
         self._request_of_seq.pop(seq.seq_id, None)

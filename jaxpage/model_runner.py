@@ -8,10 +8,14 @@ Shapes. Every step is padded to one of a few shapes, and each is compiled once, 
   decode-only steps (every sequence has one new token): T tokens = S rows, a power of two from 4, or 24 or 48, up
       to the most sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
   mixed steps (some sequence computes several tokens): T = 128, 512, 2048, ... up to max_num_batched_tokens (always
-      the last), S = min(T, max_num_seqs).
+      the last), S = min(T, max_num_seqs);
+  verify steps, with speculative decoding (k draft tokens at most per sequence, some sequence brings drafts, none
+      has more than k + 1 new tokens): S = 1, 2, 4, ... up to max_verify_rows rows, T = S * (k + 1).
 The sampler takes R >= S rows, R = 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
-decode and mixed steps. Whether a step is decode-only is known here, on the host: a decode-only step compiles only
-the decode attention. Block tables have one width, ceil(max_model_len / page_size) pages: attention reads each
+decode and mixed steps. A verify step's sampler is the verification (jaxpage.rejection_sampler): the LM head over
+k + 1 positions of each of its S rows. Which kind a step is, is known here, on the host: a decode-only step compiles
+only the decode attention, a verify step the ragged one told that no sequence has more than k + 1 query rows.
+Block tables have one width, ceil(max_model_len / page_size) pages: attention reads each
 table only up to its sequence's kv length, so a wider table costs a few bytes, not time.
 `warmup()` compiles every shape; after it, no workload compiles anything new. With the persistent compilation
 cache (on by default, see jaxpage.compilation_cache) a later process loads them instead: no tracing, no compiling.
@@ -34,7 +38,16 @@ from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build
-from jaxpage.sampler import SamplingMetadata, sample, sampled_logprobs, sampling_metadata_from_params
+from jaxpage.rejection_sampler import target_probs, verify_drafts
+from jaxpage.sampler import (
+    GREEDY_TEMPERATURE,
+    SamplingMetadata,
+    inverse_cdf,
+    row_uniforms,
+    sample,
+    sampled_logprobs,
+    sampling_metadata_from_params,
+)
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import SchedulerOutput
 
@@ -51,6 +64,7 @@ MIN_MIXED_BUCKET = 128
 MIN_SAMPLE_ROWS = 8
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
+DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
 
 
 def powers_of_two(lo: int, hi: int, factor: int = 2) -> list[int]:
@@ -75,36 +89,57 @@ class StepShape:
     num_tokens: int  # T
     num_rows: int  # S: sequence rows (block tables, kv lengths)
     sample_rows: int  # R >= S: rows of the sampler (its own, coarser buckets: it compiles once per R)
-    decode_only: bool
+    max_q_len: int  # 1: decode-only; k + 1: verifies up to k draft tokens per row; 0: mixed (any q_len)
+
+    @property
+    def kind(self) -> str:
+        return {0: "mixed", 1: "decode"}.get(self.max_q_len, "verify")
+
+    @property
+    def num_draft_positions(self) -> int:
+        """k: draft tokens a row of this step's sampler can verify (0: it samples one token per row)."""
+        return max(self.max_q_len - 1, 0)
 
     def __str__(self) -> str:
-        kind = "decode" if self.decode_only else "mixed"
-        return f"{kind}(T={self.num_tokens}, S={self.num_rows}, R={self.sample_rows})"
+        k = f", k={self.num_draft_positions}" if self.num_draft_positions else ""
+        return f"{self.kind}(T={self.num_tokens}, S={self.num_rows}, R={self.sample_rows}{k})"
 
 
-def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[StepShape]:
-    """Every shape a step can take, decode-only shapes first, small to large."""
+def step_shapes(
+    max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int = 0, max_verify_rows: int = 0
+) -> list[StepShape]:
+    """Every shape a step can take: decode-only, then mixed, then verify shapes (with num_speculative_tokens k > 0,
+    for up to max_verify_rows sequences), each kind small to large."""
     max_rows = min(max_num_seqs, max_num_batched_tokens)  # the most sequences a step can hold
     sample_rows = powers_of_two(MIN_SAMPLE_ROWS, max_rows, factor=4)
     decode_sizes = powers_of_two(MIN_DECODE_BUCKET, max_rows)
     decode_sizes = sorted(set(decode_sizes) | {t * 3 // 2 for t in DECODE_HALF_STEPS if t * 3 // 2 < max_rows})
-    decode = [StepShape(t, t, bucket_for(t, sample_rows), True) for t in decode_sizes]
+    decode = [StepShape(t, t, bucket_for(t, sample_rows), 1) for t in decode_sizes]
     mixed = [
-        StepShape(t, min(t, max_num_seqs), bucket_for(min(t, max_num_seqs), sample_rows), False)
+        StepShape(t, min(t, max_num_seqs), bucket_for(min(t, max_num_seqs), sample_rows), 0)
         for t in powers_of_two(MIN_MIXED_BUCKET, max_num_batched_tokens, factor=4)
     ]
-    return decode + mixed
+    q_len = num_speculative_tokens + 1
+    verify = []
+    if num_speculative_tokens and max_verify_rows:
+        verify = [StepShape(s * q_len, s, s, q_len) for s in powers_of_two(1, min(max_verify_rows, max_rows))]
+    return decode + mixed + verify
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledShape:
-    program: str  # "forward" (the model, for a StepShape), "sample" (LM head and sampler, for R rows), "pool", "copy"
+    program: str  # "forward" (the model, for a StepShape), "sample" (LM head and sampler, for R rows), "verify"
+    # (LM head and verification, for (R rows, k draft tokens)), "pool", "copy"
     shape: StepShape | int | tuple
     seconds: float = 0.0  # lowering and compiling (or loading from a cache)
     loaded: bool = False  # from the compilation cache: neither traced, lowered nor compiled
 
     def __str__(self) -> str:
-        shape = f"rows={self.shape}" if self.program == "sample" else self.shape
+        shape = self.shape
+        if self.program == "sample":
+            shape = f"rows={self.shape}"
+        elif self.program in ("verify", "propose"):
+            shape = "rows={}, k={}".format(*self.shape)
         return f"{self.program} {shape}: {'loaded' if self.loaded else 'compiled'} in {self.seconds:.2f}s"
 
 
@@ -114,7 +149,7 @@ class StepInput:
     token_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     attention: PagedBatch
-    logits_indices: jax.Array  # [R] int32, the token whose logits each sampler row samples from
+    logits_indices: jax.Array  # [R * (k + 1)] int32, the tokens whose logits each sampler row uses (k: see SampleInput)
 
 
 @jax.tree_util.register_dataclass
@@ -122,14 +157,33 @@ class StepInput:
 class SampleInput:
     sampling: SamplingMetadata  # [R] rows
     want_logprobs: jax.Array  # [] bool: some row asks for logprobs (else they are not computed)
+    draft_tokens: jax.Array  # [R, k] int32: each row's draft tokens (k = 0: a plain step, one token per row)
+    num_drafts: jax.Array  # [R] int32 in [0, k]: how many of its k are real
+    draft_probs: jax.Array | None = None  # [R, k, V] float32 the draft model's distributions; None: point masses
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProposeInput:
+    """A draft model's proposal for the rows of a verify step: from each row's last known token, k tokens."""
+
+    token_ids: jax.Array  # [R] int32: each row's last known token
+    positions: jax.Array  # [R] int32: its position
+    block_tables: jax.Array  # [R, P] int32
+    num_slots: jax.Array  # [R] int32: slots the step reserved from that position on (1 + the row's draft length)
+    sampling: SamplingMetadata  # [R] rows; steps = tokens generated before this step
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    token_ids: np.ndarray  # [num scheduled] int32; meaningful where the scheduled item samples
-    logprobs: np.ndarray | None  # [num scheduled] float32, log-prob of the sampled token; None unless asked
-    top_logprob_ids: np.ndarray | None  # [num scheduled, MAX_LOGPROBS] int32
-    top_logprobs: np.ndarray | None  # [num scheduled, MAX_LOGPROBS] float32
+    """Per scheduled item (meaningful where it samples): its accepted draft tokens, then the token sampled after
+    them (plain steps: k = 0, the sampled token alone)."""
+
+    token_ids: np.ndarray  # [num scheduled, k + 1] int32; -1 after the item's num_accepted + 1 tokens
+    num_accepted: np.ndarray  # [num scheduled] int32: draft tokens accepted (0 in plain steps)
+    logprobs: np.ndarray | None  # [num scheduled, k + 1] float32, log-prob of each token; None unless asked
+    top_logprob_ids: np.ndarray | None  # [num scheduled, k + 1, min(MAX_LOGPROBS, vocab)] int32
+    top_logprobs: np.ndarray | None  # [num scheduled, k + 1, min(MAX_LOGPROBS, vocab)] float32
     shape: StepShape  # what the step was padded to
     prepare_s: float = 0.0  # host: building the step's arrays
     device_s: float = 0.0  # dispatch until the sampled tokens are back on the host
@@ -148,6 +202,9 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         compilation_cache: CompilationCache | None = None,
+        num_speculative_tokens: int = 0,
+        max_verify_rows: int = 0,
+        draft_probs: bool = False,
     ):
         self.config = config
         self.compilation_cache = compilation_cache
@@ -160,16 +217,19 @@ class ModelRunner:
         self.kv_cache = self._allocate_pool(dtype)
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
+        self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, max_verify_rows)
+        self.draft_probs = draft_probs  # verify steps take the draft model's distributions (else point masses)
         self.block_table_width = math.ceil(max_model_len / page_size)
-        self.models = {
-            decode_only: build(
-                config, PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, decode_only), dtype
+        self.models = {  # by the shapes' max_q_len
+            q_len: build(
+                config, PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, q_len or None), dtype
             )
-            for decode_only in (False, True)
+            for q_len in {0, 1} | {s.max_q_len for s in self.shapes}
         }
         self.executables: dict[StepShape, jax.stages.Compiled] = {}  # the forward pass of each step shape
-        self.samplers: dict[int, jax.stages.Compiled] = {}  # LM head and sampler, by rows
+        self.samplers: dict[tuple[int, int], jax.stages.Compiled] = {}  # LM head and sampler, by (rows, k)
+        self.proposers: dict[StepShape, jax.stages.Compiled] = {}  # a draft model's proposal, by verify shape
+        self._propose = jax.jit(self._propose_fn, donate_argnums=(1,), static_argnums=(3,))
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
         self._sample = jax.jit(self._sample_fn)
         self._copy_pages_jit = jax.jit(copy_pages, donate_argnums=(0,))
@@ -182,50 +242,152 @@ class ModelRunner:
 
     # ----- device side -----
 
-    def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, decode_only: bool):
-        """(hidden states [R, hidden] of the tokens the sampler's rows sample from, kv_cache with the step's K/V)."""
-        hidden, kv_cache = self.models[decode_only].apply(
+    def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, max_q_len: int):
+        """(hidden states [R * (k + 1), hidden] of the tokens the sampler's rows use, kv_cache with the step's
+        K/V)."""
+        hidden, kv_cache = self.models[max_q_len].apply(
             {"params": params}, step.token_ids, step.positions, step.attention, kv_cache
         )
         return hidden[step.logits_indices], kv_cache
 
     def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
-        """(token ids [R], (their log-probs [R], top ids [R, MAX_LOGPROBS], top log-probs)): the full logits
-        never leave this function; the log-probs are computed only when some row asks for them."""
-        logits = self.models[False].apply({"params": params}, hidden, method=Llama.logits)  # [R, V] float32
-        token_ids = sample(logits, inputs.sampling).token_ids
-        rows = logits.shape[0]
+        """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
+        [R, k + 1, MAX_LOGPROBS], top log-probs)). With k = 0 each row samples one token; with k > 0 each row's
+        drafts are verified (jaxpage.rejection_sampler). The full logits never leave this function; the log-probs
+        are computed only when some row asks for them."""
+        logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)  # [R * (k + 1), V] float32
+        rows, k = inputs.draft_tokens.shape
+        if k == 0:
+            token_ids = sample(logits, inputs.sampling).token_ids[:, None]
+            num_accepted = jnp.zeros(rows, jnp.int32)
+        else:
+            logits = logits.reshape(rows, k + 1, -1)
+            verified = verify_drafts(
+                logits, inputs.sampling, inputs.draft_tokens, inputs.num_drafts, inputs.draft_probs
+            )
+            token_ids, num_accepted = verified.token_ids, verified.num_accepted
+        flat_logits, flat_ids = logits.reshape(rows * (k + 1), -1), jnp.maximum(token_ids, 0).reshape(-1)
+        top = min(MAX_LOGPROBS, flat_logits.shape[-1])  # a vocabulary can be smaller than MAX_LOGPROBS
         no_logprobs = (
-            jnp.zeros(rows, jnp.float32),
-            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+            jnp.zeros(rows * (k + 1), jnp.float32),
+            jnp.zeros((rows * (k + 1), top), jnp.int32),
+            jnp.zeros((rows * (k + 1), top), jnp.float32),
         )
         logprobs = lax.cond(
-            inputs.want_logprobs, lambda: sampled_logprobs(logits, token_ids, MAX_LOGPROBS), lambda: no_logprobs
+            inputs.want_logprobs, lambda: sampled_logprobs(flat_logits, flat_ids, top), lambda: no_logprobs
         )
-        return token_ids, logprobs
+        logprobs = tuple(x.reshape(rows, k + 1, *x.shape[1:]) for x in logprobs)
+        return token_ids, num_accepted, logprobs
+
+    def _propose_fn(self, params, kv_cache: KVCache, inputs: ProposeInput, k: int):
+        """(draft tokens [R, k], their distributions [R, k, V] float32, kv_cache with the K/V of each row's last
+        token and first k - 1 draft tokens): k decode steps of this (draft) model, each sampling the next token
+        from its own distribution after the row's sampling settings. Positions past a row's reserved slots write
+        into the null page."""
+        rows = inputs.token_ids.shape[0]
+        page_size = self.page_size
+        model = self.models[1]
+
+        def draft_step(carry, j):
+            kv_cache, tokens = carry
+            positions = inputs.positions + j
+            reserved = j < inputs.num_slots
+            page_index = jnp.minimum(positions // page_size, inputs.block_tables.shape[1] - 1)
+            pages = jnp.take_along_axis(inputs.block_tables, page_index[:, None], axis=1)[:, 0]
+            slots = jnp.where(reserved, pages * page_size + positions % page_size, 0)
+            batch = PagedBatch(
+                slots,
+                inputs.block_tables,
+                jnp.where(reserved, positions + 1, 0),
+                jnp.arange(rows + 1, dtype=jnp.int32),
+                jnp.int32(rows),
+            )
+            hidden, kv_cache = model.apply({"params": params}, tokens, positions, batch, kv_cache)
+            logits = model.apply({"params": params}, hidden, method=Llama.logits)
+            sampling = dataclasses.replace(inputs.sampling, steps=inputs.sampling.steps + j)
+            probs = target_probs(logits, sampling)
+            greedy = sampling.temperature < GREEDY_TEMPERATURE
+            # Their own random stream: draft tokens must not depend on the verifier's uniforms.
+            uniforms = row_uniforms(sampling.seeds ^ DRAFT_SEED_SALT, sampling.steps)
+            next_tokens = inverse_cdf(probs, jnp.where(greedy[:, None], 0.0, uniforms))
+            return (kv_cache, next_tokens), (next_tokens, probs)
+
+        (kv_cache, _), (tokens, probs) = lax.scan(draft_step, (kv_cache, inputs.token_ids), jnp.arange(k))
+        return tokens.T, jnp.swapaxes(probs, 0, 1), kv_cache
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
         step, _ = self._padding_input(shape)
         args = (self.params, self.kv_cache, step)
         executable = self._load_or_compile(
-            CompiledShape("forward", shape), args, lambda: self._forward.lower(*args, shape.decode_only).compile()
+            CompiledShape("forward", shape), args, lambda: self._forward.lower(*args, shape.max_q_len).compile()
         )
         self.executables[shape] = executable
         return executable
 
-    def compile_sampler(self, rows: int) -> jax.stages.Compiled:
-        """The LM head and sampler for `rows` rows, as `compile` gets the forward pass."""
-        shape = next(s for s in self.shapes if s.sample_rows == rows)
+    def compile_sampler(self, shape: StepShape) -> jax.stages.Compiled:
+        """The LM head and sampler (or verification) of `shape`'s sample rows and k, as `compile` gets the forward
+        pass."""
+        rows, k = shape.sample_rows, shape.num_draft_positions
         _, inputs = self._padding_input(shape)
-        hidden = jax.ShapeDtypeStruct((rows, self.config.hidden_size), self.kv_cache.k.dtype)
+        hidden = jax.ShapeDtypeStruct((rows * (k + 1), self.config.hidden_size), self.kv_cache.k.dtype)
         args = (self.params, hidden, inputs)
-        executable = self._load_or_compile(
-            CompiledShape("sample", rows), args, lambda: self._sample.lower(*args).compile()
-        )
-        self.samplers[rows] = executable
+        what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
+        executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
+        self.samplers[rows, k] = executable
         return executable
+
+    def compile_proposer(self, shape: StepShape) -> jax.stages.Compiled:
+        """A draft model's proposal for `shape`'s rows and k, as `compile` gets the forward pass."""
+        args = (self.params, self.kv_cache, self._propose_input([], shape))
+        k = shape.num_draft_positions
+        executable = self._load_or_compile(
+            CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile()
+        )
+        self.proposers[shape] = executable
+        return executable
+
+    def _propose_input(self, items: list, shape: StepShape) -> ProposeInput:
+        rows = shape.num_rows
+        token_ids, positions, num_slots = (np.zeros(rows, np.int32) for _ in range(3))
+        block_tables = np.zeros((rows, self.block_table_width), np.int32)
+        for row, item in enumerate(items):
+            seq, position = item.seq, item.num_computed_tokens + item.num_new_tokens - len(item.draft_token_ids) - 1
+            token_ids[row], positions[row] = seq.token_ids[position], position
+            num_slots[row] = 1 + len(item.draft_token_ids)
+            block_tables[row, : len(seq.block_table)] = seq.block_table
+        sampling = sampling_metadata_from_params(
+            [item.seq.sampling_params for item in items],
+            steps=[len(item.seq.output_token_ids) for item in items],
+            seeds=[item.seq.seed for item in items],
+            num_rows=rows,
+        )
+        return ProposeInput(token_ids, positions, block_tables, num_slots, sampling)
+
+    def propose(self, output: SchedulerOutput) -> tuple[SchedulerOutput, jax.Array]:
+        """A draft model's drafts for the verify step `output`, whose items hold placeholder drafts of the length
+        each may draft (their slots reserved): (output with the drafts, their distributions [R, k, V] on the
+        device, for the target's verification)."""
+        shape = self.shape_for(output)
+        assert shape.kind == "verify", shape
+        proposer = self.proposers.get(shape) or self.compile_proposer(shape)
+        tokens, probs, self.kv_cache = proposer(
+            self.params, self.kv_cache, self._propose_input(output.scheduled, shape)
+        )
+        tokens = np.asarray(tokens)
+        scheduled = [
+            dataclasses.replace(item, draft_token_ids=tuple(tokens[row, : len(item.draft_token_ids)].tolist()))
+            for row, item in enumerate(output.scheduled)
+        ]
+        return dataclasses.replace(output, scheduled=scheduled), probs
+
+    def forward_only(self, output: SchedulerOutput) -> None:
+        """The step's forward pass alone (its K/V into this model's pool; no sampling): a draft model keeping its
+        cache in step with the target's."""
+        shape = self.shape_for(output)
+        step, _ = self.prepare(output, shape)
+        forward = self.executables.get(shape) or self.compile(shape)
+        _, self.kv_cache = forward(self.params, self.kv_cache, step)
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
         """The program `what` from the compilation cache, else compile_it() (kept in the cache). Its key: `static`
@@ -256,42 +418,76 @@ class ModelRunner:
         for shape in self.shapes:
             if shape not in self.executables:
                 self.compile(shape)
-            if shape.sample_rows not in self.samplers:
-                self.compile_sampler(shape.sample_rows)
+            if (shape.sample_rows, shape.num_draft_positions) not in self.samplers:
+                self.compile_sampler(shape)
         self.copy_pages([(0, 0)])
+        return self.compile_log[start:]
+
+    def warmup_draft(self) -> list[CompiledShape]:
+        """A draft model's warm-up: the forward pass of every step shape and the proposal of every verify shape (a
+        draft model samples only in its proposals)."""
+        start = len(self.compile_log)
+        for shape in self.shapes:
+            if shape not in self.executables:
+                self.compile(shape)
+            if shape.kind == "verify" and shape not in self.proposers:
+                self.compile_proposer(shape)
         return self.compile_log[start:]
 
     # ----- host side -----
 
     def shape_for(self, output: SchedulerOutput) -> StepShape:
-        decode_only = all(item.num_new_tokens == 1 for item in output.scheduled)
-        size = len(output.scheduled) if decode_only else output.num_batched_tokens
-        return next(s for s in self.shapes if s.decode_only == decode_only and s.num_tokens >= size)
+        """The smallest shape of the step's kind: verify if some sequence brings draft tokens (the scheduler keeps
+        those to steps without prefill), else decode if every sequence has one new token, else mixed."""
+        count = len(output.scheduled)
+        if any(item.draft_token_ids for item in output.scheduled):
+            return self.smallest_shape("verify", count)
+        if all(item.num_new_tokens == 1 for item in output.scheduled):
+            return self.smallest_shape("decode", count)
+        return self.smallest_shape("mixed", output.num_batched_tokens)
 
-    def prepare(self, output: SchedulerOutput, shape: StepShape) -> tuple[StepInput, SampleInput]:
-        """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's."""
+    def smallest_shape(self, kind: str, size: int) -> StepShape:
+        """The smallest shape of `kind` for `size` sequences (decode, verify) or tokens (mixed)."""
+        return next(
+            s for s in self.shapes if s.kind == kind and (s.num_tokens if kind == "mixed" else s.num_rows) >= size
+        )
+
+    def prepare(
+        self, output: SchedulerOutput, shape: StepShape, draft_probs: jax.Array | None = None
+    ) -> tuple[StepInput, SampleInput]:
+        """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's (with a draft model's
+        distributions, for a verify step with drafts from a draft model)."""
         items = output.scheduled
         page_size = self.page_size
+        k = shape.num_draft_positions
         assert len(items) <= shape.num_rows, (len(items), shape)
+        assert shape.max_q_len == 0 or all(item.num_new_tokens <= shape.max_q_len for item in items), shape
         token_ids = np.zeros(shape.num_tokens, np.int32)
         positions = np.zeros(shape.num_tokens, np.int32)
         slot_mapping = np.zeros(shape.num_tokens, np.int32)  # padding tokens write into the null page
         cu_q_lens = np.zeros(shape.num_rows + 1, np.int32)
         kv_lens = np.zeros(shape.num_rows, np.int32)
         block_tables = np.zeros((shape.num_rows, self.block_table_width), np.int32)
-        logits_indices = np.zeros(shape.sample_rows, np.int32)
+        logits_indices = np.zeros((shape.sample_rows, k + 1), np.int32)
+        draft_tokens = np.zeros((shape.sample_rows, k), np.int32)
+        num_drafts = np.zeros(shape.sample_rows, np.int32)
         start = 0
         for row, item in enumerate(items):
-            seq, computed, n = item.seq, item.num_computed_tokens, item.num_new_tokens
+            seq, computed, n, drafts = item.seq, item.num_computed_tokens, item.num_new_tokens, item.draft_token_ids
             end = start + n
-            token_ids[start:end] = seq.token_ids[computed : computed + n]
+            known = n - len(drafts)  # the sequence's own tokens, then the drafts
+            token_ids[start : start + known] = seq.token_ids[computed : computed + known]
+            token_ids[start + known : end] = drafts
             pos = np.arange(computed, computed + n, dtype=np.int32)
             positions[start:end] = pos
             table = np.asarray(seq.block_table, np.int32)
             slot_mapping[start:end] = table[pos // page_size] * page_size + pos % page_size
             block_tables[row, : len(table)] = table
             kv_lens[row] = computed + n
-            logits_indices[row] = end - 1
+            # The last known token's logits, then each draft token's (repeated past the row's drafts).
+            logits_indices[row] = start + known - 1 + np.minimum(np.arange(k + 1), len(drafts))
+            draft_tokens[row, : len(drafts)] = drafts
+            num_drafts[row] = len(drafts)
             cu_q_lens[row + 1] = end
             start = end
         cu_q_lens[len(items) + 1 :] = start
@@ -306,28 +502,33 @@ class ModelRunner:
             for item in items
         )
         attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
-        step = StepInput(token_ids, positions, attention, logits_indices)
-        return step, SampleInput(sampling, np.bool_(want_logprobs))
+        step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1))
+        if draft_probs is None and self.draft_probs and k:
+            draft_probs = np.zeros((shape.sample_rows, k, self.config.vocab_size), np.float32)
+        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, draft_probs)
 
     def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
         """A step of `shape` with no sequence in it."""
         return self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
 
-    def execute(self, output: SchedulerOutput) -> StepOutput:
+    def execute(self, output: SchedulerOutput, draft_probs: jax.Array | None = None) -> StepOutput:
+        """Runs the step (draft_probs: from `propose` of the draft model, for its verify step)."""
         if output.page_copies:
             self.copy_pages(output.page_copies)
         start = time.perf_counter()
         shape = self.shape_for(output)
-        step, sample_input = self.prepare(output, shape)
+        step, sample_input = self.prepare(output, shape, draft_probs)
         dispatched = time.perf_counter()
         forward = self.executables.get(shape) or self.compile(shape)
-        sampler = self.samplers.get(shape.sample_rows) or self.compile_sampler(shape.sample_rows)
+        sampler = self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
         hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
-        token_ids, logprobs = sampler(self.params, hidden, sample_input)
+        token_ids, num_accepted, logprobs = sampler(self.params, hidden, sample_input)
         count = len(output.scheduled)
         logprobs = tuple(np.asarray(x)[:count] for x in logprobs) if sample_input.want_logprobs else (None, None, None)
-        token_ids = np.asarray(token_ids)[:count]
-        return StepOutput(token_ids, *logprobs, shape, dispatched - start, time.perf_counter() - dispatched)
+        token_ids, num_accepted = np.asarray(token_ids)[:count], np.asarray(num_accepted)[:count]
+        return StepOutput(
+            token_ids, num_accepted, *logprobs, shape, dispatched - start, time.perf_counter() - dispatched
+        )
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""

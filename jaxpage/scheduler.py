@@ -12,6 +12,14 @@ Every step the scheduler builds one ragged batch under two budgets, `max_num_seq
 
 A sequence whose scheduled tokens reach the end of its known tokens gets a token sampled this step.
 
+Speculative decoding: `schedule(drafts)` takes draft tokens proposed for decoding sequences. A sequence with a draft
+of d tokens computes 1 + d tokens (its last token, then the draft), whose slots are reserved like any others; the
+step verifies the draft (jaxpage.rejection_sampler) and `commit` gives back the slots of the rejected tokens. Drafts
+are used only in steps without prefill: when every running sequence is decoding and no waiting sequence can be
+admitted (none waits, every row is taken, or the first in the queue lacks the free pages for its first chunk); a
+step with drafts admits no one. A step thus either verifies or prefills. A draft is cut to the token
+budget; when its slots cannot be had, the sequence goes on without it before anyone is preempted.
+
 Parallel sampling (a request with n > 1, its sequences in `Sequence.group`): the prompt of L tokens is computed
 once. The first sequence of the group to be admitted computes its first L - 1 tokens (its prefill stops there while
 a sibling waits); a waiting sibling is admitted by forking a running sibling that has them: it shares the pages
@@ -45,16 +53,17 @@ class SchedulerConfig:
 class ScheduledSequence:
     seq: Sequence
     num_computed_tokens: int  # tokens already in the cache when the step starts
-    num_new_tokens: int  # tokens whose K/V this step computes
+    num_new_tokens: int  # tokens whose K/V this step computes, draft tokens included
+    draft_token_ids: tuple[int, ...] = ()  # speculative tokens after the sequence's last one, verified this step
 
     @property
     def samples(self) -> bool:
-        """Whether this step ends at the sequence's last known token, so its logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this step reaches the sequence's last known token, so its logits give the next one."""
+        return self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
 
     @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
-        return cls(seq, seq.num_computed_tokens, num_new_tokens)
+    def of(cls, seq: Sequence, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledSequence:
+        return cls(seq, seq.num_computed_tokens, num_new_tokens, draft_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +98,24 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def schedule(self) -> SchedulerOutput:
+    def can_draft(self) -> bool:
+        """Whether this step can verify drafts: every running sequence decodes and no waiting one can be admitted
+        (see the module docstring). The engine proposes drafts only then."""
+        if not all(seq.num_uncomputed_tokens == 1 for seq in self.running):
+            return False
+        if not self.waiting or len(self.running) == self.config.max_num_seqs:
+            return True
+        head = self.waiting[0]
+        first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        return self.block_manager.pages_needed(head, first_chunk) > self.block_manager.num_free_pages
+
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step. `drafts`: draft tokens by seq_id, for decoding sequences, when `can_draft()`."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = False
+        drafts = drafts or {}
+        assert not drafts or self.can_draft(), "drafts are for steps without prefill"
 
         for seq in list(self.running):
             if budget == 0:
@@ -100,6 +123,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(seq, budget)
+            draft = tuple(drafts.get(seq.seq_id, ()))[: budget - num_new]
+            if draft and self.block_manager.allocate_slots(seq, num_new + len(draft)):
+                scheduled.append(ScheduledSequence.of(seq, num_new + len(draft), draft))
+                budget -= num_new + len(draft)
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -110,7 +138,7 @@ class Scheduler:
                 scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
 
-        if not preempted:
+        if not preempted and not drafts:
             scheduled += self._admit(budget)
         return SchedulerOutput(scheduled, self.block_manager.take_copies())
 
@@ -167,8 +195,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def commit(self, output: SchedulerOutput) -> None:
-        """After the device ran the step: the scheduled tokens are computed, full pages enter the prefix cache."""
-        for item in output.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_pages(item.seq)
+    def commit(self, output: SchedulerOutput, num_accepted: list[int] | None = None) -> None:
+        """After the device ran the step: the scheduled tokens are computed, but for the draft tokens that
+        verification rejected (`num_accepted`: accepted draft tokens per item), whose slots go back; full pages
+        of computed tokens enter the prefix cache (those of accepted drafts once the engine has appended them)."""
+        for i, item in enumerate(output.scheduled):
+            seq = item.seq
+            rejected = len(item.draft_token_ids) - (num_accepted[i] if num_accepted is not None else 0)
+            assert 0 <= rejected <= len(item.draft_token_ids), (rejected, item)
+            seq.num_computed_tokens += item.num_new_tokens - rejected
+            if rejected:
+                self.block_manager.release_slots(seq, seq.num_computed_tokens)
+            self.block_manager.cache_full_pages(seq)

@@ -47,6 +47,19 @@ class SpecDecodingStats:
         for position, count in enumerate(other.num_accepted_tokens_per_pos):
             self.num_accepted_tokens_per_pos[position] += count
 
+    def copy(self) -> SpecDecodingStats:
+        return dataclasses.replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts added after `earlier`, a copy of these counters taken before."""
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [a - b for a, b in zip(self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos, strict=True)],
+        )
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None

@@ -16,7 +16,9 @@ from pallas_kernels.impl import kernel_operands, kernel_pool_view, padded_head_d
 from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "impl", "interpret", "backend"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "max_q_len", "impl", "interpret", "backend")
+)
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]  query tokens of all sequences, back to back (padding at the end)
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]  one layer's K pool
@@ -30,6 +32,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
+    max_q_len: int | None = None,
     impl: str = "xla",
     interpret=False,
     backend: str | None = None,
@@ -52,6 +55,9 @@ def ragged_paged_attention(
     h // (num_heads // num_kv_heads). Logits are `sm_scale * q.k`, then `soft_cap * tanh(logits / soft_cap)` when
     `soft_cap` is given; softmax and accumulation are in float32.
 
+    `max_q_len` is a promise that no live sequence has more query rows (the XLA implementation then attends the
+    last max_q_len rows of all sequences at once and builds no prefill loop; the kernels need no promise).
+
     Rows past cu_q_lens[num_seqs] and rows that see no key come out as 0. K/V at positions >= kv_len are never
     read into the result, even when they hold NaN. The metadata must be consistent (not checkable on traced
     values): cu_q_lens nondecreasing from cu_q_lens[0] == 0 with cu_q_lens[num_seqs] <= T, and
@@ -65,7 +71,8 @@ def ragged_paged_attention(
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if kernel == "xla":
-        out = xla_ragged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, **options)
+        metadata = (kv_lens, block_tables, cu_q_lens, num_seqs)
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, layer, **options, max_q_len=max_q_len)
         return out[..., :head_dim]
     live = jnp.arange(kv_lens.shape[0]) < num_seqs
     kv_lens = jnp.where(live, kv_lens, 0)

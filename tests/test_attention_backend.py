@@ -1,6 +1,6 @@
 """The attention backend: chosen once from attention_impl; it owns the pool's shape, the K/V write and attending.
 Every backend writes the same pool and gives the same attention as the XLA backend, for decode-only steps (the
-decode kernels) and mixed ones (the ragged kernels)."""
+decode kernels), verify steps (a few query rows per sequence, max_q_len) and mixed ones (the ragged kernels)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from jaxpage.kv_cache import KVCache
 from pallas_kernels.impl import pad_head_dim
 
 DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 100)]
+VERIFIES = [(5, 5), (1, 15), (5, 16), (3, 17), (5, 100), (2, 40)]  # k + 1 = 5 rows at most (speculative decoding)
 MIXED = CASES["mixed"](GQA.page_size)
 
 
@@ -59,15 +60,17 @@ def test_the_backend_owns_the_pool_shape():
 
 
 @pytest.mark.parametrize("name", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
-@pytest.mark.parametrize(("seqs", "decode_only"), [(DECODES, True), (MIXED, False)], ids=["decode-only", "mixed"])
-def test_kernels_match_the_xla_backend(name, seqs, decode_only):
+@pytest.mark.parametrize(
+    ("seqs", "max_q_len"), [(DECODES, 1), (VERIFIES, 5), (MIXED, None)], ids=["decode-only", "verify", "mixed"]
+)
+def test_kernels_match_the_xla_backend(name, seqs, max_q_len):
     q, k, v, batch, kv_cache = step(seqs)
 
     attention = jax.jit(
-        lambda backend, *args: PagedAttention(backend, 0.2, None, decode_only)(*args, jnp.int32(0)),
+        lambda backend, *args: PagedAttention(backend, 0.2, None, max_q_len)(*args, jnp.int32(0)),
         static_argnums=0,
     )
-    if decode_only:
+    if max_q_len == 1:
         q, k, v, batch = one_token_per_row(q, k, v, batch)
     want, want_cache = attention(AttentionBackend("xla"), q, k, v, batch, kv_cache)
     backend = AttentionBackend(name)
@@ -98,7 +101,19 @@ def test_decode_only_and_mixed_give_the_same_attention(seqs):
         jax.jit(lambda *a, d=d: PagedAttention(AttentionBackend("xla"), 0.2, None, d)(*a, jnp.int32(0)))(
             q, k, v, batch, kv_cache
         )
-        for d in (False, True)
+        for d in (None, 1)
     ]
     np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(outs[0][1].k), np.asarray(outs[1][1].k))
+
+
+def test_verify_and_mixed_give_the_same_attention():
+    q, k, v, batch, kv_cache = step(VERIFIES)
+    outs = [
+        jax.jit(lambda *a, r=r: PagedAttention(AttentionBackend("xla"), 0.2, None, r)(*a, jnp.int32(0)))(
+            q, k, v, batch, kv_cache
+        )
+        for r in (None, 5)
+    ]
+    assert np.isfinite(np.asarray(outs[1][0])).all()
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), atol=1e-6)

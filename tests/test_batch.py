@@ -191,6 +191,23 @@ def test_cli_exit_code_is_nonzero_only_when_the_job_cannot_run(tiny_dir, tmp_pat
     assert result.returncode == 0 and "1 succeeded, 1 failed" in result.stderr
 
 
+def test_cli_speculative_config_gives_the_same_greedy_results(tiny_dir, tmp_path):
+    """`jaxpage batch --speculative-config JSON`: the same greedy completions as without, and the speculative
+    counters in the summary line."""
+    lines = [completion_line(f"r{i}", (p * 8)[:24], max_tokens=24) for i, p in enumerate(PROMPTS)]
+    write_lines(tmp_path / "in.jsonl", lines)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    results = {}
+    for name, extra in (("plain", []), ("spec", ["--speculative-config", spec])):
+        out = tmp_path / f"{name}.jsonl"
+        command = batch_command(tiny_dir, tmp_path / "in.jsonl", out) + extra
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert ("speculative decoding:" in result.stderr) == (name == "spec"), result.stderr
+        results[name] = {k: choices(r) for k, r in read_records(out).items()}
+    assert results["spec"] == results["plain"] and len(results["plain"]) == len(PROMPTS)
+
+
 def test_default_model_chat_and_completion(smollm2_path, tmp_path):
     llm = LLM(None, max_model_len=256, max_num_seqs=2)
     chat = {

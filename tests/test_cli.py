@@ -65,6 +65,11 @@ USAGE_ERRORS = [
     ([], "the following arguments are required: command (see: jaxpage --help)"),
     (["frob"], "argument command: invalid choice: 'frob' (choose from "),
     (["predict", "hi", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4' (choose from "),
+    (
+        ["generate", "hi", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+        "speculative_config['method'] must be 'ngram' or 'draft_model', got 'eagle'",
+    ),
+    (["generate", "hi", "--speculative-config", "{method"], "engine argument speculative_config must be a JSON object"),
     (["generate", ""], "the prompt is empty"),
     (["predict", ""], "the prompt is empty"),
 ]

@@ -384,9 +384,9 @@ def test_the_full_logits_never_leave_the_step(tiny_dir):
     hidden, pool = llm.engine.model_config.hidden_size, runner.kv_cache.k.shape
     for shape, program in runner.executables.items():
         assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(shape.sample_rows, hidden), pool, pool]
-    for rows, program in runner.samplers.items():
-        top = (rows, MAX_LOGPROBS)
-        assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(rows,), (rows,), top, top]
+    for (rows, k), program in runner.samplers.items():
+        top = (rows, k + 1, MAX_LOGPROBS)  # k = 0: one token per row (k > 0: verifying k draft tokens)
+        assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(rows, k + 1), (rows,), (rows, k + 1), top, top]
 
 
 def test_page_copies_apply_as_if_all_at_once(tiny_dir):

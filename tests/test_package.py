@@ -89,6 +89,8 @@ HOST_MODULES = [
     "jaxpage.speculative_config",
     "jaxpage.ngram_proposer",
     "jaxpage.spec_decode_stats",
+    "jaxpage.drafter",
+    "jaxpage.speculation_policy",
 ]
 
 

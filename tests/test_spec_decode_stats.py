@@ -42,6 +42,19 @@ def test_per_position_counts_add_up_and_never_grow_with_position(case):
     assert all(count <= whole.num_drafts for count in per_pos)
 
 
+def test_counts_since_a_copy():
+    stats = SpecDecodingStats(num_spec_tokens=3)
+    stats.observe_draft(3, 2)
+    before = stats.copy()
+    stats.observe_draft(2, 1)
+    stats.observe_draft(3, 3)
+    later = SpecDecodingStats(num_spec_tokens=3)
+    later.observe_draft(2, 1)
+    later.observe_draft(3, 3)
+    assert stats.since(before) == later
+    assert before.num_drafts == 1  # the copy kept its counts
+
+
 def test_impossible_observations_are_refused():
     stats = SpecDecodingStats(num_spec_tokens=2)
     for num_draft, accepted in [(0, 0), (3, 1), (2, 3), (2, -1)]:

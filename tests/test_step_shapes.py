@@ -12,15 +12,16 @@ from jaxpage.model_runner import StepShape, bucket_for, powers_of_two, step_shap
 def test_every_step_has_a_shape(max_num_seqs, max_num_batched_tokens):
     shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
     assert len(set(shapes)) == len(shapes)
-    decode = [s.num_tokens for s in shapes if s.decode_only]
-    mixed = [s.num_tokens for s in shapes if not s.decode_only]
+    decode = [s.num_tokens for s in shapes if s.kind == "decode"]
+    mixed = [s.num_tokens for s in shapes if s.kind == "mixed"]
+    assert {s.kind for s in shapes} == {"decode", "mixed"}  # no verify shapes without speculative decoding
     assert decode == sorted(decode) and mixed == sorted(mixed)
     assert decode[-1] == min(max_num_seqs, max_num_batched_tokens)  # the most decodes a step can hold
     assert mixed[-1] == max_num_batched_tokens
     sample_rows = sorted({s.sample_rows for s in shapes})
     assert sample_rows[-1] == decode[-1]
     for shape in shapes:
-        assert shape.num_rows == (shape.num_tokens if shape.decode_only else min(shape.num_tokens, max_num_seqs))
+        assert shape.num_rows == (shape.num_tokens if shape.kind == "decode" else min(shape.num_tokens, max_num_seqs))
         assert shape.sample_rows == bucket_for(shape.num_rows, sample_rows)  # the sampler's rows: its own buckets
         assert shape.sample_rows < 4 * shape.num_rows or shape.sample_rows == 8
     for n in {min(k, decode[-1]) for k in (1, 2, 3, decode[-1] // 2 + 1, decode[-1])}:  # 2x padding at most, past 4
@@ -45,8 +46,35 @@ def test_the_default_arguments_compile_twelve_programs():
         "mixed(T=128, S=64, R=64)",
         "mixed(T=512, S=64, R=64)",
     ]
-    assert StepShape(4, 4, 8, True) in shapes
+    assert StepShape(4, 4, 8, 1) in shapes
     assert len(shapes) + len({s.sample_rows for s in shapes}) == 12  # 9 forward passes, 3 samplers
+
+
+@given(st.integers(1, 512), st.integers(1, 4096), st.integers(1, 16), st.integers(1, 512))
+def test_verify_shapes_hold_k_plus_one_rows_per_sequence(max_num_seqs, max_num_batched_tokens, k, max_verify_rows):
+    shapes = step_shapes(max_num_seqs, max_num_batched_tokens, k, max_verify_rows)
+    plain = step_shapes(max_num_seqs, max_num_batched_tokens)
+    assert shapes[: len(plain)] == plain  # speculation adds verify shapes, changes none
+    verify = shapes[len(plain) :]
+    rows = [s.num_rows for s in verify]
+    most = min(max_verify_rows, max_num_seqs, max_num_batched_tokens)
+    assert rows == sorted(rows) and rows[0] == 1 and rows[-1] == most
+    for shape in verify:
+        assert shape.kind == "verify" and shape.num_draft_positions == k and shape.max_q_len == k + 1
+        assert shape.num_tokens == shape.num_rows * (k + 1) and shape.sample_rows == shape.num_rows
+    for n in range(1, most + 1):  # 2x padding of rows at most
+        assert bucket_for(n, rows) < 2 * n
+
+
+def test_speculation_adds_verify_shapes():
+    shapes = step_shapes(max_num_seqs=64, max_num_batched_tokens=512, num_speculative_tokens=4, max_verify_rows=16)
+    assert [str(s) for s in shapes if s.kind == "verify"] == [
+        "verify(T=5, S=1, R=1, k=4)",
+        "verify(T=10, S=2, R=2, k=4)",
+        "verify(T=20, S=4, R=4, k=4)",
+        "verify(T=40, S=8, R=8, k=4)",
+        "verify(T=80, S=16, R=16, k=4)",
+    ]
 
 
 def test_powers_of_two_end_at_the_maximum():
