@@ -426,8 +426,10 @@ class LLMEngine:
             try:
                 started = time.perf_counter()
                 draft_probs = None
-                if self.draft_runner is not None and any(item.draft_token_ids for item in output.scheduled):
-                    output, draft_probs = self.draft_runner.propose(output)
+                if self.draft_runner is not None:
+                    self.draft_runner.copy_pages(output.page_copies)  # its pool has the target's pages
+                    if any(item.draft_token_ids for item in output.scheduled):
+                        output, draft_probs = self.draft_runner.propose(output)
                 result = self.runner.execute(output, draft_probs)
                 if self.draft_runner is not None:
                     self.draft_runner.forward_only(output)  # the draft model's cache keeps up with the target's

@@ -1,22 +1,25 @@
 """Speculative decoding against plain decoding, in one run: tokens/s on an input-grounded and an open-ended chat
 workload, at batch 1 and batch 16.
 
-    python scripts/bench_spec_decode.py [--model SRC] [--speculative-config JSON] [--max-tokens 128]
-        [--batch1-requests 4] [--batch 16] [--temperature 0] [--max-model-len 2048]
+    python scripts/bench_spec_decode.py [--model SRC] [--speculative-config JSON] [--draft-layers N]
+        [--max-tokens 128] [--batch1-requests 4] [--batch 16] [--temperature 0] [--max-model-len 2048]
+        [--workloads grounded,chat]
 
 Workloads (chat-formatted prompts, made here from the standard library's own source, no download):
   grounded  outputs that copy much of the prompt: add type hints to a Python function, fix the typos in a
             paragraph (typos put in at seeded random places), extract the sentences of a text that hold a word.
   chat      open-ended questions (explain, compare, write a story).
-Two engines serve them in one process, with the same weights and arguments: `plain` (no speculation) and `spec`
-(--speculative-config, n-gram prompt lookup by default). Each is warmed up first (untimed; its compiled step shapes
-and seconds are printed). Batch 1: --batch1-requests requests, one at a time, each served by both engines in turn
-(the order alternating), so that whatever slows the machine slows both alike. Batch --batch: that many requests
-at once, plain then spec. Throughput is output tokens / wall seconds; speed-up is spec / plain. With the default
-greedy sampling both engines must give the same tokens (checked, and printed as `identical`): speculative decoding
-changes the speed, never the output. Per cell the speculative counters (drafts, draft tokens, accepted tokens,
-acceptance rate, mean accepted length, acceptance per position) are printed. Progress goes to stderr; a table and,
-as the last line, one JSON object with every figure go to stdout.
+Engines serve them in one process, with the same weights and arguments: `plain` (no speculation), `spec`
+(--speculative-config, n-gram prompt lookup by default) and, with --draft-layers N, `draft`: the draft-model method
+with a draft made of the target's first N layers (its final norm and LM head kept: an early exit of the same model,
+so that it shares the tokenizer), written as a jaxpage checkpoint into a temporary directory. Each engine is warmed
+up first (untimed; its compiled programs and seconds are printed). Batch 1: --batch1-requests requests, one at a
+time, each served by every engine in turn (the order rotating), so that whatever slows the machine slows all alike.
+Batch --batch: that many requests at once, every engine in turn. Throughput is output tokens / wall seconds, speed-up
+an engine's over plain's. With the default greedy sampling every engine must give the same tokens (checked, and
+printed as `identical`): speculative decoding changes the speed, never the output. Per cell the speculative counters
+(drafts, draft tokens, accepted tokens, acceptance rate, mean accepted length, acceptance per position) are printed.
+Progress goes to stderr; a table and, as the last line, one JSON object with every figure go to stdout.
 """
 
 from __future__ import annotations
@@ -110,6 +113,29 @@ def chat_prompts(count: int) -> list[str]:
     return [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
 
 
+def write_early_exit_draft(model: str | None, num_layers: int) -> str:
+    """A draft model made of the first num_layers layers of `model` (with its final norm and LM head), saved as a
+    jaxpage checkpoint (with the tokenizer) in a temporary directory; returns the directory."""
+    import dataclasses
+    import tempfile
+
+    import jax
+
+    from jaxpage.models import load_model
+    from jaxpage.models.orbax_checkpoint import save_checkpoint
+    from jaxpage.tokenizer import load_tokenizer
+
+    config, params = load_model(model)
+    if not 1 <= num_layers < config.num_layers:
+        raise SystemExit(f"--draft-layers must be in [1, {config.num_layers})")
+    params = dict(params, layers=jax.tree.map(lambda x: x[:num_layers], params["layers"]))
+    directory = tempfile.mkdtemp(prefix="jaxpage-draft-")
+    save_checkpoint(directory, dataclasses.replace(config, num_layers=num_layers), params)
+    load_tokenizer(model).save_pretrained(directory)
+    log(f"draft: the first {num_layers} of {config.num_layers} layers, written to {directory}")
+    return directory
+
+
 def timed_generate(llm, prompts: list, params) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -120,6 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="anything load_model takes (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--speculative-config", default=DEFAULT_SPEC, help="JSON, vLLM's keys (default: %(default)s)")
+    parser.add_argument("--draft-layers", type=int, default=0, help="add a draft-model engine (0: none)")
+    parser.add_argument("--num-draft-tokens", type=int, default=3, help="k of the draft-model engine")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
@@ -130,13 +158,20 @@ def main() -> None:
 
     from jaxpage.llm import LLM
     from jaxpage.sampling_params import SamplingParams
-    from jaxpage.spec_decode_stats import SpecDecodingStats
     from jaxpage.tokenizer import encode_chat
 
     common = dict(max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 1))
+    configs = {"plain": None, "spec": args.speculative_config}
+    if args.draft_layers:
+        draft_dir = write_early_exit_draft(args.model, args.draft_layers)
+        configs["draft"] = {
+            "method": "draft_model",
+            "model": draft_dir,
+            "num_speculative_tokens": args.num_draft_tokens,
+        }
     engines = {}
     compiled = {}
-    for name, spec in (("plain", None), ("spec", args.speculative_config)):
+    for name, spec in configs.items():
         log(f"{name}: loading")
         llm = LLM(args.model, speculative_config=spec, **common)
         start = time.perf_counter()
@@ -146,7 +181,6 @@ def main() -> None:
         for c in shapes:
             log(f"{name}:   {c}")
         engines[name] = llm
-    spec_config = engines["spec"].engine.config.speculative_config
     tokenizer = engines["plain"].get_tokenizer()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
 
@@ -159,50 +193,62 @@ def main() -> None:
         make = workloads[workload]
         for batch in (1, args.batch):
             prompts = encode(make(args.batch1_requests if batch == 1 else batch))
-            seconds = {"plain": 0.0, "spec": 0.0}
-            tokens = {"plain": [], "spec": []}
-            engines["spec"].engine.spec_decoding_stats = SpecDecodingStats(spec_config.num_speculative_tokens)
+            names = list(engines)
+            seconds = dict.fromkeys(names, 0.0)
+            tokens = {name: [] for name in names}
+            before = {name: engines[name].engine.spec_decoding_stats for name in names}
+            before = {name: stats.copy() for name, stats in before.items() if stats is not None}
             groups = [[p] for p in prompts] if batch == 1 else [prompts]
             for i, group in enumerate(groups):
-                for name in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+                for name in names[i % len(names) :] + names[: i % len(names)]:  # rotating order
                     s, out = timed_generate(engines[name], group, params)
                     seconds[name] += s
                     tokens[name] += out
-            stats = engines["spec"].engine.spec_decoding_stats.as_dict()
-            rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in seconds}
+            rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in names}
             cell = {
                 "workload": workload,
                 "batch": batch,
                 "requests": len(prompts),
                 "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
-                "output_tokens": {name: sum(map(len, tokens[name])) for name in tokens},
+                "output_tokens": {name: sum(map(len, tokens[name])) for name in names},
                 "seconds": {name: round(s, 2) for name, s in seconds.items()},
                 "tokens_per_s": {name: round(r, 2) for name, r in rate.items()},
-                "speedup": round(rate["spec"] / rate["plain"], 3),
-                "identical": tokens["plain"] == tokens["spec"],
-                "spec_decoding": stats,
+                "speedup": {name: round(rate[name] / rate["plain"], 3) for name in names if name != "plain"},
+                "identical": {name: tokens[name] == tokens["plain"] for name in names if name != "plain"},
+                "spec_decoding": {
+                    name: engines[name].engine.spec_decoding_stats.since(stats).as_dict()
+                    for name, stats in before.items()
+                },
             }
             cells.append(cell)
             log(
-                f"{workload} batch {batch}: plain {rate['plain']:.1f} tok/s, spec {rate['spec']:.1f} tok/s, "
-                f"x{cell['speedup']:.2f}; acceptance {stats['acceptance_rate']}, drafts {stats['num_drafts']}"
+                f"{workload} batch {batch}: "
+                + ", ".join(f"{name} {rate[name]:.1f} tok/s" for name in names)
+                + "; speed-up "
+                + ", ".join(f"{name} x{x:.2f}" for name, x in cell["speedup"].items())
             )
 
-    print(f"speculative_config: {spec_config}")
+    for name, spec in configs.items():
+        if spec is not None:
+            print(f"{name}: {engines[name].engine.config.speculative_config}")
     print(
-        f"{'workload':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept':>7} "
-        f"{'mean len':>8} {'identical':>9}"
+        f"{'workload':10} {'batch':>5} {'engine':>6} {'tok/s':>8} {'speed-up':>9} {'accept':>7} {'mean len':>8} "
+        f"{'identical':>9}"
     )
     for c in cells:
-        s = c["spec_decoding"]
-        accept = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
-        mean = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] is not None else "-"
-        print(
-            f"{c['workload']:10} {c['batch']:>5} {c['tokens_per_s']['plain']:>12.2f} "
-            f"{c['tokens_per_s']['spec']:>11.2f} "
-            f"{c['speedup']:>9.3f} {accept:>7} {mean:>8} {str(c['identical']):>9}"
-        )
-    print(json.dumps({"speculative_config": str(spec_config), "compiled": compiled, "cells": cells}))
+        for name in engines:
+            if name == "plain":
+                print(f"{c['workload']:10} {c['batch']:>5} {name:>6} {c['tokens_per_s'][name]:>8.2f}")
+                continue
+            s = c["spec_decoding"][name]
+            accept = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+            mean = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] is not None else "-"
+            print(
+                f"{c['workload']:10} {c['batch']:>5} {name:>6} {c['tokens_per_s'][name]:>8.2f} "
+                f"{c['speedup'][name]:>9.3f} {accept:>7} {mean:>8} {str(c['identical'][name]):>9}"
+            )
+    configs = {name: str(engines[name].engine.config.speculative_config) for name in configs}
+    print(json.dumps({"configs": configs, "compiled": compiled, "cells": cells}))
 
 
 if __name__ == "__main__":

@@ -264,11 +264,11 @@ def test_a_failed_device_step_ends_the_running_requests_and_the_engine_serves_on
     calls = {"n": 0}
     execute = engine.runner.execute
 
-    def fails_once(output):
+    def fails_once(output, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device lost")
-        return execute(output)
+        return execute(output, *args)
 
     monkeypatch.setattr(engine.runner, "execute", fails_once)
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], FIXED[1])

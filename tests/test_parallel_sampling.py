@@ -62,8 +62,8 @@ def run(llm: LLM, request: dict, params: SamplingParams, schedules: list | None 
     schedule = scheduler.schedule
     outputs = []
 
-    def recording_schedule():
-        output = schedule()
+    def recording_schedule(*args):
+        output = schedule(*args)
         outputs.append(output)
         return output
 
@@ -137,7 +137,7 @@ def test_pages_are_shared_and_the_partial_page_copied(llm):
     engine.add_request("pages", prompt(4, 21), sampled(4, max_tokens=3))
     schedules = []
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: schedules.append(schedule()) or schedules[-1]
+    engine.scheduler.schedule = lambda *args: schedules.append(schedule(*args)) or schedules[-1]
     try:
         assert engine.step() == []  # the parent computes 20 tokens, samples nothing
         [prefill] = schedules[0].scheduled

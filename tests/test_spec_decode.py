@@ -338,3 +338,19 @@ def test_a_draft_model_must_speak_the_targets_tokens(draft_pair, tmp_path):
         make_llm(target, draft_config(str(other_eos)), load_format="auto")
     with pytest.raises(ValueError, match="no such file"):
         make_llm(target, draft_config(str(tmp_path / "missing")), load_format="auto")
+
+
+def test_draft_model_with_shared_pages(draft_pair):
+    """n > 1 (samples share the prompt's pages, the last one copied on write) and prefix-cache hits (pages another
+    request computed): the draft model's pool follows the target's, so the output is the same."""
+    target, small = draft_pair
+    shared = list(range(5, 45))
+    requests = [{"prompt_token_ids": shared + [i, i + 1, i + 2]} for i in range(50, 56)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_llm(target, load_format="auto", page_size=8)
+    spec = make_llm(target, draft_config(target), load_format="auto", page_size=8)
+    want = completions(plain.generate(requests, params))
+    assert completions(spec.generate(requests, params)) == want
+    stats_ = spec.engine.spec_decoding_stats
+    assert stats_.num_drafts > 10 and stats_.num_accepted_tokens == stats_.num_draft_tokens  # its own draft
+    assert spec.engine.scheduler.num_prefix_hit_tokens > 0
