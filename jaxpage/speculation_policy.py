@@ -12,7 +12,7 @@ rate. Both sides are measured as the engine runs:
   - acceptance: a moving average per sequence of accepted / drafted tokens (observe_draft), starting from the
     running average over all sequences, which starts optimistic (1).
 A step shape not measured yet is tried first: the verify shape, then the decode shape. When drafting does not
-pay, the estimates are refreshed by verifying anyway once in a while: after EXPLORE_AFTER declined steps, then
+pay, the estimates are refreshed by verifying anyway once in a while: after EXPLORE_AFTER (64) declined steps, then
 twice as many after each try that still does not pay (up to MAX_EXPLORE_AFTER), back to EXPLORE_AFTER once it
 pays. Sequences whose drafts are rarely accepted thus stop being verified, and a batch too large for verification
 to pay stops drafting, by themselves.
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 SEQ_ALPHA = 0.3  # weight of a sequence's latest draft in its acceptance average
-PRIOR_ALPHA = 0.05  # weight of any draft in the average over all sequences (new sequences start from it)
+PRIOR_ALPHA = 0.2  # weight of any draft in the average over all sequences (new sequences start from it)
 STEP_ALPHA = 0.2  # weight of a step's latest seconds in its shape's average
-EXPLORE_AFTER = 32
+EXPLORE_AFTER = 64
 MAX_EXPLORE_AFTER = 1024
 
 

@@ -3,7 +3,7 @@ workload, at batch 1 and batch 16.
 
     python scripts/bench_spec_decode.py [--model SRC] [--speculative-config JSON] [--draft-layers N]
         [--max-tokens 128] [--batch1-requests 4] [--batch 16] [--temperature 0] [--max-model-len 2048]
-        [--workloads grounded,chat]
+        [--repeats 2] [--workloads grounded,chat]
 
 Workloads (chat-formatted prompts, made here from the standard library's own source, no download):
   grounded  outputs that copy much of the prompt: add type hints to a Python function, fix the typos in a
@@ -15,7 +15,7 @@ with a draft made of the target's first N layers (its final norm and LM head kep
 so that it shares the tokenizer), written as a jaxpage checkpoint into a temporary directory. Each engine is warmed
 up first (untimed; its compiled programs and seconds are printed). Batch 1: --batch1-requests requests, one at a
 time, each served by every engine in turn (the order rotating), so that whatever slows the machine slows all alike.
-Batch --batch: that many requests at once, every engine in turn. Throughput is output tokens / wall seconds, speed-up
+Batch --batch: that many requests at once, every engine in turn, --repeats times (the order rotating). Throughput is output tokens / wall seconds, speed-up
 an engine's over plain's. With the default greedy sampling every engine must give the same tokens (checked, and
 printed as `identical`): speculative decoding changes the speed, never the output. Per cell the speculative counters
 (drafts, draft tokens, accepted tokens, acceptance rate, mean accepted length, acceptance per position) are printed.
@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch1-requests", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each batch cell by each engine")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--workloads", default="grounded,chat", help="comma-separated: grounded, chat")
@@ -198,7 +199,7 @@ def main() -> None:
             tokens = {name: [] for name in names}
             before = {name: engines[name].engine.spec_decoding_stats for name in names}
             before = {name: stats.copy() for name, stats in before.items() if stats is not None}
-            groups = [[p] for p in prompts] if batch == 1 else [prompts]
+            groups = [[p] for p in prompts] if batch == 1 else [prompts] * args.repeats
             for i, group in enumerate(groups):
                 for name in names[i % len(names) :] + names[: i % len(names)]:  # rotating order
                     s, out = timed_generate(engines[name], group, params)
