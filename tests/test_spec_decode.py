@@ -354,3 +354,30 @@ def test_draft_model_with_shared_pages(draft_pair):
     stats_ = spec.engine.spec_decoding_stats
     assert stats_.num_drafts > 10 and stats_.num_accepted_tokens == stats_.num_draft_tokens  # its own draft
     assert spec.engine.scheduler.num_prefix_hit_tokens > 0
+
+
+def test_stop_strings_and_mixed_greedy_and_sampled_rows(tiny_dir):
+    """Stop strings reached inside an accepted draft end the text where plain decoding ends it; greedy and seeded
+    sampled rows in one batch each give plain decoding's tokens."""
+    args = dict(load_format="auto", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
+    plain = LLM(tiny_dir, **args)
+    spec = LLM(tiny_dir, speculative_config=NGRAM, **args)
+    spec.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    requests = without_float_ties(plain, prompts(8, seed=11), 30)
+    free = plain.generate(requests, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    params = []
+    for i, output in enumerate(free):
+        text = output.outputs[0].text
+        if i % 2 or len(text) < 8:  # sampled rows between the greedy ones
+            params.append(SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=30, ignore_eos=True))
+        else:  # a stop string that the greedy text holds part-way through
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    want = plain.generate(requests, params)
+    got = spec.generate(requests, params)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in got] == [
+        (o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in want
+    ]
+    assert completions(got) == completions(want)
+    assert any(o.outputs[0].finish_reason == "stop" for o in want)
+    assert spec.engine.spec_decoding_stats.num_accepted_tokens > 0
