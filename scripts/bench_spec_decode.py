@@ -14,11 +14,13 @@ Engines serve them in one process, with the same weights and arguments: `plain` 
 with a draft made of the target's first N layers (its final norm and LM head kept: an early exit of the same model,
 so that it shares the tokenizer), written as a jaxpage checkpoint into a temporary directory. Each engine is warmed
 up first (untimed; its compiled programs and seconds are printed). Batch 1: --batch1-requests requests, one at a
-time, each served by every engine in turn (the order rotating), so that whatever slows the machine slows all alike.
-Batch --batch: that many requests at once, every engine in turn, --repeats times (the order rotating). Throughput is output tokens / wall seconds, speed-up
-an engine's over plain's. With the default greedy sampling every engine must give the same tokens (checked, and
-printed as `identical`): speculative decoding changes the speed, never the output. Per cell the speculative counters
-(drafts, draft tokens, accepted tokens, acceptance rate, mean accepted length, acceptance per position) are printed.
+time; batch --batch: that many requests at once, --repeats times. Every engine serves the same requests at the same
+time, the engines taking turns one engine.step() each, so that whatever slows this (noisy, shared) machine slows
+all alike: separate runs of the same engine differ by 10-20% here. An engine's seconds are the sum of its own
+steps; throughput is output tokens / those seconds, speed-up an engine's over plain's. With the default greedy
+sampling every engine must give the same tokens (checked, and printed as `identical`): speculative decoding changes
+the speed, never the output. Per cell the speculative counters (drafts, draft tokens, accepted tokens, acceptance
+rate, mean accepted length, acceptance per position) are printed.
 Progress goes to stderr; a table and, as the last line, one JSON object with every figure go to stdout.
 """
 
@@ -33,7 +35,7 @@ import numpy as np
 
 from jaxpage.benchmarks.progress import log
 
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 
 # Short standard-library functions to edit, and module docstrings to correct or quote from.
 FUNCTIONS = (
@@ -136,10 +138,25 @@ def write_early_exit_draft(model: str | None, num_layers: int) -> str:
     return directory
 
 
-def timed_generate(llm, prompts: list, params) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+def serve_in_turns(engines: dict, prompts: list, params, tag: str) -> tuple[dict, dict]:
+    """Every engine serves `prompts`, the engines taking turns one step each: (seconds of each engine's own steps,
+    each engine's output token ids in prompt order)."""
+    seconds = dict.fromkeys(engines, 0.0)
+    finished = {name: {} for name in engines}
+    for llm in engines.values():
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(f"{tag}-{i}", prompt, params)
+    while any(llm.engine.has_unfinished_requests() for llm in engines.values()):
+        for name, llm in engines.items():
+            if llm.engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = llm.engine.step()
+                seconds[name] += time.perf_counter() - start
+                for output in outputs:
+                    if output.finished:
+                        finished[name][output.request_id] = list(output.outputs[0].token_ids)
+    tokens = {name: [finished[name][f"{tag}-{i}"] for i in range(len(prompts))] for name in engines}
+    return seconds, tokens
 
 
 def main() -> None:
@@ -201,10 +218,10 @@ def main() -> None:
             before = {name: stats.copy() for name, stats in before.items() if stats is not None}
             groups = [[p] for p in prompts] if batch == 1 else [prompts] * args.repeats
             for i, group in enumerate(groups):
-                for name in names[i % len(names) :] + names[: i % len(names)]:  # rotating order
-                    s, out = timed_generate(engines[name], group, params)
-                    seconds[name] += s
-                    tokens[name] += out
+                step_seconds, outputs = serve_in_turns(engines, group, params, f"{workload}-{batch}-{i}")
+                for name in names:
+                    seconds[name] += step_seconds[name]
+                    tokens[name] += outputs[name]
             rate = {name: sum(map(len, tokens[name])) / seconds[name] for name in names}
             cell = {
                 "workload": workload,
