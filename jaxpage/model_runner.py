@@ -39,15 +39,7 @@ from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build
 from jaxpage.rejection_sampler import target_probs, verify_drafts
-from jaxpage.sampler import (
-    GREEDY_TEMPERATURE,
-    SamplingMetadata,
-    inverse_cdf,
-    row_uniforms,
-    sample,
-    sampled_logprobs,
-    sampling_metadata_from_params,
-)
+from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import SchedulerOutput
 
@@ -124,6 +116,17 @@ def step_shapes(
     if num_speculative_tokens and max_verify_rows:
         verify = [StepShape(s * q_len, s, s, q_len) for s in powers_of_two(1, min(max_verify_rows, max_rows))]
     return decode + mixed + verify
+
+
+def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
+    """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
+    padded to num_rows."""
+    return sampling_metadata_from_params(
+        [item.seq.sampling_params if item.samples else None for item in items],
+        steps=[len(item.seq.output_token_ids) for item in items],
+        seeds=[item.seq.seed for item in items],
+        num_rows=num_rows,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,10 +309,8 @@ class ModelRunner:
             logits = model.apply({"params": params}, hidden, method=Llama.logits)
             sampling = dataclasses.replace(inputs.sampling, steps=inputs.sampling.steps + j)
             probs = target_probs(logits, sampling)
-            greedy = sampling.temperature < GREEDY_TEMPERATURE
             # Their own random stream: draft tokens must not depend on the verifier's uniforms.
-            uniforms = row_uniforms(sampling.seeds ^ DRAFT_SEED_SALT, sampling.steps)
-            next_tokens = inverse_cdf(probs, jnp.where(greedy[:, None], 0.0, uniforms))
+            next_tokens = draw(probs, dataclasses.replace(sampling, seeds=sampling.seeds ^ DRAFT_SEED_SALT))
             return (kv_cache, next_tokens), (next_tokens, probs)
 
         (kv_cache, _), (tokens, probs) = lax.scan(draft_step, (kv_cache, inputs.token_ids), jnp.arange(k))
@@ -356,13 +357,7 @@ class ModelRunner:
             token_ids[row], positions[row] = seq.token_ids[position], position
             num_slots[row] = 1 + len(item.draft_token_ids)
             block_tables[row, : len(seq.block_table)] = seq.block_table
-        sampling = sampling_metadata_from_params(
-            [item.seq.sampling_params for item in items],
-            steps=[len(item.seq.output_token_ids) for item in items],
-            seeds=[item.seq.seed for item in items],
-            num_rows=rows,
-        )
-        return ProposeInput(token_ids, positions, block_tables, num_slots, sampling)
+        return ProposeInput(token_ids, positions, block_tables, num_slots, row_sampling(items, rows))
 
     def propose(self, output: SchedulerOutput) -> tuple[SchedulerOutput, jax.Array]:
         """A draft model's drafts for the verify step `output`, whose items hold placeholder drafts of the length
@@ -491,12 +486,7 @@ class ModelRunner:
             cu_q_lens[row + 1] = end
             start = end
         cu_q_lens[len(items) + 1 :] = start
-        sampling = sampling_metadata_from_params(
-            [item.seq.sampling_params if item.samples else None for item in items],
-            steps=[len(item.seq.output_token_ids) for item in items],
-            seeds=[item.seq.seed for item in items],
-            num_rows=shape.sample_rows,
-        )
+        sampling = row_sampling(items, shape.sample_rows)
         want_logprobs = any(
             item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
             for item in items

@@ -75,8 +75,6 @@ def verify_drafts(
         seeds=per_position(metadata.seeds),
         steps=(metadata.steps[:, None] + positions[None, :]).reshape(-1),
     )
-    rows = jnp.arange(num_rows)
-    padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     if draft_probs is None:  # point masses: the coupling of the module docstring
         plain = sample(logits.reshape(-1, vocab), position_metadata).token_ids.reshape(num_rows, num_positions)
         accepted = (plain[:, :k] == draft_tokens) & (positions[None, :k] < num_drafts[:, None])
@@ -95,6 +93,7 @@ def verify_drafts(
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)  # [S]
 
     # The emitted token: from the residual at the first rejection, or the bonus after a fully accepted draft.
+    rows = jnp.arange(num_rows)
     p_next = p[rows, num_accepted]  # [S, V]
     rejected = num_accepted < num_drafts
     if k == 0:
@@ -110,6 +109,7 @@ def verify_drafts(
     draw_uniforms = jnp.where(greedy[:, None], 0.0, uniforms[rows, num_accepted, :2])
     emitted = inverse_cdf(distribution, draw_uniforms)
 
+    padded_drafts = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     token_ids = jnp.where(positions[None, :] < num_accepted[:, None], padded_drafts, -1)
     token_ids = jnp.where(positions[None, :] == num_accepted[:, None], emitted[:, None], token_ids)
     return VerifiedTokens(token_ids.astype(jnp.int32), num_accepted)

@@ -111,9 +111,15 @@ def sampled_logprobs(
 
 def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     """[S] int32 token ids of float32 logits [S, vocab]: the general path, for any mix of rows."""
+    return draw(filtered_weights(logits, metadata), metadata)
+
+
+def draw(weights: jax.Array, metadata: SamplingMetadata) -> jax.Array:
+    """[S] int32: a token of each row of `weights` [S, V] (a row's distribution, up to scale), drawn with the
+    row's uniforms of (seed, step); greedy rows take their first token of positive weight."""
     greedy = metadata.temperature.astype(jnp.float32) < GREEDY_TEMPERATURE
     uniforms = jnp.where(greedy[:, None], 0.0, row_uniforms(metadata.seeds, metadata.steps))
-    return inverse_cdf(filtered_weights(logits, metadata), uniforms)
+    return inverse_cdf(weights, uniforms)
 
 
 def filtered_weights(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
