@@ -3,15 +3,24 @@ drafts.
 
 A draft never reaches past what the sequence may still generate: its max_tokens and the engine's max_model_len
 leave room for the draft and the token the target emits after it. The n-gram drafter proposes by prompt lookup
-(jaxpage.ngram_proposer). A draft model's drafts come from the device (ModelRunner.propose), after the scheduler
+(jaxpage.ngram_proposer); each of its drafts is of the kind of its match length n, which the speculation policy
+uses to estimate acceptance. A draft model's drafts come from the device (ModelRunner.propose), after the scheduler
 has reserved their slots: here, the draft-model drafter only says how many tokens each sequence may draft.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpage.ngram_proposer import propose_ngram
 from jaxpage.sequence import Sequence
 from jaxpage.speculative_config import SpeculativeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    token_ids: list[int]
+    kind: int  # drafts of a kind share an acceptance estimate: the n-gram match length; 0 for a draft model's
 
 
 class Drafter:
@@ -28,15 +37,17 @@ class Drafter:
             room = min(room, max_tokens - len(seq.output_token_ids) - 1)
         return max(room, 0)
 
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+    def propose(self, seqs: list[Sequence]) -> dict[int, Draft]:
         """Drafts by seq_id, for the sequences that have one. A draft model's are placeholders (zeros) of the
         length each sequence may draft: the scheduler reserves their slots, then the draft model fills them."""
         if self.config.method == "draft_model":
-            return {seq.seq_id: [0] * room for seq in seqs if (room := self.room(seq))}
+            return {seq.seq_id: Draft([0] * room, 0) for seq in seqs if (room := self.room(seq))}
         drafts = {}
         low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         for seq in seqs:
             room = self.room(seq)
-            if room and (draft := propose_ngram(seq.token_ids, room, low, high)):
-                drafts[seq.seq_id] = draft
+            if room:
+                tokens, match_len = propose_ngram(seq.token_ids, room, low, high)
+                if tokens:
+                    drafts[seq.seq_id] = Draft(tokens, match_len)
         return drafts

@@ -20,7 +20,7 @@ from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
 from jaxpage.config import EngineConfig
 from jaxpage.draft_model import check_draft_tokenizer, load_draft_model
-from jaxpage.drafter import Drafter
+from jaxpage.drafter import Draft, Drafter
 from jaxpage.model_runner import CompiledShape, ModelRunner
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -411,10 +411,10 @@ class LLMEngine:
         """
         with self._lock:
             start = time.perf_counter()
-            drafts = None
+            drafts = {}
             if self.drafter is not None and self.scheduler.can_draft():
                 drafts = self._drafts_that_pay(self.drafter.propose(self.scheduler.running))
-            output = self.scheduler.schedule(drafts)
+            output = self.scheduler.schedule({seq_id: draft.token_ids for seq_id, draft in drafts.items()} or None)
             if not output.scheduled:
                 return self._take_ended()
             scheduled = time.perf_counter()
@@ -452,7 +452,10 @@ class LLMEngine:
                 num_accepted = int(result.num_accepted[row])
                 if item.draft_token_ids:
                     self.spec_decoding_stats.observe_draft(len(item.draft_token_ids), num_accepted)
-                    self.speculation_policy.observe_draft(item.seq.seq_id, len(item.draft_token_ids), num_accepted)
+                    kind = drafts[item.seq.seq_id].kind
+                    self.speculation_policy.observe_draft(
+                        item.seq.seq_id, kind, len(item.draft_token_ids), num_accepted
+                    )
                     num_accepted_tokens += num_accepted
                 try:
                     for position in range(num_accepted + 1):  # the accepted drafts, then the sampled token
@@ -493,12 +496,12 @@ class LLMEngine:
             )
             return outputs
 
-    def _drafts_that_pay(self, drafts: dict[int, list[int]]) -> dict[int, list[int]] | None:
+    def _drafts_that_pay(self, drafts: dict[int, Draft]) -> dict[int, Draft]:
         """The drafts, if verifying them is expected to give more tokens per second than a plain decode step (see
-        jaxpage.speculation_policy); else None."""
+        jaxpage.speculation_policy); else none."""
         count = len(self.scheduler.running)
         verify, decode = self.runner.smallest_shape("verify", count), self.runner.smallest_shape("decode", count)
-        return drafts if self.speculation_policy.should_verify(count, drafts, verify, decode) else None
+        return drafts if self.speculation_policy.should_verify(count, drafts, verify, decode) else {}
 
     def _append_token(self, request: _Request, seq: Sequence, token: int, result, at: tuple, now: float) -> None:
         """Commits one token (result's at = (row, position)): the sequence, its completion (logprobs, text), stop
