@@ -193,12 +193,13 @@ class BlockManager:
             self._ref_counts[page] += 1
         child.block_table.extend(pages)
         child.num_computed_tokens = num_tokens
+        child.num_draft_computed_tokens = min(parent.num_draft_computed_tokens, num_tokens)
         self._seq_hashes[child.seq_id].extend(self._seq_hashes.get(parent.seq_id, [])[: num_tokens // self.page_size])
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first so that the tail of a prefix chain is evicted first. A page whose count
         reaches 0 becomes cached if registered in the prefix cache, else free. Clears the block table and sets
-        seq.num_computed_tokens = 0."""
+        seq.num_computed_tokens (and num_draft_computed_tokens) to 0."""
         if seq.block_table:
             assert self._seqs.get(seq.seq_id) is seq, f"free of sequence {seq.seq_id} unknown to the block manager"
         for page in reversed(seq.block_table):
@@ -206,7 +207,7 @@ class BlockManager:
             if self._ref_counts[page] == 0:
                 self._release(page)
         seq.block_table.clear()
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
             del self._seq_hashes[seq.seq_id]
@@ -241,6 +242,7 @@ class BlockManager:
         for seq_id, seq in self._seqs.items():
             assert seq.seq_id == seq_id
             assert len(seq.block_table) * ps >= seq.num_computed_tokens, f"sequence {seq_id}: computed tokens unpaged"
+            assert seq.num_draft_computed_tokens <= seq.num_computed_tokens, f"sequence {seq_id}: draft K/V ahead"
             assert len(self._seq_hashes[seq_id]) <= len(seq.block_table)
             for page in seq.block_table:
                 counts[page] += 1

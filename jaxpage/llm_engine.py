@@ -426,14 +426,14 @@ class LLMEngine:
             try:
                 started = time.perf_counter()
                 draft_probs = None
+                drafting = self.draft_runner is not None and any(item.draft_token_ids for item in output.scheduled)
                 if self.draft_runner is not None:
                     self.draft_runner.copy_pages(output.page_copies)  # its pool has the target's pages
-                    if any(item.draft_token_ids for item in output.scheduled):
-                        output, draft_probs = self.draft_runner.propose(output)
+                if drafting:  # the draft model runs only in steps that verify its drafts
+                    self.draft_runner.catch_up(output)
+                    output, draft_probs = self.draft_runner.propose(output)
                 result = self.runner.execute(output, draft_probs)
-                if self.draft_runner is not None:
-                    self.draft_runner.forward_only(output)  # the draft model's cache keeps up with the target's
-                    jax.block_until_ready(self.draft_runner.kv_cache)
+                if drafting:  # the step's seconds include the draft model's
                     result = dataclasses.replace(result, device_s=time.perf_counter() - started - result.prepare_s)
             except Exception as e:  # not a request's fault: every request was checked when it was added
                 logger.exception("engine step failed; every unfinished request ends with this error")

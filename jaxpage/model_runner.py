@@ -41,7 +41,7 @@ from jaxpage.models.llama import Llama, build
 from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import SchedulerOutput
+from jaxpage.scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger("jaxpage")
 
@@ -370,15 +370,40 @@ class ModelRunner:
             self.params, self.kv_cache, self._propose_input(output.scheduled, shape)
         )
         tokens = np.asarray(tokens)
+        k = shape.num_draft_positions
+        for item in output.scheduled:  # K/V written: the last token's and the first k - 1 drafts' (when reserved)
+            item.seq.num_draft_computed_tokens = item.num_computed_tokens + min(k, 1 + len(item.draft_token_ids))
         scheduled = [
             dataclasses.replace(item, draft_token_ids=tuple(tokens[row, : len(item.draft_token_ids)].tolist()))
             for row, item in enumerate(output.scheduled)
         ]
         return dataclasses.replace(output, scheduled=scheduled), probs
 
-    def forward_only(self, output: SchedulerOutput) -> None:
-        """The step's forward pass alone (its K/V into this model's pool; no sampling): a draft model keeping its
-        cache in step with the target's."""
+    def catch_up(self, output: SchedulerOutput) -> None:
+        """A draft model's pool brought up to the verify step `output` before `propose`: each sequence's tokens
+        before its last one whose K/V this pool lacks (from seq.num_draft_computed_tokens) run through this model's
+        forward pass, in as few steps of its shapes as hold them (decode shapes when each lacks one token: after a
+        fully accepted draft, the draft's last token)."""
+        mixed = [s for s in self.shapes if s.kind == "mixed"]
+        max_tokens, max_rows = max(s.num_tokens for s in mixed), max(s.num_rows for s in mixed)
+        pending: list[ScheduledSequence] = []
+        budget = max_tokens
+        for item in output.scheduled:
+            seq = item.seq
+            while seq.num_draft_computed_tokens < item.num_computed_tokens:
+                n = min(item.num_computed_tokens - seq.num_draft_computed_tokens, budget)
+                pending.append(ScheduledSequence(seq, seq.num_draft_computed_tokens, n))
+                seq.num_draft_computed_tokens += n
+                budget -= n
+                if budget == 0 or len(pending) == max_rows:
+                    self._forward_only(pending)
+                    pending, budget = [], max_tokens
+        if pending:
+            self._forward_only(pending)
+
+    def _forward_only(self, items: list[ScheduledSequence]) -> None:
+        """The forward pass alone of a step of `items` (their K/V into this model's pool; no sampling)."""
+        output = SchedulerOutput(scheduled=items, page_copies=[])
         shape = self.shape_for(output)
         step, _ = self.prepare(output, shape)
         forward = self.executables.get(shape) or self.compile(shape)

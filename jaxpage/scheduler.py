@@ -204,6 +204,8 @@ class Scheduler:
             rejected = len(item.draft_token_ids) - (num_accepted[i] if num_accepted is not None else 0)
             assert 0 <= rejected <= len(item.draft_token_ids), (rejected, item)
             seq.num_computed_tokens += item.num_new_tokens - rejected
+            # A draft model's K/V of rejected drafts (ModelRunner.propose) is not the sequence's.
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             if rejected:
                 self.block_manager.release_slots(seq, seq.num_computed_tokens)
             self.block_manager.cache_full_pages(seq)

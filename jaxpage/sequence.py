@@ -22,12 +22,16 @@ class Sequence:
     K/V in the page pool; `block_table[i]` is the page that holds tokens [i * page_size, (i + 1) * page_size).
     `group` holds the n sequences of a request with n > 1 (this one included; empty when n = 1): one of them
     computes the prompt but its last token, the others share its pages (see Scheduler).
+    With a draft model (speculative decoding), its own pool has the same pages: `num_draft_computed_tokens`, at
+    most num_computed_tokens, of the tokens have their K/V there too. The draft model catches up only when the
+    sequence drafts (ModelRunner.catch_up), so that steps that do not draft do not run it.
     """
 
     seq_id: int
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     sampling_params: SamplingParams | None = None  # None: greedy

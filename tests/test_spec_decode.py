@@ -356,6 +356,38 @@ def test_draft_model_with_shared_pages(draft_pair):
     assert spec.engine.scheduler.num_prefix_hit_tokens > 0
 
 
+@pytest.mark.parametrize("engine", ["roomy", "tight"])
+def test_a_draft_model_runs_only_in_steps_that_verify(draft_pair, engine):
+    """Steps that do not verify (prefill, and decode steps the speculation policy declines: here two in three) do
+    not run the draft model; when it drafts again it first computes the tokens it missed. With the target as its
+    own draft every draft token is then accepted: its pool holds the right K/V, through chunked prefill and
+    preemption."""
+    target, _ = draft_pair
+    requests = prompts(16, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = make_llm(target, load_format="auto", **ENGINES[engine])
+    spec = make_llm(target, draft_config(target), always_verify=False, load_format="auto", **ENGINES[engine])
+    offers = iter(range(10**6))
+    spec.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: next(offers) % 3 == 0
+    runner = spec.engine.draft_runner
+    calls = {"propose": 0, "catch_up": 0}
+
+    def counted(name, method):
+        def call(*args):
+            calls[name] += 1
+            return method(*args)
+
+        return call
+
+    runner.propose, runner.catch_up = counted("propose", runner.propose), counted("catch_up", runner.catch_up)
+    assert completions(spec.generate(requests, params)) == completions(plain.generate(requests, params))
+    stats_ = spec.engine.spec_decoding_stats
+    assert stats_.num_drafts > 10 and stats_.num_accepted_tokens == stats_.num_draft_tokens
+    assert calls["propose"] == calls["catch_up"] < next(offers) / 2  # only in the steps that verified
+    if engine == "tight":
+        assert spec.engine.scheduler.num_preemptions > 0
+
+
 def test_stop_strings_and_mixed_greedy_and_sampled_rows(tiny_dir):
     """Stop strings reached inside an accepted draft end the text where plain decoding ends it; greedy and seeded
     sampled rows in one batch each give plain decoding's tokens."""
