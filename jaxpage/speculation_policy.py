@@ -20,7 +20,10 @@ Both are measured as the engine runs:
     4-token match kept about 6 of 8 tokens, after a 1-token match under 1), then on the task; a per-sequence
     moving average alone fell below break-even after a handful of failed drafts during copying and stopped
     verifying drafts that paid (batch 1: 1.77x against 2.27x for verifying every draft).
-A step shape not measured yet is tried first: the verify shape, then the decode shape. When drafting does not
+A shape not measured yet is taken to cost what the nearest larger measured shape of its kind costs (an
+over-estimate: a batch that shrinks is not made to try each smaller verify shape, which for a draft model means
+catching up on every sequence's tokens first); with none measured, it is tried first: the verify shape, then the
+decode shape. When drafting does not
 pay, the estimates are refreshed by verifying anyway once in a while: after EXPLORE_AFTER (64) declined steps, then
 twice as many after each try that still does not pay (up to MAX_EXPLORE_AFTER), back to EXPLORE_AFTER once it
 pays. Sequences whose drafts are rarely accepted thus stop being verified, and a batch too large for verification
@@ -29,9 +32,10 @@ to pay stops drafting, by themselves.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 
 from jaxpage.drafter import Draft
+from jaxpage.step_shapes import StepShape
 
 PRIOR_ALPHA = 0.2  # weight of any draft in the average over all kinds (kinds not seen yet start from it)
 KIND_ALPHA = 0.1  # weight of a draft in its kind's average
@@ -48,7 +52,7 @@ class SpeculationPolicy:
         self._kind_rate: dict[int, float] = {}
         self._accepted: dict[int, float] = {}  # by seq_id: decaying sum of accepted draft tokens
         self._expected: dict[int, float] = {}  # by seq_id: decaying sum of what the kind rates predicted
-        self._step_seconds: dict[Hashable, float] = {}  # by step shape
+        self._step_seconds: dict[StepShape, float] = {}
         self._declined = 0  # steps declined since the last verify step
         self._explore_after = EXPLORE_AFTER
         self.num_declined = 0  # steps with drafts that decoded plainly instead (all time)
@@ -64,13 +68,14 @@ class SpeculationPolicy:
     def expected_tokens(self, num_seqs: int, drafts: Mapping[int, Draft]) -> float:
         return num_seqs + sum(len(d.token_ids) * self.acceptance(seq_id, d.kind) for seq_id, d in drafts.items())
 
-    def should_verify(self, num_seqs: int, drafts: Mapping[int, Draft], verify_shape, decode_shape) -> bool:
+    def should_verify(
+        self, num_seqs: int, drafts: Mapping[int, Draft], verify_shape: StepShape, decode_shape: StepShape
+    ) -> bool:
         """Whether a step of num_seqs sequences should verify `drafts` (by seq_id) in `verify_shape` rather than
         decode in `decode_shape`."""
         if not drafts:
             return False
-        verify_s = self._step_seconds.get(verify_shape)
-        decode_s = self._step_seconds.get(decode_shape)
+        verify_s, decode_s = self._seconds(verify_shape), self._seconds(decode_shape)
         if verify_s is None or decode_s is None:
             return verify_s is None  # measure the verify step first, then the decode step
         if self.expected_tokens(num_seqs, drafts) * decode_s >= num_seqs * verify_s:
@@ -85,7 +90,14 @@ class SpeculationPolicy:
         self.num_declined += 1
         return False
 
-    def observe_step(self, shape, seconds: float) -> None:
+    def _seconds(self, shape: StepShape) -> float | None:
+        """The shape's measured seconds, else the nearest larger measured shape's of its kind (and k), else None."""
+        if shape in self._step_seconds:
+            return self._step_seconds[shape]
+        larger = [s for s in self._step_seconds if s.max_q_len == shape.max_q_len and s > shape]
+        return self._step_seconds[min(larger)] if larger else None
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
         previous = self._step_seconds.get(shape)
         self._step_seconds[shape] = seconds if previous is None else previous + STEP_ALPHA * (seconds - previous)
 

@@ -91,6 +91,7 @@ HOST_MODULES = [
     "jaxpage.spec_decode_stats",
     "jaxpage.drafter",
     "jaxpage.speculation_policy",
+    "jaxpage.step_shapes",
 ]
 
 

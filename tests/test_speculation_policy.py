@@ -8,8 +8,18 @@ from hypothesis import strategies as st
 
 from jaxpage.drafter import Draft
 from jaxpage.speculation_policy import EXPLORE_AFTER, MAX_EXPLORE_AFTER, SpeculationPolicy
+from jaxpage.step_shapes import StepShape
 
-VERIFY, DECODE = "verify(S=16)", "decode(S=16)"
+
+def verify_shape(rows: int, k: int = 3) -> StepShape:
+    return StepShape(rows * (k + 1), rows, rows, k + 1)
+
+
+def decode_shape(rows: int) -> StepShape:
+    return StepShape(rows, rows, rows, 1)
+
+
+VERIFY, DECODE = verify_shape(16), decode_shape(16)
 
 
 def measured(verify_s: float, decode_s: float) -> SpeculationPolicy:
@@ -32,6 +42,18 @@ def test_the_verify_step_is_measured_first_then_the_decode_step():
     assert not policy.should_verify(1, drafts, VERIFY, DECODE)
     policy.observe_step(DECODE, 0.1)
     assert policy.should_verify(1, drafts, VERIFY, DECODE)  # acceptance starts optimistic: 1 + 3 tokens for 2x
+
+
+def test_an_unmeasured_shape_costs_what_the_nearest_larger_measured_one_does():
+    policy = measured(verify_s=0.3, decode_s=0.1)
+    policy.observe_step(verify_shape(4), 0.2)
+    policy._kind_rate[1] = 0.5
+    # The batch shrank to 2: verify(S=2) is taken to cost verify(S=4)'s 0.2 s, decode(S=2) decode(S=16)'s 0.1 s, so
+    # drafts of 1 token (2 + 2 * 0.5 = 3 tokens for 0.2 s against 2 for 0.1 s) do not pay, drafts of 3 do.
+    assert not policy.should_verify(2, {0: draft(1), 1: draft(1)}, verify_shape(2), decode_shape(2))
+    assert policy.should_verify(2, {0: draft(3), 1: draft(3)}, verify_shape(2), decode_shape(2))
+    # Nothing larger measured (another k): measure it first.
+    assert policy.should_verify(2, {0: draft(1)}, verify_shape(2, k=8), decode_shape(2))
 
 
 def test_verify_when_the_expected_tokens_pay_for_the_longer_step():
