@@ -4,6 +4,7 @@ jaxpage generate "PROMPT" [--model SRC] [--chat] [--max-tokens N] [...]  stream 
 jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
 jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
 jaxpage batch INPUT.jsonl OUTPUT.jsonl [--model SRC] [engine options]   an OpenAI-format batch job (resumable)
+jaxpage serve [--model SRC] [--host H] [--port P] [engine options]      an OpenAI-compatible HTTP server
 jaxpage --version
 
 Failures never show a traceback: each is one line `jaxpage: error: ...` on stderr, exit status 2.
@@ -106,16 +107,42 @@ def _parser() -> argparse.ArgumentParser:
     )
     batch.add_argument("input", help="JSONL of {custom_id, method, url, body} requests")
     batch.add_argument("output", help="JSONL of results (appended to; created if missing)")
-    _add_model_options(batch)
-    batch.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
-    batch.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
-    batch.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    batch.add_argument("--page-size", type=int, default=16)
-    batch.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    _add_speculative_option(batch)
-    _add_compilation_cache_options(batch)
+    _add_engine_options(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, /health and /version "
+        "until SIGINT or SIGTERM, then lets running requests finish (--shutdown-timeout) and exits 0.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (default: none)")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=None, help="503 with Retry-After above this (default: no limit)"
+    )
+    serve.add_argument(
+        "--stall-timeout", type=float, default=120.0, help="/health fails after this many seconds without a step"
+    )
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish on shutdown"
+    )
+    _add_engine_options(serve)
     return parser
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    _add_model_options(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    _add_speculative_option(parser)
+    _add_compilation_cache_options(parser)
 
 
 def _add_compilation_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -254,11 +281,8 @@ def _convert(args) -> None:
     )
 
 
-def _batch(args) -> None:
-    _quiet_transformers()
-    from jaxpage.batch import BatchError, run_batch
-
-    engine_args = dict(
+def _engine_args(args) -> dict:
+    return dict(
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -268,14 +292,44 @@ def _batch(args) -> None:
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
     )
+
+
+def _batch(args) -> None:
+    _quiet_transformers()
+    from jaxpage.batch import BatchError, run_batch
+
     try:
-        summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **engine_args)
+        summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **_engine_args(args))
     except BatchError as e:
         raise CommandError(str(e)) from e
     print(f"jaxpage batch: {summary.describe()}", file=sys.stderr)
 
 
-_COMMANDS = {"generate": _generate, "predict": _predict, "convert": _convert, "batch": _batch}
+def _serve(args) -> None:
+    _quiet_transformers()
+    if not 0 <= args.port <= 65535:
+        raise CommandError(f"--port must be in [0, 65535], got {args.port}")
+    for option in ("max_body_bytes", "max_waiting_requests", "stall_timeout", "shutdown_timeout"):
+        value = getattr(args, option)
+        if value is not None and value < 0:
+            raise CommandError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
+    from jaxpage.server import serve
+
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+        stall_timeout_s=args.stall_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        **_engine_args(args),
+    )
+
+
+_COMMANDS = {"generate": _generate, "predict": _predict, "convert": _convert, "batch": _batch, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

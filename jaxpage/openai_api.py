@@ -1,7 +1,9 @@
 """OpenAI's request and response bodies for /v1/completions and /v1/chat/completions: to jaxpage and back.
 
 `parse_request(url, body)` turns a request body into a prompt and SamplingParams (raising RequestError, a
-ValueError, for anything invalid); `response_body(...)` turns a finished RequestOutput into the response body.
+ValueError, for anything invalid); `response_body(...)` turns a finished RequestOutput into the response body, and
+a `Stream` turns each RequestOutput of a streaming request into the chunks that say what is new (the server's
+`stream: true`; a batch refuses it).
 Fields that change nothing here ("model", "user", ...) are accepted and ignored, as OpenAI-compatible servers do.
 """
 
@@ -33,15 +35,21 @@ class ParsedRequest:
     messages: list[dict] | None  # /v1/chat/completions: the conversation
     params: SamplingParams
     top_logprobs: int | None  # logprobs wanted in the response (None: none)
+    stream: bool = False  # server-sent chunks as the tokens come
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
 
 
-def parse_request(url: str, body) -> ParsedRequest:
+def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
     if url not in ENDPOINTS:
         raise RequestError(f"url must be one of {', '.join(ENDPOINTS)}, got {describe(url)}")
     if not isinstance(body, dict):
         raise RequestError(f"body must be a JSON object, got {describe(body)}")
-    if body.get("stream"):
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {describe(stream)}")
+    if stream and not allow_stream:
         raise RequestError("stream is not supported in a batch")
+    include_usage = _include_usage(body.get("stream_options"), stream)
     prompt = messages = None
     if url == CHAT:
         try:
@@ -83,12 +91,88 @@ def parse_request(url: str, body) -> ParsedRequest:
         stop=stop,
         max_tokens=max_tokens,
         logprobs=top_logprobs,
+        ignore_eos=_optional_bool(body, "ignore_eos"),  # vLLM's extension
     )
     try:
         params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
     except ValueError as e:
         raise RequestError(str(e).replace("SamplingParams.", "")) from None
-    return ParsedRequest(url, prompt, messages, params, top_logprobs)
+    return ParsedRequest(url, prompt, messages, params, top_logprobs, stream, include_usage)
+
+
+def _include_usage(options, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("stream_options needs stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError(f"stream_options must be an object with the key include_usage, got {describe(options)}")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise RequestError(f"stream_options.include_usage must be true or false, got {describe(include)}")
+    return include
+
+
+def _usage(output: RequestOutput) -> dict:
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    prompt_tokens = len(output.prompt_token_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class Stream:
+    """The chunks of one streaming request (OpenAI's `chat.completion.chunk` / `text_completion` events): for each
+    RequestOutput, the text each choice added since the last one (a chat choice's first chunk also gives its role),
+    and the finish reason with a choice's last text; after the last, a usage chunk when asked for."""
+
+    def __init__(self, request: ParsedRequest, model: str):
+        self.request = request
+        chat = request.url == CHAT
+        self._base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
+        self._done: set[int] = set()
+
+    def chunks(self, output: RequestOutput) -> list[dict]:
+        chat = self.request.url == CHAT
+        chunks = []
+        for completion in output.outputs:
+            index = completion.index
+            if index in self._done:
+                continue
+            first = index not in self._sent
+            chars, tokens = self._sent.get(index, (0, 0))
+            text = completion.text[chars:]
+            if not text and not first and completion.finish_reason is None:
+                continue
+            choice: dict = {"index": index}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = None
+            if self.request.top_logprobs is not None:
+                new = dataclasses.replace(
+                    completion,
+                    token_ids=completion.token_ids[tokens:],
+                    logprobs=(completion.logprobs or [])[tokens:],
+                )
+                choice["logprobs"] = _logprobs(self.request, new)
+            choice["finish_reason"] = completion.finish_reason
+            if completion.finish_reason is not None:
+                self._done.add(index)
+            self._sent[index] = (len(completion.text), len(completion.token_ids))
+            chunks.append(dict(self._base, choices=[choice]))
+        if output.finished and self.request.include_usage:
+            chunks.append(dict(self._base, choices=[], usage=_usage(output)))
+        return chunks
 
 
 def response_body(request: ParsedRequest, output: RequestOutput, model: str) -> dict:
@@ -102,19 +186,13 @@ def response_body(request: ParsedRequest, output: RequestOutput, model: str) -> 
             choice["text"] = completion.text
         choice["logprobs"] = _logprobs(request, completion) if request.top_logprobs is not None else None
         choices.append(choice)
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    prompt_tokens = len(output.prompt_token_ids)
     return {
         "id": f"{'chatcmpl' if request.url == CHAT else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if request.url == CHAT else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": _usage(output),
     }
 
 
@@ -173,6 +251,13 @@ def _optional_int(body: dict, field: str, minimum: int | None = None, maximum: i
         bounds = f" >= {minimum}" if maximum is None and minimum is not None else ""
         bounds = f" in [{minimum}, {maximum}]" if maximum is not None else bounds
         raise RequestError(f"{field} must be an integer{bounds}, got {describe(value)}")
+    return value
+
+
+def _optional_bool(body: dict, field: str) -> bool | None:
+    value = body.get(field)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{field} must be true or false, got {describe(value)}")
     return value
 
 

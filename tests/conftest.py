@@ -76,3 +76,23 @@ def tiny_dir(tiny_model_path, smollm2_path, tmp_path_factory):
     shutil.copytree(tiny_model_path(family), directory, dirs_exist_ok=True)
     load_tokenizer(smollm2_path).save_pretrained(str(directory))
     return str(directory)
+
+
+FULL_VOCAB_FAMILY = TinyFamily(
+    "tiny-full-vocab",
+    "LlamaConfig",
+    dict(vocab_size=49152, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+         num_hidden_layers=2, tie_word_embeddings=True, max_position_embeddings=128, eos_token_id=2),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def full_vocab_dir(smollm2_path, tmp_path_factory) -> str:
+    """A tiny random model with SmolLM2's full vocabulary (49152) and its tokenizer beside it: text prompts and chat
+    templates run end to end."""
+    from jaxpage.tokenizer import load_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-full-vocab")
+    write_tiny_model(FULL_VOCAB_FAMILY, directory)
+    load_tokenizer(smollm2_path).save_pretrained(str(directory))
+    return str(directory)

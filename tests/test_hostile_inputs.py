@@ -16,31 +16,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpage.batch import run_batch
-from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
 from jaxpage.config import EngineConfig
 from jaxpage.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.validation import describe
 
 VOCAB = 49152
-CHAT_FAMILY = TinyFamily(
-    "tiny-full-vocab",
-    "LlamaConfig",
-    dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
-         num_hidden_layers=2, tie_word_embeddings=True, max_position_embeddings=128, eos_token_id=2),
-)  # fmt: skip
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=8)
 FIXED = ({"prompt_token_ids": [5, 900, 13, 2001, 40]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory, smollm2_path):
-    from jaxpage.tokenizer import load_tokenizer
-
-    directory = tmp_path_factory.mktemp("tiny-full-vocab")
-    write_tiny_model(CHAT_FAMILY, directory)
-    load_tokenizer(smollm2_path).save_pretrained(str(directory))
-    return LLM(str(directory), **ENGINE)
+def llm(full_vocab_dir):
+    return LLM(full_vocab_dir, **ENGINE)
 
 
 @pytest.fixture(scope="module")

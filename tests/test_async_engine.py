@@ -1,0 +1,148 @@
+"""AsyncEngine: asyncio callers stream outputs from one background engine loop; the outputs are LLM.generate's, a
+caller that leaves aborts its request (every page comes back), bad requests are refused where they are added, and
+health tells the truth about the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaxpage.async_engine import AsyncEngine, EngineDeadError
+from jaxpage.llm import LLM
+from jaxpage.sampling_params import SamplingParams
+
+ARGS = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4, page_size=4, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, **ARGS)
+
+
+@pytest.fixture
+def engine(llm):
+    async_engine = AsyncEngine(llm.engine).start()
+    yield async_engine
+    async_engine.shutdown(timeout_s=5)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_pages == 0  # every page back, aborted requests' too
+
+
+def prompt(i: int) -> dict:
+    return {"prompt_token_ids": [(7 * i + j) % 90 + 3 for j in range(3 + i % 5)]}
+
+
+async def collect(engine: AsyncEngine, request_id: str, request: dict, params: SamplingParams) -> list:
+    return [output async for output in engine.generate(request_id, request, params)]
+
+
+def test_concurrent_streams_give_generates_tokens(llm, engine):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = [prompt(i) for i in range(10)]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"r{i}", r, params) for i, r in enumerate(requests)))
+
+    streams = asyncio.run(main())
+    for stream in streams:
+        assert stream[-1].finished and not any(o.finished for o in stream[:-1])
+        counts = [len(o.outputs[0].token_ids) for o in stream]
+        assert counts == sorted(counts) and counts[-1] == 12  # token by token, as the engine makes progress
+    engine.shutdown(timeout_s=5)
+    want = llm.generate(requests, params)
+    assert [s[-1].outputs[0].token_ids for s in streams] == [w.outputs[0].token_ids for w in want]
+
+
+def test_a_caller_that_leaves_aborts_its_request(llm, engine, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(0.01) or step())  # 40 tokens take 0.4 s at least
+
+    async def leave_after(n: int, request_id: str) -> int:
+        seen = 0
+        async for _ in engine.generate(request_id, prompt(1), params):
+            seen += 1
+            if seen == n:
+                break  # as a disconnected client's handler does
+        return seen
+
+    async def cancelled(request_id: str) -> None:
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(request_id, prompt(2), params):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()  # as the server does to the handler of a client that disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def main():
+        await asyncio.gather(leave_after(2, "leaves"), cancelled("cancelled"))
+        # The others go on meanwhile, and end normally.
+        return await collect(engine, "stays", prompt(3), SamplingParams(temperature=0, max_tokens=5))
+
+    stays = asyncio.run(main())
+    assert stays[-1].finished and stays[-1].outputs[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 5
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_bad_requests_are_refused_where_they_are_added(engine):
+    async def main():
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            await collect(engine, "bad", {"prompt_token_ids": [10**6]}, SamplingParams())
+        with pytest.raises(ValueError, match="max_tokens"):
+            await collect(engine, "bad", prompt(0), SamplingParams(max_tokens=0))
+        # The loop serves on.
+        return await collect(engine, "good", prompt(0), SamplingParams(temperature=0, max_tokens=3))
+
+    assert asyncio.run(main())[-1].finished
+    assert engine.health() == (True, "ok")
+
+
+def test_health_tells_a_stalled_or_dead_loop(llm):
+    engine = AsyncEngine(llm.engine, stall_timeout_s=0.2).start()
+    assert engine.health() == (True, "ok")
+    release = threading.Event()
+    step = llm.engine.step
+    llm.engine.step = lambda: release.wait() and step()  # a step that does not finish
+
+    async def stuck():
+        return await collect(engine, "stuck", prompt(0), SamplingParams(temperature=0, max_tokens=2))
+
+    async def main():
+        task = asyncio.create_task(stuck())
+        await asyncio.sleep(0.6)
+        healthy, why = engine.health()
+        assert not healthy and "no step has finished" in why
+        release.set()
+        return await task
+
+    try:
+        assert asyncio.run(main())[-1].finished
+        assert engine.health() == (True, "ok")  # progress again
+        llm.engine.step = lambda: 1 / 0  # the loop itself dies
+
+        async def dies():
+            with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+                await collect(engine, "dies", prompt(0), SamplingParams(max_tokens=2))
+
+        asyncio.run(dies())
+        healthy, why = engine.health()
+        assert not healthy and "not running" in why
+        with pytest.raises(EngineDeadError, match="not running"):  # and no new request is taken
+            asyncio.run(collect(engine, "x", prompt(0), None))
+    finally:
+        llm.engine.step = step
+        for request_id in ("stuck", "dies", "x"):
+            llm.engine.abort_request(request_id)
+        llm.engine.step()

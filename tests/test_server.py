@@ -1,0 +1,268 @@
+"""`jaxpage serve` against a live server on 127.0.0.1, with the official `openai` client: completions and chat, streamed
+and not, n > 1, logprobs, stop, seeds; errors in OpenAI's shape; clients that disconnect abort their requests; after
+every test no request is left and every page is free. The model is tiny and random, with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from jaxpage.async_engine import AsyncEngine
+from jaxpage.llm import LLM
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.server import create_app
+
+ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """create_app served by uvicorn in a thread."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def llm(full_vocab_dir):
+    """The served engine (its loop thread alone steps it while served)."""
+    return LLM(full_vocab_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(full_vocab_dir):
+    """Another engine on the same model, for LLM.generate's outputs."""
+    return LLM(full_vocab_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def served(llm):
+    engine = AsyncEngine(llm.engine).start()
+    server = LiveServer(create_app(engine, "tiny", max_body_bytes=20_000))
+    yield server, engine
+    server.stop()
+    engine.shutdown(timeout_s=5)
+
+
+@pytest.fixture
+def client(served, llm):
+    server, _ = served
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    deadline = time.monotonic() + 5
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_completions_are_llm_generates(client, reference):
+    prompt = "The quick brown fox"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = reference.generate([prompt], params)[0].outputs[0]
+    got = client.completions.create(
+        model="tiny", prompt=prompt, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 12
+    assert got.usage.prompt_tokens == len(reference.get_tokenizer()(prompt).input_ids)
+    ids = client.completions.create(model="tiny", prompt=[5, 900, 13], temperature=0, max_tokens=4)
+    want = reference.generate([{"prompt_token_ids": [5, 900, 13]}], SamplingParams(temperature=0, max_tokens=4))
+    assert ids.choices[0].text == want[0].outputs[0].text
+
+
+def test_streams_say_what_the_whole_response_says(client):
+    args = dict(model="tiny", messages=MESSAGES, temperature=0, max_tokens=10)
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    completion = list(
+        client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0, stream=True)
+    )
+    whole_completion = client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0)
+    assert "".join(c.choices[0].text for c in completion) == whole_completion.choices[0].text
+
+
+def test_n_logprobs_stop_and_seeds(client):
+    several = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=7, logprobs=True, top_logprobs=2
+    )
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    for choice in several.choices:
+        entries = choice.logprobs.content
+        assert entries and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    again = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=7, logprobs=True, top_logprobs=2
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in several.choices]
+    full = client.completions.create(
+        model="tiny", prompt="a b c", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:3] if len(text) > 6 else None
+    if stop and stop.strip():
+        cut = client.completions.create(model="tiny", prompt="a b c", max_tokens=16, temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+        assert text.startswith(cut.choices[0].text)
+
+
+def test_errors_have_openais_shape(served, client):
+    server, _ = served
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="x", temperature="hot")
+    assert "temperature" in str(error.value) and "hot" in str(error.value)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[])
+    with pytest.raises(openai.NotFoundError, match="other"):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="prompt_token_ids|token id"):
+        client.completions.create(model="tiny", prompt=[10**7])
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json")
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": "x" * 30_000}))
+    assert response.status_code == 413 and "20000 bytes" in response.json()["error"]["message"]
+    response = httpx.get(f"{server.url}/v1/nothing")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_health_models_and_version(served):
+    server, _ = served
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_an_api_key_is_required_when_set(llm):
+    engine = AsyncEngine(llm.engine).start()
+    server = LiveServer(create_app(engine, "tiny", api_key="sesame"))
+    try:
+        keyless = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            keyless.models.list()
+        keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0)
+        assert keyed.models.list().data[0].id == "tiny"
+        assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
+    finally:
+        server.stop()
+        engine.shutdown(timeout_s=5)
+
+
+@pytest.fixture
+def aborted(llm, monkeypatch) -> list[str]:
+    """The ids of the requests aborted while unfinished."""
+    ids = []
+    abort = llm.engine.abort_request
+
+    def record(request_id):
+        if request_id in llm.engine._requests:
+            ids.append(request_id)
+        abort(request_id)
+
+    monkeypatch.setattr(llm.engine, "abort_request", record)
+    return ids
+
+
+def test_many_streaming_clients_some_leaving(served, client, reference, aborted):
+    server, _ = served
+
+    async def one(i: int, http: httpx.AsyncClient) -> str:
+        body = {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 40, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        text = ""
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if i % 3 == 0 and len(text) > 5:
+                        return "left"  # disconnects midway
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(24)))
+
+    results = asyncio.run(main())
+    assert results.count("left") == 8
+    assert len(aborted) >= 4  # most leave before their 40 tokens are done: their requests end there
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = reference.generate(["Story 1:"], params)[0].outputs[0]
+    assert results[1] == want.text
+
+
+def test_a_client_that_leaves_a_whole_response_aborts_it(served, client, llm, aborted, monkeypatch):
+    server, _ = served
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(0.02) or step())  # 80 tokens take 1.6 s at least
+    body = {"model": "tiny", "prompt": "Long:", "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(aborted) == 1
+
+
+def test_jaxpage_serve_starts_serves_and_stops_on_sigterm(full_vocab_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "jaxpage", "serve", "--model", full_vocab_dir, "--port", str(port),
+               "--max-model-len", "96", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page-size", "8",
+               "--served-model-name", "tiny"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "jaxpage serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+
+
+def test_jaxpage_serve_refuses_bad_options_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpage", "serve", "--port", "70000"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "jaxpage: error: --port must be in [0, 65535], got 70000"
