@@ -18,13 +18,16 @@ Health (`health()`): healthy only while the loop is alive and, while work is pen
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jaxpage.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxpage")
 
 IDLE_WAIT_S = 0.5  # how long the idle loop sleeps before looking again (a new request wakes it at once)
 
@@ -44,6 +47,9 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._last_progress = time.monotonic()  # when the loop last finished a step (or found nothing to do)
         self._thread = threading.Thread(target=self._run, name="jaxpage-engine", daemon=True)
+        # Called in the loop thread with every output it hands over (the server's metrics); an observer's own failure
+        # is logged, never the loop's.
+        self.observers: list[Callable[[RequestOutput], None]] = []
 
     def start(self) -> AsyncEngine:
         self._thread.start()
@@ -144,6 +150,11 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            for observe in self.observers:
+                try:
+                    observe(output)
+                except Exception:
+                    logger.exception("an observer of the engine's outputs failed")
             with self._lock:
                 stream = self._streams.get(output.request_id)
             if stream is not None:

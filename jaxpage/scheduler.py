@@ -84,6 +84,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix cache
+        self.num_prefix_query_tokens = 0  # tokens of the sequences admitted after a prefix-cache lookup
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
@@ -157,9 +158,10 @@ class Scheduler:
             )
             if sibling is None:
                 hits = self.block_manager.match_prefix(seq)
+                queried = seq.num_tokens if self.block_manager.enable_prefix_caching else 0
             elif sibling.num_computed_tokens >= shared:
                 self.block_manager.fork(sibling, seq, shared)
-                hits = 0
+                hits = queried = 0
             else:
                 continue  # the sibling is computing the prompt: fork from it once it has
             num_new = self._num_new_tokens(seq, budget)
@@ -167,6 +169,7 @@ class Scheduler:
                 self.block_manager.free(seq)  # give back the shared pages; try again next step
                 break
             self.num_prefix_hit_tokens += hits
+            self.num_prefix_query_tokens += queried
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -2,7 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions   OpenAI's bodies (jaxpage.openai_api, shared with `jaxpage batch`);
                                                  `stream: true` sends server-sent events, `data: [DONE]` last
-    GET  /v1/models, /health, /version
+    GET  /v1/models, /health, /version, /metrics (Prometheus, vLLM's names under `jaxpage:`: jaxpage.metrics)
+    POST /tokenize, /detokenize
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (the message names
 the field), 401 without the right key when an API key is set (compared in constant time), 404 for an unknown path or
@@ -24,14 +25,17 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxpage
 from jaxpage.async_engine import AsyncEngine, EngineDeadError
+from jaxpage.metrics import ServerMetrics
 from jaxpage.openai_api import CHAT, COMPLETIONS, Stream, parse_request, response_body
 from jaxpage.outputs import RequestOutput
 from jaxpage.tokenizer import encode_chat
+from jaxpage.validation import check_bool, check_text, describe, is_int
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
@@ -52,6 +56,8 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
     request_ids = itertools.count()
+    metrics = ServerMetrics(engine.engine)
+    engine.observers.append(metrics.observe)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
@@ -74,6 +80,10 @@ def create_app(
     async def health():
         healthy, why = engine.health()
         return JSONResponse({"status": why}, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
@@ -114,6 +124,8 @@ def create_app(
                 message = f"model {model!r} does not exist (this server has {model_name!r})"
                 return error_response(404, message, "not_found_error")
             if parsed.messages is not None:
+                if engine.engine.tokenizer is None:
+                    raise ValueError("chat completions need the tokenizer, which this server runs without")
                 prompt = {"prompt_token_ids": encode_chat(engine.engine.tokenizer, parsed.messages)}
             elif isinstance(parsed.prompt, list):
                 prompt = {"prompt_token_ids": parsed.prompt}
@@ -140,6 +152,40 @@ def create_app(
         if last is None:
             return error_response(499, "client disconnected")
         return JSONResponse(response_body(parsed, last, model_name))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body, error = await read_body(request)
+        if error is not None:
+            return error
+        tokenizer = engine.engine.tokenizer
+        try:
+            if tokenizer is None:
+                raise ValueError("this server runs without a tokenizer (skip_tokenizer_init)")
+            if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+                raise ValueError("the body must be an object with either prompt (text) or messages")
+            if "messages" in body:
+                tokens = encode_chat(tokenizer, body["messages"])
+            else:
+                text = check_text("prompt", body["prompt"], allow_empty=True)
+                add_special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
+                tokens = list(tokenizer(text, add_special_tokens=add_special).input_ids)
+        except ValueError as e:
+            return error_response(400, str(e))
+        return {"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body, error = await read_body(request)
+        if error is not None:
+            return error
+        if engine.engine.tokenizer is None:
+            return error_response(400, "this server runs without a tokenizer (skip_tokenizer_init)")
+        vocab = engine.engine.model_config.vocab_size
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
+            return error_response(400, f"tokens must be a list of token ids in [0, {vocab}), got {describe(tokens)}")
+        return {"prompt": engine.engine.tokenizer.decode(tokens)}
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):

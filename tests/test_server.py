@@ -22,6 +22,7 @@ from jaxpage.async_engine import AsyncEngine
 from jaxpage.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.server import create_app
+from jaxpage.tokenizer import encode_chat
 
 ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -157,6 +158,62 @@ def test_errors_have_openais_shape(served, client):
     assert response.status_code == 404 and "error" in response.json()
 
 
+def test_tokenize_and_detokenize(served, reference):
+    server, _ = served
+    tokenizer = reference.get_tokenizer()
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["tokens"] == list(tokenizer("Hello world").input_ids) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 96
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == encode_chat(tokenizer, MESSAGES)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1, -5]})
+    assert bad.status_code == 400 and "tokens must be a list of token ids" in bad.json()["error"]["message"]
+    both = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "messages": MESSAGES})
+    assert both.status_code == 400
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the sample `name` (with its labels, if any) in a Prometheus exposition."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_metrics_count_what_clients_received(served, client):
+    server, _ = served
+    before = httpx.get(f"{server.url}/metrics").text
+    replies = [
+        client.completions.create(model="tiny", prompt=f"Count {i}", max_tokens=3 + i, temperature=0) for i in range(4)
+    ]
+    after = httpx.get(f"{server.url}/metrics").text
+    for name in ("jaxpage:generation_tokens_total", "jaxpage:prompt_tokens_total"):
+        field = "completion_tokens" if "generation" in name else "prompt_tokens"
+        received = sum(getattr(r.usage, field) for r in replies)
+        assert metric(after, name) - metric(before, name) == received, name
+    count = "jaxpage:time_to_first_token_seconds_count"
+    assert metric(after, count) - metric(before, count) == 4
+    assert metric(after, "jaxpage:e2e_request_latency_seconds_count") >= 4
+    assert metric(after, "jaxpage:num_requests_running") == 0 and metric(after, "jaxpage:kv_cache_usage_perc") == 0
+    assert metric(after, "jaxpage:prefix_cache_queries_total") >= metric(after, "jaxpage:prefix_cache_hits_total")
+
+
+class Busy(AsyncEngine):
+    num_waiting = 1  # as if a request were waiting
+
+
+def test_busy_server_says_when_to_retry(llm):
+    # The engine loop is not started: the module's served engine has its own (one loop per engine).
+    server = LiveServer(create_app(Busy(llm.engine), "tiny", max_waiting_requests=0))
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "server_busy"
+    finally:
+        server.stop()
+
+
 def test_health_models_and_version(served):
     server, _ = served
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -165,7 +222,7 @@ def test_health_models_and_version(served):
 
 
 def test_an_api_key_is_required_when_set(llm):
-    engine = AsyncEngine(llm.engine).start()
+    engine = AsyncEngine(llm.engine)  # not started: the module's served engine has its own loop
     server = LiveServer(create_app(engine, "tiny", api_key="sesame"))
     try:
         keyless = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
@@ -173,10 +230,9 @@ def test_an_api_key_is_required_when_set(llm):
             keyless.models.list()
         keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0)
         assert keyed.models.list().data[0].id == "tiny"
-        assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
+        assert httpx.get(f"{server.url}/health").status_code == 503  # no key needed (and this loop never ran)
     finally:
         server.stop()
-        engine.shutdown(timeout_s=5)
 
 
 @pytest.fixture
@@ -254,7 +310,15 @@ def test_jaxpage_serve_starts_serves_and_stops_on_sigterm(full_vocab_dir):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
         assert reply.choices[0].finish_reason in ("length", "stop")
+        # SIGTERM while a request streams: it still finishes, then the server exits 0.
+        stream = client.completions.create(
+            model="tiny", prompt="Once", max_tokens=80, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        first = next(iter(stream))
         process.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()

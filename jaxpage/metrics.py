@@ -1,0 +1,101 @@
+"""The server's Prometheus metrics, in vLLM's names under a `jaxpage:` prefix (GET /metrics).
+
+Gauges are read from the engine when scraped: sequences running and waiting (vLLM's requests: a request with n > 1
+runs as n sequences there too), and the KV cache's used share. Counters and histograms are fed by the engine loop
+(`observe`, with every RequestOutput it hands over): prompt and generation tokens, finished requests by reason, time
+to first token, inter-token latency (between a request's outputs, one observation per output: a step that gives a
+sequence several tokens, by speculative decoding, is one observation) and end-to-end latency; prefix-cache queries
+and hits, and the speculative decoding counters, are the engine's own counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from jaxpage.llm_engine import LLMEngine
+from jaxpage.outputs import RequestOutput
+
+PREFIX = "jaxpage:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+
+
+class EngineCounts:
+    """A collector of the engine's own running counts (prefix cache, speculative decoding)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        scheduler = self.engine.scheduler
+        yield _counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", scheduler.num_prefix_query_tokens
+        )
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", scheduler.num_prefix_hit_tokens)
+        stats = self.engine.spec_decoding_stats
+        if stats is not None:
+            yield _counter("spec_decode_num_drafts", "Drafts verified", stats.num_drafts)
+            yield _counter("spec_decode_num_draft_tokens", "Draft tokens verified", stats.num_draft_tokens)
+            yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens)
+            per_position = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position",
+                labels=["position"],
+            )
+            for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+                per_position.add_metric([str(position)], count)
+            yield per_position
+
+
+def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, documentation, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine):
+        self.registry = registry = CollectorRegistry()
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        running = Gauge(PREFIX + "num_requests_running", "Sequences running", registry=registry)
+        running.set_function(lambda: len(scheduler.running))
+        waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting", registry=registry)
+        waiting.set_function(lambda: len(scheduler.waiting))
+        usage = Gauge(PREFIX + "kv_cache_usage_perc", "Share of the KV pages in use (1 = all)", registry=registry)
+        usage.set_function(lambda: blocks.num_used_pages / max(blocks.num_pages - 1, 1))
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of the requests served", registry=registry
+        )
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=registry)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Sequences finished, by reason", ["finished_reason"], registry=registry
+        )
+        histogram = dict(buckets=LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token", **histogram)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Between a request's outputs", **histogram)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token", **histogram)
+        registry.register(EngineCounts(engine))
+        self._seen: dict[str, tuple[int, float]] = {}  # request_id -> (tokens generated, when the last came)
+
+    def observe(self, output: RequestOutput) -> None:
+        """Called by the engine loop with every output it hands over."""
+        now = time.time()
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        seen, last = self._seen.get(output.request_id, (0, None))
+        if tokens > seen:
+            self.generation_tokens.inc(tokens - seen)
+            if last is None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.ttft.observe(max(now - output.metrics.arrival_time, 0.0))
+            else:
+                self.itl.observe(now - last)
+            self._seen[output.request_id] = (tokens, now)
+        if output.finished:
+            self._seen.pop(output.request_id, None)
+            for completion in output.outputs:
+                self.request_success.labels(completion.finish_reason or "abort").inc()
+            self.e2e.observe(max(now - output.metrics.arrival_time, 0.0))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
