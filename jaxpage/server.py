@@ -4,6 +4,7 @@
                                                  `stream: true` sends server-sent events, `data: [DONE]` last
     GET  /v1/models, /health, /version, /metrics (Prometheus, vLLM's names under `jaxpage:`: jaxpage.metrics)
     POST /tokenize, /detokenize
+    GET  /   a chat page (jaxpage/static/chat.html: one file, script and style inline, no CDN)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (the message names
 the field), 401 without the right key when an API key is set (compared in constant time), 404 for an unknown path or
@@ -22,10 +23,11 @@ import json
 import signal
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -75,6 +77,12 @@ def create_app(
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
+
+    chat_page = (Path(__file__).parent / "static" / "chat.html").read_text()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat():
+        return chat_page
 
     @app.get("/health")
     async def health():

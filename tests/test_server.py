@@ -7,16 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import LiveServer, free_port
 
 from jaxpage.async_engine import AsyncEngine
 from jaxpage.llm import LLM
@@ -26,31 +24,6 @@ from jaxpage.tokenizer import encode_chat
 
 ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """create_app served by uvicorn in a thread."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
