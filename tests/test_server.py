@@ -147,9 +147,12 @@ def test_tokenize_and_detokenize(served, reference):
     assert both.status_code == 400
 
 
-def metric(text: str, name: str) -> float:
-    """The value of the sample `name` (with its labels, if any) in a Prometheus exposition."""
+def metric(text: str, name: str, absent: float | None = None) -> float:
+    """The value of the sample `name` (with its labels, if any) in a Prometheus exposition; `absent` if given and
+    there is none (a labelled series appears with its first count)."""
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    if not values and absent is not None:
+        return absent
     assert len(values) == 1, (name, values)
     return values[0]
 
@@ -223,11 +226,13 @@ def aborted(llm, monkeypatch) -> list[str]:
     return ids
 
 
-def test_many_streaming_clients_some_leaving(served, client, reference, aborted):
+def test_64_streaming_clients_some_leaving(served, client, reference, aborted):
+    """64 clients at once, every third leaving after its first text: the others get LLM.generate's text, the
+    leavers' requests are aborted, and /metrics counts exactly that."""
     server, _ = served
 
     async def one(i: int, http: httpx.AsyncClient) -> str:
-        body = {"model": "tiny", "prompt": f"Story {i}:", "max_tokens": 40, "temperature": 0, "stream": True,
+        body = {"model": "tiny", "prompt": f"Story {i % 4}:", "max_tokens": 40, "temperature": 0, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         text = ""
         async with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
@@ -235,20 +240,28 @@ def test_many_streaming_clients_some_leaving(served, client, reference, aborted)
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     text += json.loads(line[6:])["choices"][0]["text"]
-                    if i % 3 == 0 and len(text) > 5:
+                    if i % 3 == 0 and text:
                         return "left"  # disconnects midway
         return text
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as http:
-            return await asyncio.gather(*(one(i, http) for i in range(24)))
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(64)))
 
+    metrics = f"{server.url}/metrics"
+    before = httpx.get(metrics).text
     results = asyncio.run(main())
-    assert results.count("left") == 8
-    assert len(aborted) >= 4  # most leave before their 40 tokens are done: their requests end there
+    after = httpx.get(metrics).text
+    assert results.count("left") == 22 and len(aborted) >= 11  # most leave before their 40 tokens are done
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = reference.generate(["Story 1:"], params)[0].outputs[0]
-    assert results[1] == want.text
+    want = [o.outputs[0].text for o in reference.generate([f"Story {i}:" for i in range(4)], params)]
+    assert [text for text in results if text != "left"] == [want[i % 4] for i in range(64) if i % 3]
+
+    def delta(name: str) -> float:
+        return metric(after, name, absent=0) - metric(before, name, absent=0)
+
+    assert delta('jaxpage:request_success_total{finished_reason="length"}') == 64 - 22 + (22 - len(aborted))
+    assert delta('jaxpage:request_success_total{finished_reason="abort"}') == len(aborted)
 
 
 def test_a_client_that_leaves_a_whole_response_aborts_it(served, client, llm, aborted, monkeypatch):
