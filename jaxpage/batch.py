@@ -25,8 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxpage.openai_api import CHAT, ParsedRequest, RequestError, parse_request, response_body
-from jaxpage.tokenizer import encode_chat
+from jaxpage.openai_api import ParsedRequest, RequestError, engine_prompt, parse_request, response_body
 
 PENDING_PER_SEQ = 2  # requests held in the engine per max_num_seqs: enough to keep every step full
 
@@ -174,14 +173,7 @@ class _Job:
             if record.get("method", "POST") != "POST":
                 raise RequestError(f"method must be POST, got {record.get('method')!r}")
             request = parse_request(record.get("url"), record.get("body"))
-            if request.url == CHAT:
-                if self.engine.tokenizer is None:
-                    raise RequestError("chat completions need the tokenizer")
-                prompt = {"prompt_token_ids": encode_chat(self.engine.tokenizer, request.messages)}
-            elif isinstance(request.prompt, list):
-                prompt = {"prompt_token_ids": request.prompt}
-            else:
-                prompt = request.prompt
+            prompt = engine_prompt(request, self.engine.tokenizer)
             request_id = f"batch-{line_number}-{uuid.uuid4().hex[:8]}"
             self.engine.add_request(request_id, prompt, request.params)
         except ValueError as e:  # RequestError, and the engine's own checks (prompt too long, ...)

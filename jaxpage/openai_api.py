@@ -16,7 +16,7 @@ import uuid
 
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.tokenizer import check_messages
+from jaxpage.tokenizer import check_messages, encode_chat
 from jaxpage.validation import check_text, describe, is_int
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -98,6 +98,18 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
     except ValueError as e:
         raise RequestError(str(e).replace("SamplingParams.", "")) from None
     return ParsedRequest(url, prompt, messages, params, top_logprobs, stream, include_usage)
+
+
+def engine_prompt(request: ParsedRequest, tokenizer) -> str | dict:
+    """The prompt to give LLMEngine.add_request: a chat rendered by the chat template into token ids, token ids as
+    they are, text as it is. RequestError for a chat without a tokenizer; ValueError when the template refuses it."""
+    if request.messages is not None:
+        if tokenizer is None:
+            raise RequestError("chat completions need the tokenizer, which this engine runs without")
+        return {"prompt_token_ids": encode_chat(tokenizer, request.messages)}
+    if isinstance(request.prompt, list):
+        return {"prompt_token_ids": request.prompt}
+    return request.prompt
 
 
 def _include_usage(options, stream: bool) -> bool:

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxpage
 from jaxpage.async_engine import AsyncEngine, EngineDeadError
 from jaxpage.metrics import ServerMetrics
-from jaxpage.openai_api import CHAT, COMPLETIONS, Stream, parse_request, response_body
+from jaxpage.openai_api import CHAT, COMPLETIONS, Stream, engine_prompt, parse_request, response_body
 from jaxpage.outputs import RequestOutput
 from jaxpage.tokenizer import encode_chat
 from jaxpage.validation import check_bool, check_text, describe, is_int
@@ -131,14 +131,7 @@ def create_app(
             if model is not None and model != model_name:
                 message = f"model {model!r} does not exist (this server has {model_name!r})"
                 return error_response(404, message, "not_found_error")
-            if parsed.messages is not None:
-                if engine.engine.tokenizer is None:
-                    raise ValueError("chat completions need the tokenizer, which this server runs without")
-                prompt = {"prompt_token_ids": encode_chat(engine.engine.tokenizer, parsed.messages)}
-            elif isinstance(parsed.prompt, list):
-                prompt = {"prompt_token_ids": parsed.prompt}
-            else:
-                prompt = parsed.prompt
+            prompt = engine_prompt(parsed, engine.engine.tokenizer)
         except ValueError as e:  # RequestError, or a chat template that refuses the messages
             return error_response(400, str(e))
         if max_waiting_requests is not None and engine.num_waiting > max_waiting_requests:

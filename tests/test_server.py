@@ -89,6 +89,20 @@ def test_streams_say_what_the_whole_response_says(client):
     assert "".join(c.choices[0].text for c in completion) == whole_completion.choices[0].text
 
 
+def test_a_stream_of_several_choices_with_logprobs_says_what_the_whole_response_says(client):
+    args = dict(model="tiny", prompt="Colors:", n=2, max_tokens=8, temperature=1.0, seed=3, logprobs=2)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert mine[-1].finish_reason == choice.finish_reason
+        streamed = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
+        assert streamed == choice.logprobs.tokens
+        logprobs = [x for c in mine if c.logprobs for x in c.logprobs.token_logprobs]
+        assert logprobs == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)
+
+
 def test_n_logprobs_stop_and_seeds(client):
     several = client.chat.completions.create(
         model="tiny", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=7, logprobs=True, top_logprobs=2
