@@ -4,7 +4,8 @@ The engine loop (thread "jaxpage-engine") steps while any request is unfinished 
 streams into an asyncio.Queue on its caller's event loop: the loop thread hands every RequestOutput over with
 `loop.call_soon_threadsafe`, so a handler never waits on the engine and the engine never waits on a handler. A caller
 that stops iterating before the request finished (a client that disconnected: its task is cancelled) aborts the
-request, whose pages are freed at once.
+request at the loop's next turn, which frees its pages. Callers never wait for the engine's lock (a step holds it
+throughout): add_request runs in a worker thread, and aborts are queued for the loop.
 
 Requests are checked when they are added, in the caller's thread (LLMEngine.add_request: ValueError naming the field),
 so nothing a caller sends reaches the loop unchecked. A failing step ends every request then running with the error
@@ -46,6 +47,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_progress = time.monotonic()  # when the loop last finished a step (or found nothing to do)
+        self._adding: set[str] = set()  # request ids whose add_request runs in a worker thread
+        self._aborts: list[str] = []  # request ids to abort at the loop's next turn
         self._thread = threading.Thread(target=self._run, name="jaxpage-engine", daemon=True)
         # Called in the loop thread with every output it hands over (the server's metrics); an observer's own failure
         # is logged, never the loop's.
@@ -68,12 +71,13 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        added = finished = False
+        finished = False
         try:
             self._check_alive()  # again: a loop that died before the stream was listed did not tell it
-            self.engine.add_request(request_id, prompt, params)
-            added = True
-            self._work.set()
+            with self._lock:
+                self._adding.add(request_id)
+            # In a worker thread: add_request waits for the engine's lock, which a step holds throughout.
+            await asyncio.to_thread(self._add, request_id, prompt, params)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -85,9 +89,8 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if added and not finished:  # the caller went away
-                self.engine.abort_request(request_id)
-                self._work.set()
+            if not finished:  # the caller went away (or the request was refused: then there is nothing to abort)
+                self.abort(request_id)
 
     @property
     def num_waiting(self) -> int:
@@ -95,8 +98,26 @@ class AsyncEngine:
         return len(self.engine.scheduler.waiting)
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
+        """Aborts the request at the loop's next turn (without waiting for the engine's lock)."""
+        with self._lock:
+            self._aborts.append(request_id)
         self._work.set()
+
+    def _add(self, request_id: str, prompt, params) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        finally:
+            with self._lock:
+                self._adding.discard(request_id)
+            self._work.set()
+
+    def _apply_aborts(self) -> None:
+        """In the loop thread: the aborts asked for, but those of requests still being added wait for that."""
+        with self._lock:
+            now = [rid for rid in self._aborts if rid not in self._adding]
+            self._aborts = [rid for rid in self._aborts if rid in self._adding]
+        if now:
+            self.engine.abort_request(now)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why): see the module docstring."""
@@ -115,8 +136,7 @@ class AsyncEngine:
         with self._lock:
             unfinished = list(self._streams)
         for request_id in unfinished:
-            self.engine.abort_request(request_id)
-        self._work.set()
+            self.abort(request_id)
         deadline = time.monotonic() + 5.0
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.01)
@@ -133,6 +153,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._apply_aborts()
                 if not self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())  # the final outputs of requests aborted meanwhile
                     self._last_progress = time.monotonic()

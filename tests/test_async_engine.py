@@ -146,3 +146,38 @@ def test_health_tells_a_stalled_or_dead_loop(llm):
         for request_id in ("stuck", "dies", "x"):
             llm.engine.abort_request(request_id)
         llm.engine.step()
+
+
+def test_callers_never_wait_for_a_step(llm, engine, monkeypatch):
+    """A step holds the engine's lock throughout; adding and aborting requests meanwhile must not stall the caller's
+    event loop (every other stream and handler runs on it)."""
+    step = llm.engine.step
+
+    def slow_step():
+        with llm.engine._lock:  # as a long device step does
+            time.sleep(0.3)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        gaps, last = [], time.monotonic()
+
+        async def tick():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        first = asyncio.create_task(collect(engine, "first", prompt(0), params))
+        await asyncio.sleep(0.1)  # the loop is in a step now
+        outputs = await asyncio.gather(*(collect(engine, f"more-{i}", prompt(i), params) for i in range(3)), first)
+        ticker.cancel()
+        return outputs, max(gaps)
+
+    outputs, longest_gap = asyncio.run(main())
+    assert all(o[-1].finished for o in outputs)
+    assert longest_gap < 0.15, longest_gap  # never the 0.3 s of a step

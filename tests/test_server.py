@@ -231,10 +231,11 @@ def aborted(llm, monkeypatch) -> list[str]:
     ids = []
     abort = llm.engine.abort_request
 
-    def record(request_id):
-        if request_id in llm.engine._requests:
-            ids.append(request_id)
-        abort(request_id)
+    def record(request_ids):
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if request_id in llm.engine._requests:
+                ids.append(request_id)
+        abort(request_ids)
 
     monkeypatch.setattr(llm.engine, "abort_request", record)
     return ids
