@@ -181,3 +181,23 @@ def test_callers_never_wait_for_a_step(llm, engine, monkeypatch):
     outputs, longest_gap = asyncio.run(main())
     assert all(o[-1].finished for o in outputs)
     assert longest_gap < 0.15, longest_gap  # never the 0.3 s of a step
+
+
+def test_shutdown_lets_requests_finish_within_the_timeout_and_aborts_the_rest(llm, monkeypatch):
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(0.02) or step())
+    engine = AsyncEngine(llm.engine).start()
+    params = {name: SamplingParams(max_tokens=n, ignore_eos=True) for name, n in (("short", 2), ("long", 50))}
+
+    async def main():
+        streams = {name: asyncio.create_task(collect(engine, name, prompt(1), p)) for name, p in params.items()}
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(engine.shutdown, 0.3)
+        return {name: (await task)[-1] for name, task in streams.items()}
+
+    last = asyncio.run(main())
+    assert last["short"].outputs[0].finish_reason == "length"
+    assert last["long"].outputs[0].finish_reason == "abort"
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_pages == 0
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(engine, "after", prompt(0), None))

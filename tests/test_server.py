@@ -292,7 +292,10 @@ def test_a_client_that_leaves_a_whole_response_aborts_it(served, client, llm, ab
     assert len(aborted) == 1
 
 
-def test_jaxpage_serve_starts_serves_and_stops_on_sigterm(full_vocab_dir):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_jaxpage_serve_starts_serves_and_stops_gracefully(full_vocab_dir, stop):
+    """A signal while a request streams: the server stops accepting, lets it finish within --shutdown-timeout and
+    exits 0. (What outlasts the timeout is aborted: AsyncEngine.shutdown, tested in test_async_engine.)"""
     port = free_port()
     command = [sys.executable, "-m", "jaxpage", "serve", "--model", full_vocab_dir, "--port", str(port),
                "--max-model-len", "96", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page-size", "8",
@@ -311,16 +314,17 @@ def test_jaxpage_serve_starts_serves_and_stops_on_sigterm(full_vocab_dir):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
         assert reply.choices[0].finish_reason in ("length", "stop")
-        # SIGTERM while a request streams: it still finishes, then the server exits 0.
         stream = client.completions.create(
             model="tiny", prompt="Once", max_tokens=80, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
-        first = next(iter(stream))
-        process.send_signal(signal.SIGTERM)
-        rest = list(stream)
-        assert rest[-1].choices[0].finish_reason == "length"
-        assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
+        chunks = [next(iter(stream))]
+        process.send_signal(stop)
+        chunks += list(stream)
+        finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finished == ["length"]
         assert process.wait(timeout=60) == 0
+        with pytest.raises(httpx.TransportError):  # no longer accepting
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
     finally:
         process.kill()
 
@@ -331,3 +335,21 @@ def test_jaxpage_serve_refuses_bad_options_in_one_line():
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "jaxpage: error: --port must be in [0, 65535], got 70000"
+
+
+def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
+    from jaxpage.metrics import ServerMetrics
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(full_vocab_dir, **ENGINE, speculative_config=spec)
+    llm.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}], SamplingParams(temperature=0, max_tokens=12))
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_drafts > 0
+    text = ServerMetrics(llm.engine).exposition().decode()
+    assert metric(text, "jaxpage:spec_decode_num_drafts_total") == stats.num_drafts
+    assert metric(text, "jaxpage:spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+    assert (
+        metric(text, 'jaxpage:spec_decode_num_accepted_tokens_per_pos_total{position="0"}')
+        == (stats.num_accepted_tokens_per_pos[0])
+    )
