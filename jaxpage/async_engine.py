@@ -154,14 +154,12 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._apply_aborts()
-                if not self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())  # the final outputs of requests aborted meanwhile
-                    self._last_progress = time.monotonic()
+                idle = not self.engine.has_unfinished_requests()
+                self._deliver(self.engine.step())  # idle, it hands over the final outputs of requests aborted meanwhile
+                self._last_progress = time.monotonic()
+                if idle:
                     self._work.wait(IDLE_WAIT_S)
                     self._work.clear()
-                    continue
-                self._deliver(self.engine.step())
-                self._last_progress = time.monotonic()
         except BaseException as e:  # noqa: BLE001 -- every stream must hear of it
             self._error = e
             with self._lock:
