@@ -2,13 +2,15 @@
 
 The engine loop (thread "jaxpage-engine") steps while any request is unfinished and sleeps otherwise. Each request
 streams into an asyncio.Queue on its caller's event loop: the loop thread hands every RequestOutput over with
-`loop.call_soon_threadsafe`, so a handler never waits on the engine and the engine never waits on a handler. A caller
-that stops iterating before the request finished (a client that disconnected: its task is cancelled) aborts the
-request at the loop's next turn, which frees its pages. Callers never wait for the engine's lock (a step holds it
-throughout): add_request runs in a worker thread, and aborts are queued for the loop.
+`loop.call_soon_threadsafe`, so a handler never waits on the engine and the engine never waits on a handler.
 
-Requests are checked when they are added, in the caller's thread (LLMEngine.add_request: ValueError naming the field),
-so nothing a caller sends reaches the loop unchecked. A failing step ends every request then running with the error
+Callers never wait for a step (a step holds the engine's lock throughout). A request is checked and tokenized in a
+worker thread (LLMEngine.prepare_request: ValueError naming the field, and nothing queued), then goes into the loop's
+inbox; aborts go there too, in the order they were asked for. Between two steps the loop takes everything in its
+inbox, so every request that arrived during a step joins the next one. A caller that stops iterating before its
+request finished (a client that disconnected: its task is cancelled) aborts it, which frees its pages.
+
+Nothing a caller sends reaches the loop unchecked. A failing step ends every request then running with the error
 (LLMEngine.step) and the loop goes on; if the loop itself dies, every open stream raises EngineDeadError and the
 engine takes no more requests.
 
@@ -19,12 +21,15 @@ Health (`health()`): healthy only while the loop is alive and, while work is pen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
-from jaxpage.llm_engine import LLMEngine
+from jaxpage.llm_engine import LLMEngine, Request
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
@@ -37,18 +42,28 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped: no request can be served."""
 
 
+class _Stream(NamedTuple):
+    loop: asyncio.AbstractEventLoop  # the caller's
+    queue: asyncio.Queue  # its outputs, then maybe an exception
+    request_id: str  # the caller's
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, stall_timeout_s: float = 120.0):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        # Each stream's request has its own id in the engine (request_id#serial): the final output of an aborted
+        # request can come after a new request took its request_id, and must not end that one's stream.
+        self._streams: dict[str, _Stream] = {}  # by the engine's request id
+        self._engine_ids: dict[str, str] = {}  # request_id -> the engine's, for every open stream
+        self._serial = itertools.count()
+        self._lock = threading.Lock()  # guards _streams, _engine_ids and _inbox; never held across a step
+        # ("add", Request) and ("abort", request_id), in the order asked for, for the loop's next turn.
+        self._inbox: list[tuple[str, Request | str]] = []
         self._work = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_progress = time.monotonic()  # when the loop last finished a step (or found nothing to do)
-        self._adding: set[str] = set()  # request ids whose add_request runs in a worker thread
-        self._aborts: list[str] = []  # request ids to abort at the loop's next turn
         self._thread = threading.Thread(target=self._run, name="jaxpage-engine", daemon=True)
         # Called in the loop thread with every output it hands over (the server's metrics); an observer's own failure
         # is logged, never the loop's.
@@ -68,77 +83,75 @@ class AsyncEngine:
         self._check_alive()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._engine_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            engine_id = f"{request_id}#{next(self._serial)}"
+            self._engine_ids[request_id] = engine_id
+            self._streams[engine_id] = _Stream(asyncio.get_running_loop(), queue, request_id)
         finished = False
         try:
             self._check_alive()  # again: a loop that died before the stream was listed did not tell it
-            with self._lock:
-                self._adding.add(request_id)
-            # In a worker thread: add_request waits for the engine's lock, which a step holds throughout.
-            await asyncio.to_thread(self._add, request_id, prompt, params)
+            # In a worker thread: tokenizing a long prompt would hold up every other stream of this event loop.
+            request = await asyncio.to_thread(self.engine.prepare_request, engine_id, prompt, params)
+            self._send("add", request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine loop stopped ({type(item).__name__}: {item})") from item
+                    raise item
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:  # the caller went away (or the request was refused: then there is nothing to abort)
-                self.abort(request_id)
+                if not finished:  # the caller went away (or the request was refused: aborting it then does nothing)
+                    self._inbox.append(("abort", engine_id))
+                del self._streams[engine_id], self._engine_ids[request_id]
+            self._work.set()
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting to be admitted."""
-        return len(self.engine.scheduler.waiting)
+        """Requests waiting: sequences not yet admitted and requests still in the loop's inbox."""
+        with self._lock:
+            inbox = sum(kind == "add" for kind, _ in self._inbox)
+        return len(self.engine.scheduler.waiting) + inbox
 
     def abort(self, request_id: str) -> None:
-        """Aborts the request at the loop's next turn (without waiting for the engine's lock)."""
+        """Aborts the request at the loop's next turn (without waiting for a step); its stream ends with the final
+        output (finish_reason "abort"). An unknown or finished request_id is ignored."""
         with self._lock:
-            self._aborts.append(request_id)
+            engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._send("abort", engine_id)
+
+    def _send(self, kind: str, item) -> None:
+        with self._lock:
+            self._inbox.append((kind, item))
         self._work.set()
 
-    def _add(self, request_id: str, prompt, params) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params)
-        finally:
-            with self._lock:
-                self._adding.discard(request_id)
-            self._work.set()
-
-    def _apply_aborts(self) -> None:
-        """In the loop thread: the aborts asked for, but those of requests still being added wait for that."""
-        with self._lock:
-            now = [rid for rid in self._aborts if rid not in self._adding]
-            self._aborts = [rid for rid in self._aborts if rid in self._adding]
-        if now:
-            self.engine.abort_request(now)
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self._inbox)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why): see the module docstring."""
         if self._error is not None or not self._thread.is_alive():
             return False, f"the engine loop is not running ({self._error!r})"
         stalled = time.monotonic() - self._last_progress
-        if self.engine.has_unfinished_requests() and stalled > self.stall_timeout_s:
+        if self._busy() and stalled > self.stall_timeout_s:
             return False, f"no step has finished for {stalled:.0f} s with requests pending"
         return True, "ok"
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Lets the requests in flight finish within timeout_s, aborts the rest, and stops the loop."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.has_unfinished_requests() and time.monotonic() < deadline and self._thread.is_alive():
+        while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
         with self._lock:
             unfinished = list(self._streams)
-        for request_id in unfinished:
-            self.abort(request_id)
+        for engine_id in unfinished:
+            self._send("abort", engine_id)
         deadline = time.monotonic() + 5.0
-        while self.engine.has_unfinished_requests() and time.monotonic() < deadline and self._thread.is_alive():
+        while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.01)
         self._stop.set()
         self._work.set()
@@ -153,19 +166,39 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._apply_aborts()
+                self._take_inbox()
                 idle = not self.engine.has_unfinished_requests()
                 self._deliver(self.engine.step())  # idle, it hands over the final outputs of requests aborted meanwhile
                 self._last_progress = time.monotonic()
                 if idle:
                     self._work.wait(IDLE_WAIT_S)
                     self._work.clear()
+            ended: BaseException = EngineDeadError("the engine has shut down")
         except BaseException as e:  # noqa: BLE001 -- every stream must hear of it
             self._error = e
-            with self._lock:
-                streams = list(self._streams.values())
-            for loop, queue in streams:
-                self._put(loop, queue, e)
+            ended = EngineDeadError(f"the engine loop stopped ({type(e).__name__}: {e})")
+            ended.__cause__ = e
+        with self._lock:  # nobody may wait for an output that will not come
+            streams = list(self._streams.values())
+        for stream in streams:
+            self._put(stream, ended)
+
+    def _take_inbox(self) -> None:
+        """Queues the requests and applies the aborts sent since the last turn, in order. A request refused now (its
+        request_id taken by a user of the LLMEngine itself) is told to its caller."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "abort":
+                self.engine.abort_request(item)
+                continue
+            try:
+                self.engine.add_prepared_requests([item])
+            except ValueError as e:
+                with self._lock:
+                    stream = self._streams.get(item.request_id)
+                if stream is not None:
+                    self._put(stream, e)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -177,11 +210,11 @@ class AsyncEngine:
             with self._lock:
                 stream = self._streams.get(output.request_id)
             if stream is not None:
-                self._put(*stream, output)
+                self._put(stream, dataclasses.replace(output, request_id=stream.request_id))
 
     @staticmethod
-    def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+    def _put(stream: _Stream, item) -> None:
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass

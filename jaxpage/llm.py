@@ -96,14 +96,9 @@ class LLM:
             fail("sampling_params", "a SamplingParams, a list of them, or None", sampling_params, wrong_type=True)
         # Check (and tokenize) every request before queueing any: a bad one must not leave others queued.
         requests = [
-            self.engine._new_request(self._next_id(), prompt, p) for prompt, p in zip(prompts, params, strict=True)
+            self.engine.prepare_request(self._next_id(), prompt, p) for prompt, p in zip(prompts, params, strict=True)
         ]
-        with self.engine._lock:
-            taken = [r.request_id for r in requests if r.request_id in self.engine._requests]
-            if taken:  # added meanwhile by another thread through the engine
-                raise ValueError(f"request ids {taken} were taken meanwhile; nothing was queued")
-            for request in requests:
-                self.engine._enqueue(request)
+        self.engine.add_prepared_requests(requests)  # all or none (an id an engine user added meanwhile: none)
         return [request.request_id for request in requests]
 
     def _next_id(self) -> str:

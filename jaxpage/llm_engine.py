@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -133,7 +134,11 @@ def attended_keys(item: ScheduledSequence, sliding_window: int | None) -> int:
 
 
 @dataclasses.dataclass
-class _Request:
+class Request:
+    """A checked request and its state in the engine: LLMEngine.prepare_request makes it, add_prepared_requests
+    queues it."""
+
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -176,12 +181,13 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._requests: dict[str, _Request] = {}
-        self._request_of_seq: dict[int, _Request] = {}
+        self._requests: dict[str, Request] = {}
+        self._request_of_seq: dict[int, Request] = {}
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._ended: list[RequestOutput] = []  # final outputs of requests aborted or failed, for the next step()
         self._lock = threading.RLock()  # add, abort and step may come from different threads
+        self._ids_lock = threading.Lock()  # sequence ids and seeds, drawn by prepare_request outside the step's lock
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
 
     def _start(self, config: EngineConfig, params: dict, draft: tuple | None = None) -> None:
@@ -256,12 +262,17 @@ class LLMEngine:
         bad sampling params (checked again, in case they changed since they were built), top_k or stop token ids
         beyond the vocabulary, or a request that can never fit max_model_len or the page pool.
         """
-        request = self._new_request(request_id, prompt, sampling_params, arrival_time)
-        with self._lock:
-            self._enqueue(request)
+        self.add_prepared_requests([self.prepare_request(request_id, prompt, sampling_params, arrival_time)])
 
-    def _new_request(self, request_id, prompt, sampling_params, arrival_time=None) -> _Request:
-        """The checked request, not yet queued (see add_request for what is refused)."""
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """The checked and tokenized request, not yet queued: add_request's checks (but for a request_id in use,
+        which add_prepared_requests checks), without waiting for a step in progress."""
         if not isinstance(request_id, str) or not request_id:
             fail("request_id", "a non-empty string", request_id, wrong_type=not isinstance(request_id, str))
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -291,7 +302,7 @@ class LLMEngine:
                 f"request needs up to {pages} pages ({longest} tokens) but the KV pool has "
                 f"{self.block_manager.num_pages - 1}; lower max_tokens or enlarge the pool"
             )
-        with self._lock:
+        with self._ids_lock:
             seeds = [
                 params.seed + index if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
                 for index in range(params.n)
@@ -301,7 +312,7 @@ class LLMEngine:
             for seq in seqs:
                 seq.group = tuple(seqs)
         logprobs = params.logprobs is not None
-        return _Request(
+        return Request(
             request_id,
             text,
             token_ids,
@@ -317,13 +328,19 @@ class LLMEngine:
             RequestMetrics(arrival_time or time.time()),
         )
 
-    def _enqueue(self, request: _Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request_id {describe(request.request_id)} is already in use")
-        self._requests[request.request_id] = request
-        for seq in request.seqs:
-            self._request_of_seq[seq.seq_id] = request
-            self.scheduler.add(seq)
+    def add_prepared_requests(self, requests: list[Request]) -> None:
+        """Queues prepared requests, all or none: ValueError, and nothing queued, if a request_id is in use (or
+        given twice)."""
+        with self._lock:
+            counts = collections.Counter(r.request_id for r in requests)
+            taken = sorted(i for i, n in counts.items() if n > 1 or i in self._requests)
+            if taken:
+                raise ValueError(f"request_id {', '.join(map(describe, taken))} is already in use; nothing was queued")
+            for request in requests:
+                self._requests[request.request_id] = request
+                for seq in request.seqs:
+                    self._request_of_seq[seq.seq_id] = request
+                    self.scheduler.add(seq)
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
@@ -442,7 +459,7 @@ class LLMEngine:
             self.scheduler.commit(output, result.num_accepted.tolist())
             self.speculation_policy.observe_step(result.shape, result.device_s)
             now = time.time()
-            progressed: dict[str, _Request] = {}
+            progressed: dict[str, Request] = {}
             num_draft_tokens = sum(len(item.draft_token_ids) for item in output.scheduled)
             num_accepted_tokens = 0
             for row, item in enumerate(output.scheduled):
@@ -503,7 +520,7 @@ class LLMEngine:
         verify, decode = self.runner.smallest_shape("verify", count), self.runner.smallest_shape("decode", count)
         return drafts if self.speculation_policy.should_verify(count, drafts, verify, decode) else {}
 
-    def _append_token(self, request: _Request, seq: Sequence, token: int, result, at: tuple, now: float) -> None:
+    def _append_token(self, request: Request, seq: Sequence, token: int, result, at: tuple, now: float) -> None:
         """Commits one token (result's at = (row, position)): the sequence, its completion (logprobs, text), stop
         checks, metrics."""
         index = request.seqs.index(seq)
@@ -521,7 +538,7 @@ class LLMEngine:
         if completion.finish_reason is not None:
             self._finish_seq(seq)
 
-    def _end_request(self, request: _Request, finish_reason: str, error: str | None = None) -> None:
+    def _end_request(self, request: Request, finish_reason: str, error: str | None = None) -> None:
         """Ends a request outside the normal flow ("abort" or "error"): its unfinished samples stop, its pages are
         freed, and its final output waits for the next `step()` to return it."""
         for seq, completion in zip(request.seqs, request.completions, strict=True):

@@ -5,6 +5,7 @@ health tells the truth about the loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -96,12 +97,32 @@ def test_a_caller_that_leaves_aborts_its_request(llm, engine, monkeypatch):
     assert llm.engine.block_manager.num_used_pages == 0
 
 
-def test_bad_requests_are_refused_where_they_are_added(engine):
+def test_bad_requests_are_refused_where_they_are_added(llm, engine, monkeypatch):
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(0.02) or step())  # "taken" runs for a second at least
+
     async def main():
         with pytest.raises(ValueError, match="prompt_token_ids"):
             await collect(engine, "bad", {"prompt_token_ids": [10**6]}, SamplingParams())
         with pytest.raises(ValueError, match="max_tokens"):
             await collect(engine, "bad", prompt(0), SamplingParams(max_tokens=0))
+        # An id in use by another open stream.
+        running = engine.generate("running", prompt(1), SamplingParams(max_tokens=50, ignore_eos=True))
+        async with contextlib.aclosing(running):
+            await anext(running)
+            with pytest.raises(ValueError, match="'running' is already in use"):
+                await collect(engine, "running", prompt(0), SamplingParams())
+        # A request the engine refuses when the loop takes it in (no such refusal is known today: prepare_request
+        # checks everything add_prepared_requests does but for ids, and the engine's ids are the AsyncEngine's own).
+        add = llm.engine.add_prepared_requests
+
+        def refuse(requests):
+            raise ValueError(f"request_id {requests[0].request_id!r} is already in use")
+
+        monkeypatch.setattr(llm.engine, "add_prepared_requests", refuse)
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(engine, "refused", prompt(0), SamplingParams())
+        monkeypatch.setattr(llm.engine, "add_prepared_requests", add)
         # The loop serves on.
         return await collect(engine, "good", prompt(0), SamplingParams(temperature=0, max_tokens=3))
 
@@ -201,3 +222,43 @@ def test_shutdown_lets_requests_finish_within_the_timeout_and_aborts_the_rest(ll
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_pages == 0
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(engine, "after", prompt(0), None))
+
+
+def test_requests_that_arrive_during_a_step_all_join_the_next_one(llm, engine, monkeypatch):
+    """Requests sent while a step runs are taken in together when it ends, not one by one over later steps."""
+    step = llm.engine.step
+    known_at_step = []
+
+    def slow_step():
+        with llm.engine._lock:  # the whole step holds the engine's lock, as a long device step does
+            known_at_step.append(len(llm.engine._requests))
+            time.sleep(0.3)
+            return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        first = asyncio.create_task(collect(engine, "first", prompt(0), params))
+        await asyncio.sleep(0.1)  # the loop is in the first request's step now
+        more = [collect(engine, f"more-{i}", prompt(i), params) for i in range(1, 9)]
+        return await asyncio.gather(first, *more)
+
+    outputs = asyncio.run(main())
+    assert all(o[-1].finished for o in outputs)
+    busy = [n for n in known_at_step if n]
+    assert busy[:2] == [1, 9], known_at_step
+
+
+def test_an_id_is_free_again_once_its_stream_has_left(engine):
+    """The abort of a stream that left comes before a new request under the same id, and does not end it."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        async with contextlib.aclosing(engine.generate("same", prompt(0), params)) as stream:
+            async for _ in stream:
+                break  # aclosing: the stream ends here, not when the garbage collector finds it
+        return await collect(engine, "same", prompt(1), params)
+
+    again = asyncio.run(main())
+    assert again[-1].outputs[0].finish_reason == "length" and len(again[-1].outputs[0].token_ids) == 8
