@@ -138,7 +138,6 @@ class Request:
     """A checked request and its state in the engine: LLMEngine.prepare_request makes it, add_prepared_requests
     queues it."""
 
-
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
