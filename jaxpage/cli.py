@@ -55,6 +55,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_parallel_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="devices to split the model over, as Megatron (default 1)"
+    )
+
+
 def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative-config",
@@ -79,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     generate.add_argument("--min-p", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
+    _add_parallel_option(generate)
     _add_speculative_option(generate)
     _add_compilation_cache_options(generate)
     _add_model_options(generate)
@@ -141,6 +148,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    _add_parallel_option(parser)
     _add_speculative_option(parser)
     _add_compilation_cache_options(parser)
 
@@ -209,6 +217,7 @@ def _generate(args) -> None:
         max_num_seqs=1,
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
@@ -291,6 +300,7 @@ def _engine_args(args) -> dict:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -100,12 +100,13 @@ class CompilationCache:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.program"
 
-    def load(self, key: str) -> jax.stages.Compiled | None:
-        """The program stored under `key`, or None (absent, or unreadable: then it is left to be written again)."""
+    def load(self, key: str, devices: list) -> jax.stages.Compiled | None:
+        """The program stored under `key`, to run on `devices` (those it was compiled for, in its order), or None
+        (absent, or unreadable: then it is left to be written again)."""
         path = self._path(key)
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
             os.utime(path)  # recently used
             return program
         except FileNotFoundError:

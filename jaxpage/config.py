@@ -193,6 +193,8 @@ class EngineConfig:
     # Speculative decoding (jaxpage.speculative_config): None (off), a SpeculativeConfig, a dict in vLLM's keys such
     # as {"method": "ngram", "num_speculative_tokens": 3}, or that dict as a JSON string. Kept as a SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Tensor parallelism (jaxpage.parallel): the model split over this many devices, Megatron-style; 1: one device.
+    tensor_parallel_size: int = 1
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = (
@@ -252,3 +254,4 @@ class EngineConfig:
         choose("load_format", ("auto", "dummy"))
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))

@@ -16,10 +16,10 @@ from jaxpage.config import ModelConfig
 from jaxpage.models.loader import load_model
 
 
-def load_draft_model(source: str, dtype: str | None, target: ModelConfig) -> tuple[ModelConfig, dict]:
-    """(config, params) of the draft model at `source`; ValueError naming what differs from the target's config
-    (check_draft_tokenizer compares the tokenizers)."""
-    config, params = load_model(source, dtype=dtype)
+def load_draft_model(source: str, dtype: str | None, target: ModelConfig, sharding=None) -> tuple[ModelConfig, dict]:
+    """(config, params) of the draft model at `source`, placed as load_model's `sharding` says; ValueError naming
+    what differs from the target's config (check_draft_tokenizer compares the tokenizers)."""
+    config, params = load_model(source, dtype=dtype, sharding=sharding)
     field = f"speculative_config['model'] {source}"
     if config.vocab_size != target.vocab_size:
         raise ValueError(

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
+from jaxpage import parallel
 from jaxpage.attention_backend import AttentionBackend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
@@ -165,15 +166,23 @@ class LLMEngine:
         self.compilation_cache = None
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
-        self.model_config, params = load_model(config.model, dtype=config.dtype, load_format=config.load_format)
+        # Tensor parallelism: each device receives its shards of the weights as they load (jaxpage.parallel).
+        tp = config.tensor_parallel_size
+        self.mesh = parallel.make_mesh(tp) if tp > 1 else None
+        placement = None if self.mesh is None else parallel.placement(self.mesh)
+        self.model_config, params = load_model(
+            config.model, dtype=config.dtype, load_format=config.load_format, sharding=placement
+        )
+        target = parallel.as_run(self.model_config, params, self.mesh)
         spec = config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft = load_draft_model(spec.model, config.dtype, self.model_config)
+            draft = load_draft_model(spec.model, config.dtype, self.model_config, sharding=placement)
+            draft = parallel.as_run(*draft, self.mesh)
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
             tokenizer = None if config.skip_tokenizer_init else background.submit(load_tokenizer, config.model)
-            self._start(config, params, draft)
+            self._start(config, target, draft)
             self.tokenizer = tokenizer.result() if tokenizer else None
         if draft is not None and self.tokenizer is not None:
             check_draft_tokenizer(spec.model, self.tokenizer)
@@ -189,29 +198,38 @@ class LLMEngine:
         self._ids_lock = threading.Lock()  # sequence ids and seeds, drawn by prepare_request outside the step's lock
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
 
-    def _start(self, config: EngineConfig, params: dict, draft: tuple | None = None) -> None:
-        """Sizes and allocates the KV pool (and a draft model's), builds the scheduler and the runner(s)."""
+    def _start(self, config: EngineConfig, target: tuple, draft: tuple | None = None) -> None:
+        """Sizes and allocates the KV pool (and a draft model's), builds the scheduler and the runner(s). `target`
+        and `draft`: (config, params) as they run (jaxpage.parallel.as_run)."""
+        target_config, params = target
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
         head_dim = self.attention_backend.pool_head_dim(self.model_config.head_dim)
-        token_bytes = self.attention_backend.kv_bytes_per_token(self.model_config, dtype_bytes)
+        token_bytes = self.attention_backend.kv_bytes_per_token(target_config, dtype_bytes)
         if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
             token_bytes += self.attention_backend.kv_bytes_per_token(draft[0], dtype_bytes)
-        num_pages = kv_pool_pages(config, token_bytes, self.max_model_len)
+        tp = config.tensor_parallel_size
+        device_token_bytes = token_bytes // tp  # each device holds its shard's KV heads
+        # A device's budget and memory are its own, but simulated CPU devices share the host's.
+        budget_token_bytes = token_bytes if jax.default_backend() == "cpu" else device_token_bytes
+        num_pages = kv_pool_pages(config, budget_token_bytes, self.max_model_len)
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
+        copies = target_config.num_kv_heads // self.model_config.num_kv_heads
         logger.info(
-            "KV cache: %d bytes per token (2 * %d layers * %d kv heads * %d dims%s * %d bytes); %d pages of %d "
+            "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %d dims%s * %d bytes)%s; %d pages of %d "
             "tokens, %.2f GiB",
             token_bytes,
             self.model_config.num_layers,
-            self.model_config.num_kv_heads,
+            target_config.num_kv_heads,
+            f" ({self.model_config.num_kv_heads} copied {copies}x)" if copies > 1 else "",
             head_dim,
             "" if head_dim == self.model_config.head_dim else f" (head_dim {self.model_config.head_dim} padded)",
             dtype_bytes,
+            f", {device_token_bytes} per device on {tp} devices" if tp > 1 else "",
             num_pages,
             config.page_size,
             num_pages * config.page_size * token_bytes / 2**30,
@@ -235,9 +253,11 @@ class LLMEngine:
             max_verify_rows=0 if spec is None else config.max_num_seqs,
         )
         self.runner = ModelRunner(
-            self.model_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None
+            target_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None, mesh=self.mesh
         )
-        self.draft_runner = None if draft is None else ModelRunner(*draft, self.attention_backend, **runner_args)
+        self.draft_runner = (
+            None if draft is None else ModelRunner(*draft, self.attention_backend, **runner_args, mesh=self.mesh)
+        )
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> LLMEngine:

@@ -14,6 +14,7 @@ cache (on by default, see jaxpage.compilation_cache) a later process loads them 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -22,12 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBatch
 from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build
+from jaxpage.parallel import POOL_SPEC, TP_AXIS, local_params, param_specs, shard_config
 from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
@@ -131,12 +135,20 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         max_verify_rows: int = 0,
         draft_probs: bool = False,
+        mesh: jax.sharding.Mesh | None = None,
     ):
-        self.config = config
+        self.config = config  # the whole model's (with_replicated_kv_heads under tensor parallelism)
         self.compilation_cache = compilation_cache
         self.params = params
         self.backend = backend
         dtype = params["embed_tokens"]["embedding"].dtype
+        # Tensor parallelism (jaxpage.parallel): every program runs one shard's model per device under shard_map.
+        self.mesh = mesh if mesh is not None and mesh.shape[TP_AXIS] > 1 else None
+        self.tensor_parallel_size = 1 if self.mesh is None else self.mesh.shape[TP_AXIS]
+        self._param_specs = param_specs(params)
+        self._pool_specs = KVCache(POOL_SPEC, POOL_SPEC)
+        shard = config if self.mesh is None else shard_config(config, self.tensor_parallel_size)
+        tp_axis = None if self.mesh is None else TP_AXIS
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
         self._pool_shape = backend.pool_shape(config, num_pages, page_size)
         self._fill_pool = None  # the program that makes a zeroed K or V pool
@@ -148,7 +160,10 @@ class ModelRunner:
         self.block_table_width = math.ceil(max_model_len / page_size)
         self.models = {  # by the shapes' max_q_len
             q_len: build(
-                config, PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, q_len or None), dtype
+                shard,
+                PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, q_len or None),
+                dtype,
+                tp_axis,
             )
             for q_len in {0, 1} | {s.max_q_len for s in self.shapes}
         }
@@ -168,15 +183,39 @@ class ModelRunner:
 
     # ----- device side -----
 
+    def _on_shards(self, fn, in_specs: tuple, out_specs):
+        """fn (whose first argument is the parameters) as each device runs it under tensor parallelism: its shard of
+        the parameters, the pool and the arrays as `in_specs` say (P(): whole), under shard_map; fn itself
+        without."""
+        if self.mesh is None:
+            return fn
+
+        def on_shard(params, *args):
+            return fn(local_params(params), *args)
+
+        specs = (self._param_specs, *in_specs)
+        # check_vma off: the attention loops carry values that vary over the shards from initial values that do
+        # not, which its check refuses; what the programs return whole (P()) is the same on every shard by
+        # construction (after an all-reduce or all-gather), as the tests that compare with one device show.
+        return jax.shard_map(on_shard, mesh=self.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+
     def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, max_q_len: int):
         """(hidden states [R * (k + 1), hidden] of the tokens the sampler's rows use, kv_cache with the step's
         K/V)."""
-        hidden, kv_cache = self.models[max_q_len].apply(
-            {"params": params}, step.token_ids, step.positions, step.attention, kv_cache
-        )
-        return hidden[step.logits_indices], kv_cache
+
+        def forward(params, kv_cache, step):
+            hidden, kv_cache = self.models[max_q_len].apply(
+                {"params": params}, step.token_ids, step.positions, step.attention, kv_cache
+            )
+            return hidden[step.logits_indices], kv_cache
+
+        pool = self._pool_specs
+        return self._on_shards(forward, (pool, P()), (P(), pool))(params, kv_cache, step)
 
     def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
+        return self._on_shards(self._sample_on_shard, (P(), P()), P())(params, hidden, inputs)
+
+    def _sample_on_shard(self, params, hidden: jax.Array, inputs: SampleInput):
         """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
         [R, k + 1, MAX_LOGPROBS], top log-probs)). With k = 0 each row samples one token; with k > 0 each row's
         drafts are verified (jaxpage.rejection_sampler). The full logits never leave this function; the log-probs
@@ -210,6 +249,11 @@ class ModelRunner:
         token and first k - 1 draft tokens): k decode steps of this (draft) model, each sampling the next token
         from its own distribution after the row's sampling settings. Positions past a row's reserved slots write
         into the null page."""
+        pool = self._pool_specs
+        propose = functools.partial(self._propose_on_shard, k=k)
+        return self._on_shards(propose, (pool, P()), (P(), P(), pool))(params, kv_cache, inputs)
+
+    def _propose_on_shard(self, params, kv_cache: KVCache, inputs: ProposeInput, k: int):
         rows = inputs.token_ids.shape[0]
         page_size = self.page_size
         model = self.models[1]
@@ -339,8 +383,10 @@ class ModelRunner:
         key = None
         if self.compilation_cache is not None:
             static = (self.config, self.backend, what.shape) if static is None else static
+            static = (*static, self.tensor_parallel_size)
             key = program_key(what.program, static, args)
-            executable = self.compilation_cache.load(key)
+            devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+            executable = self.compilation_cache.load(key, devices)
             if executable is not None:
                 self._log(dataclasses.replace(what, seconds=time.perf_counter() - start, loaded=True))
                 return executable
@@ -477,7 +523,8 @@ class ModelRunner:
         once: a reset after a failed step reuses it)."""
         if self._fill_pool is None:
             shape = self._pool_shape
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype))
+            where = None if self.mesh is None else NamedSharding(self.mesh, POOL_SPEC)
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=where)
             self._fill_pool = self._load_or_compile(
                 CompiledShape("pool", shape), (), lambda: zeros.lower().compile(), static=(shape, jnp.dtype(dtype).name)
             )

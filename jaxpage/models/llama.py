@@ -48,6 +48,7 @@ class SelfAttention(nn.Module):
     config: ModelConfig
     attention: Attention
     dtype: jnp.dtype
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, x, rope, batch, kv_cache, layer):
@@ -70,12 +71,13 @@ class SelfAttention(nn.Module):
         out = nn.DenseGeneral(
             c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, dtype=self.dtype, param_dtype=self.dtype, name="o_proj"
         )(out)
-        return out, kv_cache
+        return _all_reduce(out, self.tp_axis), kv_cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -86,23 +88,30 @@ class MLP(nn.Module):
 
         gate = dense(c.intermediate_size, "gate_proj")(x)
         up = dense(c.intermediate_size, "up_proj")(x)
-        return dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
+        return _all_reduce(dense(c.hidden_size, "down_proj")(nn.silu(gate) * up), self.tp_axis)
+
+
+def _all_reduce(x, tp_axis: str | None):
+    """The sum over the tensor-parallel shards of their partial results (none without tensor parallelism)."""
+    return x if tp_axis is None else jax.lax.psum(x, tp_axis)
 
 
 class DecoderLayer(nn.Module):
     config: ModelConfig
     attention: Attention
     dtype: jnp.dtype
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, carry, layer, rope, batch):
         x, kv_cache = carry
         c = self.config
-        h, kv_cache = SelfAttention(c, self.attention, self.dtype, name="attn")(
+        h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, name="attn")(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), rope, batch, kv_cache, layer
         )
         x = x + h
-        x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x))
+        mlp = MLP(c, self.dtype, self.tp_axis, name="mlp")
+        x = x + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x))
         return (x, kv_cache), None
 
 
@@ -111,11 +120,16 @@ class Llama(nn.Module):
 
     Shapes are generic over the token axes: `token_ids` and `positions` are int32 [...] ([batch, seq] on
     the dense path, [tokens] on the paged path) and the hidden states are [..., hidden_size].
+
+    With `tp_axis` (tensor parallelism, see jaxpage.parallel) it is one shard's model, run under shard_map over that
+    mesh axis: `config` is the shard's (jaxpage.parallel.shard_config), the partial results of the o and down
+    projections and of the embedding are summed over the shards, and the logits are gathered whole.
     """
 
     config: ModelConfig
     attention: Attention
     dtype: jnp.dtype = jnp.float32
+    tp_axis: str | None = None
 
     def setup(self):
         c = self.config
@@ -126,14 +140,20 @@ class Llama(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=c.num_layers,
-        )(c, self.attention, self.dtype)
+        )(c, self.attention, self.dtype, self.tp_axis)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 
     def __call__(self, token_ids, positions, batch, kv_cache=None):
         """Returns (hidden [..., hidden_size] after the final norm, kv_cache after every layer)."""
-        x = self.embed_tokens(token_ids)
+        if self.tp_axis is None:
+            x = self.embed_tokens(token_ids)
+        else:  # this shard's rows of the vocabulary; zeros for the others' tokens
+            local = token_ids - jax.lax.axis_index(self.tp_axis) * self.config.vocab_size
+            here = (local >= 0) & (local < self.config.vocab_size)
+            x = self.embed_tokens(jnp.where(here, local, 0)) * here[..., None].astype(self.dtype)
+            x = jax.lax.psum(x, self.tp_axis)
         rope = rope_tables(self.config, positions)
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, rope, batch)
@@ -142,12 +162,16 @@ class Llama(nn.Module):
     def logits(self, hidden):
         """float32 logits [..., vocab_size] for hidden states [..., hidden_size]."""
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = self.embed_tokens.attend(hidden).astype(jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        if self.tp_axis is not None:  # each shard has its slice of the vocabulary
+            logits = jax.lax.all_gather(logits, self.tp_axis, axis=logits.ndim - 1, tiled=True)
+        return logits
 
 
-def build(config: ModelConfig, attention: Attention, dtype) -> Llama:
-    return Llama(config, attention, jnp.dtype(dtype))
+def build(config: ModelConfig, attention: Attention, dtype, tp_axis: str | None = None) -> Llama:
+    return Llama(config, attention, jnp.dtype(dtype), tp_axis)
 
 
 def dense_model(config: ModelConfig, dtype) -> Llama:

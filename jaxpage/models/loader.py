@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,7 @@ def source_format(path: Path) -> str:
 def load_model(
     source: str | os.PathLike | None = None,
     dtype=None,
-    sharding: jax.sharding.Sharding | None = None,
+    sharding: jax.sharding.Sharding | Callable[[ModelConfig], Any] | None = None,
     load_format: str = "auto",
 ) -> tuple[ModelConfig, dict]:
     """Loads (config, params) from a model source.
@@ -61,7 +63,8 @@ def load_model(
     source:   a Hugging Face directory (config.json + safetensors), a .gguf file, a checkpoint written
               by `jaxpage convert`, or None for the default model (SmolLM2-135M-Instruct).
     dtype:    parameter dtype; default float32 on CPU, bfloat16 on GPU/TPU.
-    sharding: where the parameters live; default the first device.
+    sharding: where the parameters live: a Sharding, or a function of the config that gives a tree of them (one per
+              parameter: each device receives only its shards, see jaxpage.parallel); default the first device.
     load_format: "auto" reads the weights; "dummy" reads only the config of a Hugging Face directory and makes
               random parameters on the device (vLLM's name: benchmarks of model shapes without their weights).
     Raises ModelLoadError with the file (and tensor) at fault.
@@ -69,17 +72,18 @@ def load_model(
     path = resolve_source(source)
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placement = sharding if callable(sharding) else (lambda config: sharding)
     fmt = source_format(path)
     if load_format == "dummy":
         if fmt != "hf":
             raise ModelLoadError(f"{path}: load_format='dummy' needs a Hugging Face model directory (config.json)")
         config = hf_loader.read_hf_config(path)
-        init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=sharding)
+        init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=placement(config))
         return config, init(config, jax.random.key(0), dtype)
     if fmt == "orbax":
-        return orbax_checkpoint.load_checkpoint(path, dtype, sharding)
+        return orbax_checkpoint.load_checkpoint(path, dtype, placement)
     if fmt == "gguf":
         config, params = gguf_loader.load_gguf(path, dtype)
     else:
         config, params = hf_loader.load_hf_directory(path, dtype)
-    return config, jax.device_put(params, sharding)
+    return config, jax.device_put(params, placement(config))

@@ -12,7 +12,9 @@ Restoring reads each array straight into its target sharding: nothing passes thr
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -61,14 +63,16 @@ def read_checkpoint_config(directory: Path) -> tuple[ModelConfig, str]:
         raise ModelLoadError(f"{path}: not a valid jaxpage checkpoint description ({e!r})") from None
 
 
-def load_checkpoint(directory: Path, dtype, sharding: jax.sharding.Sharding) -> tuple[ModelConfig, dict]:
-    """(config, parameters on device) from a jaxpage checkpoint, cast to `dtype`, placed with `sharding`."""
+def load_checkpoint(directory: Path, dtype, placement: Callable[[ModelConfig], Any]) -> tuple[ModelConfig, dict]:
+    """(config, parameters on device) from a jaxpage checkpoint, cast to `dtype`, placed where `placement(config)`
+    says (a Sharding, or a tree of them like the parameters'): each array is read straight into its shards."""
     directory = Path(directory).absolute()
     config, stored_dtype = read_checkpoint_config(directory)
-    abstract = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        param_shapes(config, stored_dtype if dtype is None else dtype),
-    )
+    shapes = param_shapes(config, stored_dtype if dtype is None else dtype)
+    where = placement(config)
+    if isinstance(where, jax.sharding.Sharding):
+        where = jax.tree.map(lambda _: where, shapes)
+    abstract = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), shapes, where)
     params_dir = directory / "params"
     if not params_dir.is_dir():
         raise ModelLoadError(f"{params_dir}: missing; the checkpoint is incomplete")

@@ -1,0 +1,203 @@
+"""Tensor parallelism on a JAX mesh with axes ("data", "model"): how parameters and the KV pool are split.
+
+Megatron's split, over the mesh axis "model" (TP shards):
+    q/k/v projections and gate/up      by output columns (heads, intermediate features)
+    o and down projections             by input rows (heads, intermediate features)
+    embedding and LM head              by vocabulary
+    norms, and o/down biases           replicated
+    KV pool                            by KV heads
+
+Each shard runs the model on its slice under `jax.shard_map` (jaxpage.models.llama with `tp_axis`): two
+all-reduces per layer (after the o and down projections), one for the embedding, and an all-gather of the
+logits, so that sampling sees the full vocabulary. Attention needs no communication: a shard holds the query heads
+and the KV heads they read.
+
+When there are fewer KV heads than shards (kv_heads < tensor_parallel_size, which must divide it), each KV head is
+copied at load time to the tensor_parallel_size / kv_heads shards whose query heads read it: the model then has
+tensor_parallel_size KV heads (`with_replicated_kv_heads`), one per shard, and the pool and its budget hold the
+copies. Nothing is repeated at run time.
+
+Parameters are placed shard by shard while they load (jaxpage.models.loader takes `param_shardings`): no device ever
+holds the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpage.config import ModelConfig
+
+MESH_AXES = ("data", "model")
+TP_AXIS = "model"
+
+# The sharded axis of each parameter that is split (see jaxpage.models.llama for the tree); the rest is replicated.
+_SPLIT_AXIS = {
+    ("embed_tokens", "embedding"): 0,  # [V, D]
+    ("layers", "attn", "q_proj", "kernel"): 2,  # [L, D, H, d]
+    ("layers", "attn", "k_proj", "kernel"): 2,
+    ("layers", "attn", "v_proj", "kernel"): 2,
+    ("layers", "attn", "q_proj", "bias"): 1,  # [L, H, d]
+    ("layers", "attn", "k_proj", "bias"): 1,
+    ("layers", "attn", "v_proj", "bias"): 1,
+    ("layers", "attn", "o_proj", "kernel"): 1,  # [L, H, d, D]
+    ("layers", "mlp", "gate_proj", "kernel"): 2,  # [L, D, F]
+    ("layers", "mlp", "up_proj", "kernel"): 2,
+    ("layers", "mlp", "gate_proj", "bias"): 1,  # [L, F]
+    ("layers", "mlp", "up_proj", "bias"): 1,
+    ("layers", "mlp", "down_proj", "kernel"): 1,  # [L, F, D]
+    ("lm_head", "kernel"): 1,  # [D, V]
+}
+# Biases added after an all-reduce: every shard holds them, and only shard 0 adds them (see local_params).
+_ROW_PARALLEL_BIASES = (("layers", "attn", "o_proj", "bias"), ("layers", "mlp", "down_proj", "bias"))
+# The K/V projections, and their head axis.
+_KV_PROJECTIONS = {
+    ("layers", "attn", n, p): _SPLIT_AXIS[("layers", "attn", n, p)]
+    for n in ("k_proj", "v_proj")
+    for p in ("kernel", "bias")
+}
+POOL_SPEC = P(None, None, None, TP_AXIS, None)  # [layers, pages, page_size, kv_heads, head_dim]
+
+
+def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
+    """The mesh ("data", "model") of shape (1, tensor_parallel_size) over the first devices; ValueError when there
+    are fewer."""
+    devices = jax.devices() if devices is None else devices
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"engine argument tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} devices, but "
+            f"{len(devices)} {devices[0].platform} device(s) are visible"
+        )
+    return Mesh(np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), MESH_AXES)
+
+
+def check_divisible(config: ModelConfig, tp: int) -> None:
+    """ValueError naming the model's size that tensor_parallel_size `tp` does not divide."""
+    problems = [
+        f"{name} {value}"
+        for name, value in (
+            ("attention heads", config.num_heads),
+            ("vocabulary size", config.vocab_size),
+            ("intermediate size", config.intermediate_size),
+        )
+        if value % tp
+    ]
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(f"KV heads {kv} (which must divide it or be divisible by it)")
+    if problems:
+        raise ValueError(f"engine argument tensor_parallel_size {tp} does not divide the model's {', '.join(problems)}")
+
+
+def with_replicated_kv_heads(config: ModelConfig, tp: int) -> ModelConfig:
+    """The model as tensor parallelism runs it: with tp KV heads when it has fewer (each copied to the shards that
+    read it), else unchanged."""
+    if config.num_kv_heads >= tp:
+        return config
+    return dataclasses.replace(config, num_kv_heads=tp)
+
+
+def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """What one shard of `config` (already with_replicated_kv_heads) holds: its heads, features and vocabulary."""
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // tp,
+        num_kv_heads=config.num_kv_heads // tp,
+        intermediate_size=config.intermediate_size // tp,
+        vocab_size=config.vocab_size // tp,
+    )
+
+
+def _path(key_path) -> tuple[str, ...]:
+    return tuple(str(k.key) for k in key_path)
+
+
+def param_spec(path: tuple[str, ...], ndim: int, split: bool = True) -> P:
+    axis = _SPLIT_AXIS.get(path)
+    if axis is None or not split:
+        return P()
+    return P(*(TP_AXIS if i == axis else None for i in range(ndim)))
+
+
+def param_specs(params) -> dict:
+    """The PartitionSpec of every parameter (a tree like `params`, of arrays or shapes)."""
+    return jax.tree_util.tree_map_with_path(lambda kp, x: param_spec(_path(kp), len(x.shape)), params)
+
+
+def param_shardings(mesh: Mesh, config: ModelConfig, shapes) -> dict:
+    """Where each parameter of the model as stored (`shapes`: its tree of shapes) goes as it loads: split over
+    "model" as Megatron does, but K/V projections with fewer heads than shards replicated (replicate_kv_heads then
+    makes a copy per shard)."""
+    tp = mesh.shape[TP_AXIS]
+    split_kv = config.num_kv_heads % tp == 0
+
+    def sharding(kp, x):
+        path = _path(kp)
+        return NamedSharding(mesh, param_spec(path, len(x.shape), split=split_kv or path not in _KV_PROJECTIONS))
+
+    return jax.tree_util.tree_map_with_path(sharding, shapes)
+
+
+def replicate_kv_heads(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """`params` of `config` as loaded, with each KV head copied to the shards that read it when there are fewer KV
+    heads than shards (see with_replicated_kv_heads); K/V projections then split by head like the rest."""
+    tp = mesh.shape[TP_AXIS]
+    copies = tp // config.num_kv_heads if config.num_kv_heads < tp else 1
+    if copies == 1:
+        return params
+
+    def copy(kp, x):
+        path = _path(kp)
+        if path not in _KV_PROJECTIONS:
+            return x
+        axis = _KV_PROJECTIONS[path]
+        target = NamedSharding(mesh, param_spec(path, x.ndim))
+        return jax.jit(lambda a: jnp.repeat(a, copies, axis=axis), out_shardings=target)(x)
+
+    return jax.tree_util.tree_map_with_path(copy, params)
+
+
+def placement(mesh: Mesh):
+    """load_model's `sharding` for tensor parallelism over `mesh`: checks that the model divides, then gives each
+    parameter's sharding as it is stored (param_shardings)."""
+    from jaxpage.models.llama import param_shapes
+
+    def shardings(config: ModelConfig) -> dict:
+        check_divisible(config, mesh.shape[TP_AXIS])
+        return param_shardings(mesh, config, param_shapes(config, jnp.float32))
+
+    return shardings
+
+
+def as_run(config: ModelConfig, params: dict, mesh: Mesh | None) -> tuple[ModelConfig, dict]:
+    """The model as the engine runs it on `mesh` (None: one device, unchanged): with its KV heads copied where
+    there are fewer than shards (with_replicated_kv_heads, replicate_kv_heads)."""
+    if mesh is None:
+        return config, params
+    tp = mesh.shape[TP_AXIS]
+    return with_replicated_kv_heads(config, tp), replicate_kv_heads(params, config, mesh)
+
+
+def local_params(params: dict) -> dict:
+    """Inside shard_map: one shard's parameters as its model uses them (biases added after an all-reduce count on
+    shard 0 only)."""
+    first = jax.lax.axis_index(TP_AXIS) == 0
+
+    def local(kp, x):
+        return jnp.where(first, x, jnp.zeros_like(x)) if _path(kp) in _ROW_PARALLEL_BIASES else x
+
+    return jax.tree_util.tree_map_with_path(local, params)
+
+
+def device_bytes(tree) -> dict:
+    """Bytes each device holds of the arrays in `tree`: {device: bytes}."""
+    held: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held

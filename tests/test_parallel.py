@@ -1,0 +1,158 @@
+"""Tensor parallelism on 8 simulated CPU devices (conftest sets XLA's device count): greedy outputs token-identical to
+one device, parameters and pages really split, KV heads copied where there are fewer than shards, clear errors, and
+nothing compiled after warm-up."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpage import parallel
+from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
+from jaxpage.llm import LLM
+from jaxpage.sampling_params import SamplingParams
+
+ARGS = dict(
+    skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4, page_size=4, max_num_batched_tokens=32, num_pages=96
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def family(kv_heads: int, **kwargs) -> TinyFamily:
+    """Eight query heads (vocabulary 96, intermediate 96: TP up to 8 divides them all)."""
+    return TinyFamily(
+        f"tp-kv{kv_heads}", "LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=kv_heads) | kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    made: dict = {}
+
+    def get(kv_heads: int, **kwargs) -> str:
+        fam = family(kv_heads, **kwargs)
+        key = (kv_heads, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = str(write_tiny_model(fam, tmp_path_factory.mktemp(fam.name)))
+        return made[key]
+
+    return get
+
+
+def prompts(n: int = 5) -> list[dict]:
+    return [{"prompt_token_ids": [(5 * i + j) % 90 + 3 for j in range(4 + 7 * i)]} for i in range(n)]
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)]
+
+
+def test_simulated_devices():
+    assert len(jax.devices()) == 8  # tests/conftest.py
+
+
+# Biases (q/k/v/o and MLP) with 2 KV heads; tied embeddings with 1 (the LM head is the vocabulary-split embedding).
+@pytest.mark.parametrize(
+    ("kv_heads", "extra"),
+    [(1, dict(tie_word_embeddings=True)), (2, dict(attention_bias=True, mlp_bias=True)), (8, {})],
+    ids=["kv1-tied", "kv2-biases", "kv8"],
+)
+def test_greedy_tokens_equal_one_device(model_dir, kv_heads, extra):
+    directory = model_dir(kv_heads, **extra)
+    want = greedy(LLM(directory, **ARGS))
+    for tp in (2, 4, 8):
+        llm = LLM(directory, **ARGS, tensor_parallel_size=tp)
+        assert greedy(llm) == want, f"tensor_parallel_size {tp}"
+        pool = llm.engine.runner.kv_cache.k
+        assert pool.shape[3] == max(kv_heads, tp)  # KV heads copied to every shard that reads them
+        assert pool.sharding.is_equivalent_to(NamedSharding(llm.engine.mesh, parallel.POOL_SPEC), pool.ndim)
+
+
+@pytest.mark.parametrize("attention_impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+def test_pallas_kernels_under_shard_map(model_dir, attention_impl):
+    """The kernels run per shard on its heads (in Pallas' interpreters here) and give the one-device tokens."""
+    directory = model_dir(2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    few = prompts(2)
+    want = [o.outputs[0].token_ids for o in LLM(directory, **ARGS).generate(few, params)]
+    llm = LLM(directory, **ARGS, tensor_parallel_size=2, attention_impl=attention_impl)
+    assert [o.outputs[0].token_ids for o in llm.generate(few, params)] == want
+
+
+def split_and_whole(params) -> tuple[int, int]:
+    """(bytes of the parameters split over the shards, bytes of those every device holds whole)."""
+    specs = jax.tree.leaves(parallel.param_specs(params), is_leaf=lambda x: isinstance(x, P))
+    sizes = [leaf.nbytes for leaf in jax.tree.leaves(params)]
+    split = sum(size for size, spec in zip(sizes, specs, strict=True) if any(spec))
+    return split, sum(sizes) - split
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(8, 4), (2, 8)])
+def test_parameters_and_pages_are_split(model_dir, kv_heads, tp):
+    llm = LLM(model_dir(kv_heads, attention_bias=True), **ARGS, tensor_parallel_size=tp)
+    runner = llm.engine.runner
+    held = parallel.device_bytes(runner.params)
+    assert sorted(d.id for d in held) == list(range(tp))
+    split, whole = split_and_whole(runner.params)
+    assert whole < split / 10  # norms and o/down biases only
+    assert set(held.values()) == {split // tp + whole}
+    pool = parallel.device_bytes(runner.kv_cache)
+    assert set(pool.values()) == {(runner.kv_cache.k.nbytes + runner.kv_cache.v.nbytes) // tp}
+    # Each device holds one KV head's pages when the heads were copied (2 heads over 8 shards: 4 copies each).
+    assert runner.kv_cache.k.addressable_shards[0].data.shape[3] == max(kv_heads, tp) // tp
+
+
+def test_kv_head_copies_follow_the_query_heads(model_dir):
+    """With fewer KV heads than shards, shard s holds a copy of the KV head that its query heads read."""
+    directory = model_dir(2)
+    one = LLM(directory, **ARGS)
+    split = LLM(directory, **ARGS, tensor_parallel_size=8)
+    k_one = np.asarray(one.engine.runner.params["layers"]["attn"]["k_proj"]["kernel"])  # [L, D, 2, d]
+    k_split = np.asarray(split.engine.runner.params["layers"]["attn"]["k_proj"]["kernel"])  # [L, D, 8, d]
+    queries_per_kv = 8 // 2
+    for shard in range(8):  # shard s has query head s; it reads KV head s // 4
+        np.testing.assert_array_equal(k_split[:, :, shard], k_one[:, :, shard // queries_per_kv])
+
+
+def test_nothing_compiles_after_warmup(model_dir):
+    llm = LLM(model_dir(2), **ARGS, tensor_parallel_size=4)
+    llm.engine.warmup()
+    compiled = llm.engine.runner.num_compilations
+    llm.generate(prompts(), GREEDY)
+    llm.generate(prompts(3), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=1))
+    assert llm.engine.runner.num_compilations == compiled
+
+
+def test_sampling_matches_one_device(model_dir):
+    """Seeded random sampling sees the whole vocabulary on every shard: the same tokens as one device."""
+    directory = model_dir(8)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=8, seed=3, logprobs=2)
+    want = LLM(directory, **ARGS).generate(prompts(3), params)
+    got = LLM(directory, **ARGS, tensor_parallel_size=4).generate(prompts(3), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp", "message"),
+    [
+        (8, 2, 16, "tensor_parallel_size 16 needs 16 devices, but 8 cpu device"),
+        (6, 2, 4, "does not divide the model's attention heads 6$"),
+        (6, 3, 2, "does not divide the model's KV heads 3"),
+    ],
+    ids=["devices", "heads", "kv-heads"],
+)
+def test_layouts_that_do_not_divide_are_refused(tmp_path, heads, kv_heads, tp, message):
+    config = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=96)
+    directory = write_tiny_model(TinyFamily("odd", "LlamaConfig", config), tmp_path)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(directory), **ARGS, tensor_parallel_size=tp)
+
+
+def test_the_engine_argument_is_checked():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(None, tensor_parallel_size=0)
