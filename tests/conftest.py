@@ -17,7 +17,8 @@ from jaxpage.benchmarks.tiny_models import TINY_COMMON_CONFIG, TINY_FAMILIES, Ti
 __all__ = ["TINY_COMMON_CONFIG", "TINY_FAMILIES"]
 
 # Eight simulated CPU devices for the tensor-parallel tests, in the test process and the commands it starts (never in
-# jaxpage itself); everything else runs on the first. XLA reads the flag when jax first initializes its backend (no import above does).
+# jaxpage itself); everything else runs on the first. XLA reads the flag when jax first initializes its backend
+# (no import above does).
 SIMULATED_DEVICES = 8
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED_DEVICES}"
