@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpage import parallel
+from jaxpage.benchmarks.hlo_collectives import KINDS, executed
 from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
 from jaxpage.llm import LLM
 from jaxpage.sampling_params import SamplingParams
@@ -40,6 +41,10 @@ def model_dir(tmp_path_factory):
         return made[key]
 
     return get
+
+
+def executed_counts(all_reduce: int = 0, all_gather: int = 0) -> dict[str, int]:
+    return dict.fromkeys(KINDS, 0) | {"all-reduce": all_reduce, "all-gather": all_gather}
 
 
 def prompts(n: int = 5) -> list[dict]:
@@ -120,10 +125,18 @@ def test_kv_head_copies_follow_the_query_heads(model_dir):
 def test_nothing_compiles_after_warmup(model_dir):
     llm = LLM(model_dir(2), **ARGS, tensor_parallel_size=4)
     llm.engine.warmup()
-    compiled = llm.engine.runner.num_compilations
+    runner = llm.engine.runner
+    compiled = runner.num_compilations
+    # Megatron's communication, read from the compiled programs: two all-reduces per layer and one for the
+    # embedding in every forward pass; the sampler's all-gather of the logits; nothing else.
+    layers = llm.engine.model_config.num_layers
+    for shape, forward in runner.executables.items():
+        assert executed(forward.as_text()) == executed_counts(all_reduce=2 * layers + 1), shape
+    for rows_k, sampler in runner.samplers.items():
+        assert executed(sampler.as_text()) == executed_counts(all_gather=1), rows_k
     llm.generate(prompts(), GREEDY)
     llm.generate(prompts(3), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=1))
-    assert llm.engine.runner.num_compilations == compiled
+    assert runner.num_compilations == compiled
 
 
 def test_sampling_matches_one_device(model_dir):

@@ -27,6 +27,17 @@ def test_bench_device_tiny_mode_runs_every_part():
     assert report["jaxpage"]["output_tokens"] == report["hf_continuous"]["output_tokens"] > 0
 
 
+def test_bench_parallel_tiny_mode_reports_each_layout():
+    command = [sys.executable, "scripts/bench_parallel.py", "--tiny", "--tp", "1,4", "--max-tokens", "8"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, four = json.loads(result.stdout.splitlines()[-1])["layouts"]
+    assert one["forward_all_reduces"] == one["sampler_all_gathers"] == 0
+    assert four["forward_all_reduces_per_layer"] == 2 and four["sampler_all_gathers"] == 1
+    assert four["kv_bytes_per_token_per_device"] == one["kv_bytes_per_token_per_device"] // 2  # 2 KV heads, 4 copies
+    assert 1 <= four["weight_ratio_to_stored_over_tp"] < 1.1 and four["same_tokens_as_tp1"]
+
+
 def test_kv_plot_writes_a_png(tmp_path):
     path = tmp_path / "kv.png"
     plot_kv_run(path, [0.5, 1.0, 1.5], [0.97, 0.98, 0.99], [2, 5, 3], [10, 30, 20], 40, contiguous_requests=2)

@@ -1,0 +1,181 @@
+"""Parallel layouts side by side: per-device bytes, step time, tokens/s and the compiled step's collectives.
+
+    python scripts/bench_parallel.py [--model SRC] [--devices 8] [--tp 1,3] [--requests 8] [--max-tokens 32]
+    python scripts/bench_parallel.py --tiny     # a tiny random model (8 heads, 2 KV heads), TP 1, 2, 4, 8
+
+On a CPU the devices are simulated (XLA's --xla_force_host_platform_device_count=--devices, set here before jax
+starts): every "device" shares the same cores, so step times show the overhead of a layout, not its scaling; real
+scaling figures come from a machine with several accelerators. Per layout (tensor_parallel_size):
+  weights    bytes on each device (the most any holds), against the stored model's / TP (KV heads copied to the
+             shards that read them, and the norms and o/down biases every device holds whole, come on top)
+  KV         bytes per token on each device (KV heads copied to the shards that read them count), and the pool's
+  collectives all-reduces and all-gathers one run of the compiled forward pass and sampler executes, read from the
+             optimized HLO with the layer loop's trip count (Megatron: 2 all-reduces per layer + 1 for the embedding;
+             the sampler's all-gather of the logits)
+  speed      --requests random prompts (seeded) generated greedily to --max-tokens each: tokens/s, the median
+             decode step, and compile seconds (warm-up, no compilation cache)
+Greedy outputs are compared with TP 1's. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="anything load_model takes (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (CPU only)")
+    parser.add_argument("--tp", default=None, help="tensor_parallel_size values (default: 1,3; --tiny: 1,2,4,8)")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the script anywhere")
+    return parser.parse_args()
+
+
+def record_decode_steps(engine) -> list[float]:
+    """The device seconds of each decode-only step `engine` runs from now on (appended to the list returned)."""
+    seconds: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        outputs = step()
+        stats = engine.last_step_stats
+        if stats is not None and stats.num_decodes == stats.num_seqs:
+            seconds.append(stats.device_s)
+        return outputs
+
+    engine.step = timed_step
+    return seconds
+
+
+def main() -> None:
+    args = parse_args()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:  # before jax starts its backend
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
+
+    import jax
+    import numpy as np
+
+    from jaxpage import parallel
+    from jaxpage.benchmarks.hlo_collectives import executed
+    from jaxpage.benchmarks.progress import log
+    from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
+    from jaxpage.llm import LLM
+    from jaxpage.models.llama import param_shapes
+    from jaxpage.sampling_params import SamplingParams
+
+    model = args.model
+    if args.tiny:
+        family = TinyFamily("tp-bench", "LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2))
+        model = str(write_tiny_model(family, Path(tempfile.mkdtemp(prefix="jaxpage-bench-parallel-"))))
+    sizes = [int(x) for x in (args.tp or ("1,2,4,8" if args.tiny else "1,3")).split(",")]
+    rng = np.random.default_rng(0)
+    engine_args = dict(
+        skip_tokenizer_init=True,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=256,
+        compilation_cache_dir=None,
+    )
+    log(f"{len(jax.devices())} {jax.devices()[0].platform} devices; layouts: tensor_parallel_size {sizes}")
+    rows, reference = [], None
+    for tp in sizes:
+        llm = LLM(model, **engine_args, tensor_parallel_size=tp)
+        engine, runner = llm.engine, llm.engine.runner
+        vocab = engine.model_config.vocab_size
+        if reference is None:
+            prompts = [
+                {"prompt_token_ids": rng.integers(3, vocab, args.prompt_len).tolist()} for _ in range(args.requests)
+            ]
+        start = time.perf_counter()
+        engine.warmup()
+        compile_s = time.perf_counter() - start
+        held = parallel.device_bytes(runner.params)
+        total = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.params))
+        # The model as stored, without the KV heads' copies (these are overhead of the layout).
+        dtype = jax.tree.leaves(runner.params)[0].dtype
+        stored = sum(
+            math.prod(x.shape) * dtype.itemsize for x in jax.tree.leaves(param_shapes(engine.model_config, dtype))
+        )
+        specs = jax.tree.leaves(
+            parallel.param_specs(runner.params), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )
+        whole = sum(
+            leaf.nbytes for leaf, spec in zip(jax.tree.leaves(runner.params), specs, strict=True) if not any(spec)
+        )
+        pool = parallel.device_bytes(runner.kv_cache)
+        tokens_in_pool = runner.kv_cache.num_pages * runner.kv_cache.page_size
+        shape = next(s for s in runner.shapes if s.kind == "decode")
+        forward = executed(runner.executables[shape].as_text())
+        sampler = executed(runner.samplers[shape.sample_rows, 0].as_text())
+        decode_s = record_decode_steps(engine)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        reference = reference or tokens
+        layers = engine.model_config.num_layers
+        row = dict(
+            tensor_parallel_size=tp,
+            weight_bytes_per_device=max(held.values()),
+            weight_bytes_total=total,
+            weight_bytes_stored_model=stored,
+            weight_bytes_whole_on_every_device=whole,
+            weight_ratio_to_stored_over_tp=max(held.values()) / (stored / tp),
+            kv_heads_in_pool=runner.kv_cache.k.shape[3],
+            kv_bytes_per_token_per_device=max(pool.values()) // tokens_in_pool,
+            kv_pool_bytes_per_device=max(pool.values()),
+            forward_all_reduces=forward["all-reduce"],
+            forward_all_reduces_per_layer=(forward["all-reduce"] - (1 if tp > 1 else 0)) / layers,
+            sampler_all_gathers=sampler["all-gather"],
+            other_collectives={
+                k: v for k, v in (forward | sampler).items() if k not in ("all-reduce", "all-gather") and v
+            },
+            compile_s=compile_s,
+            tokens_per_s=sum(map(len, tokens)) / seconds,
+            decode_step_s=statistics.median(decode_s) if decode_s else None,
+            same_tokens_as_tp1=tokens == reference,
+        )
+        rows.append(row)
+        log(
+            f"TP {tp}: weights {row['weight_bytes_per_device'] / 2**20:.1f} MiB/device "
+            f"({row['weight_ratio_to_stored_over_tp']:.3f} x stored model / TP), "
+            f"KV {row['kv_bytes_per_token_per_device']} B/token/device, all-reduces {forward['all-reduce']}"
+            " per forward, "
+            f"{row['tokens_per_s']:.1f} tokens/s, "
+            f"same tokens as TP 1: {row['same_tokens_as_tp1']}"
+        )
+        del llm, engine, runner
+    columns = ("TP", "MiB/dev", "x model/TP", "KV B/tok/dev", "AR/fwd", "AR/layer", "AG/smp", "tok/s", "decode s")
+    print(" ".join(f"{c:>12}" for c in columns), "compile s", "same")
+    for r in rows:
+        values = (
+            r["tensor_parallel_size"],
+            f"{r['weight_bytes_per_device'] / 2**20:.1f}",
+            f"{r['weight_ratio_to_stored_over_tp']:.3f}",
+            r["kv_bytes_per_token_per_device"],
+            r["forward_all_reduces"],
+            f"{r['forward_all_reduces_per_layer']:.2f}",
+            r["sampler_all_gathers"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['decode_step_s'] or float('nan'):.4f}",
+        )
+        print(" ".join(f"{v:>12}" for v in values), f"{r['compile_s']:>9.1f}", r["same_tokens_as_tp1"])
+    print(json.dumps(dict(model=model or "SmolLM2-135M-Instruct", devices=len(jax.devices()), layouts=rows)))
+    sys.exit(0 if all(r["same_tokens_as_tp1"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
