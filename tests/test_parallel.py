@@ -150,6 +150,23 @@ def test_sampling_matches_one_device(model_dir):
         np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_under_tensor_parallelism(model_dir, method):
+    """Verify steps (and a draft model's proposals, the target as its own draft, split like it) on the shards: the
+    one-device greedy tokens, and the draft model's tokens all accepted."""
+    directory = model_dir(2)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec |= {"model": directory} if method == "draft_model" else {"prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    repetitive = [{"prompt_token_ids": ([7, 8, 9, 10] * 6)[: 12 + i]} for i in range(3)]
+    want = [o.outputs[0].token_ids for o in LLM(directory, **ARGS).generate(repetitive, GREEDY)]
+    llm = LLM(directory, **ARGS, tensor_parallel_size=2, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(repetitive, GREEDY)] == want
+    stats = llm.engine.spec_decoding_stats
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "tp", "message"),
     [
