@@ -114,7 +114,7 @@ class AsyncEngine:
         """Requests waiting: sequences not yet admitted and requests still in the loop's inbox."""
         with self._lock:
             inbox = sum(kind == "add" for kind, _ in self._inbox)
-        return len(self.engine.scheduler.waiting) + inbox
+        return self.engine.num_waiting() + inbox
 
     def abort(self, request_id: str) -> None:
         """Aborts the request at the loop's next turn (without waiting for a step); its stream ends with the final

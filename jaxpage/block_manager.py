@@ -103,6 +103,20 @@ class BlockManager:
         seq.num_computed_tokens = len(hashes) * ps
         return seq.num_computed_tokens
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of a prompt that match_prefix would find in the prefix cache now (nothing changes)."""
+        if not self.enable_prefix_caching:
+            return 0
+        ps, parent, found = self.page_size, None, 0
+        for i in range((len(token_ids) - 1) // ps):
+            tokens = tuple(token_ids[i * ps : (i + 1) * ps])
+            key = hash_page(parent, tokens)
+            page = self._hash_to_page.get(key)
+            if page is None or self._page_key[page][1] != tokens:
+                break
+            found, parent = found + ps, key
+        return found
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make seq.block_table cover token positions [0, seq.num_computed_tokens + num_new_tokens).
 

@@ -59,6 +59,9 @@ def _add_parallel_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="devices to split the model over, as Megatron (default 1)"
     )
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=1, help="replicas of the model, each its own pages (default 1)"
+    )
 
 
 def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +221,7 @@ def _generate(args) -> None:
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
@@ -301,6 +305,7 @@ def _engine_args(args) -> dict:
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
 
 

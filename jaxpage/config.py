@@ -195,6 +195,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     # Tensor parallelism (jaxpage.parallel): the model split over this many devices, Megatron-style; 1: one device.
     tensor_parallel_size: int = 1
+    # Data parallelism: this many replicas of the model (each tensor_parallel_size devices), each with its own pages
+    # and scheduler state, stepping together; new requests go where their prefix is cached, else to the least loaded.
+    data_parallel_size: int = 1
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = (
@@ -255,3 +258,9 @@ class EngineConfig:
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
+        put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
+        if self.data_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError(
+                "engine argument speculative_config: speculative decoding runs without data parallelism "
+                f"(data_parallel_size is {self.data_parallel_size})"
+            )

@@ -26,6 +26,7 @@ from jaxpage.drafter import Draft, Drafter
 from jaxpage.model_runner import CompiledShape, ModelRunner
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpage.replica import Replica, choose_replica
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
@@ -148,6 +149,7 @@ class Request:
     completions: list[CompletionOutput]
     metrics: RequestMetrics
     error: str | None = None
+    replica: int = 0  # the data-parallel replica it runs on (jaxpage.replica)
 
     def output(self) -> RequestOutput:
         finished = all(c.finish_reason is not None for c in self.completions)
@@ -167,8 +169,8 @@ class LLMEngine:
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
         # Tensor parallelism: each device receives its shards of the weights as they load (jaxpage.parallel).
-        tp = config.tensor_parallel_size
-        self.mesh = parallel.make_mesh(tp) if tp > 1 else None
+        tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
         placement = None if self.mesh is None else parallel.placement(self.mesh)
         self.model_config, params = load_model(
             config.model, dtype=config.dtype, load_format=config.load_format, sharding=placement
@@ -213,8 +215,10 @@ class LLMEngine:
             token_bytes += self.attention_backend.kv_bytes_per_token(draft[0], dtype_bytes)
         tp = config.tensor_parallel_size
         device_token_bytes = token_bytes // tp  # each device holds its shard's KV heads
-        # A device's budget and memory are its own, but simulated CPU devices share the host's.
-        budget_token_bytes = token_bytes if jax.default_backend() == "cpu" else device_token_bytes
+        # A device's budget and memory are its own, but simulated CPU devices share the host's: every shard of every
+        # data-parallel replica (each replica has num_pages pages).
+        cpu = jax.default_backend() == "cpu"
+        budget_token_bytes = token_bytes * config.data_parallel_size if cpu else device_token_bytes
         num_pages = kv_pool_pages(config, budget_token_bytes, self.max_model_len)
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
@@ -234,10 +238,10 @@ class LLMEngine:
             config.page_size,
             num_pages * config.page_size * token_bytes / 2**30,
         )
-        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
-        )
+        self._scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+        self._num_pages = num_pages
+        self.replicas: list[Replica] = []  # one per data-parallel replica: its pages and scheduler state
+        self._new_replicas()
         spec = config.speculative_config
         self.drafter = None if spec is None else Drafter(spec, self.max_model_len)
         self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
@@ -356,10 +360,11 @@ class LLMEngine:
             if taken:
                 raise ValueError(f"request_id {', '.join(map(describe, taken))} is already in use; nothing was queued")
             for request in requests:
+                request.replica = choose_replica(self.replicas, request.prompt_token_ids)
                 self._requests[request.request_id] = request
                 for seq in request.seqs:
                     self._request_of_seq[seq.seq_id] = request
-                    self.scheduler.add(seq)
+                    self.replicas[request.replica].scheduler.add(seq)
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
@@ -447,16 +452,19 @@ class LLMEngine:
         """
         with self._lock:
             start = time.perf_counter()
-            drafts = {}
+            drafts = {}  # speculative decoding runs without data parallelism: on the one replica
             if self.drafter is not None and self.scheduler.can_draft():
                 drafts = self._drafts_that_pay(self.drafter.propose(self.scheduler.running))
-            output = self.scheduler.schedule({seq_id: draft.token_ids for seq_id, draft in drafts.items()} or None)
-            if not output.scheduled:
+            proposed = {seq_id: draft.token_ids for seq_id, draft in drafts.items()} or None
+            steps = [r.scheduler.schedule(proposed if i == 0 else None) for i, r in enumerate(self.replicas)]
+            if not any(o.scheduled for o in steps):
                 return self._take_ended()
+            output = steps[0]
             scheduled = time.perf_counter()
-            num_sampled = sum(item.samples for item in output.scheduled)  # before the new tokens are appended
+            every = [item for o in steps for item in o.scheduled]
+            num_sampled = sum(item.samples for item in every)  # before the new tokens are appended
             now = time.time()
-            for item in output.scheduled:
+            for item in every:
                 metrics = self._request_of_seq[item.seq.seq_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
@@ -468,20 +476,30 @@ class LLMEngine:
                 if drafting:  # the draft model runs only in steps that verify its drafts
                     self.draft_runner.catch_up(output)
                     output, draft_probs = self.draft_runner.propose(output)
-                result = self.runner.execute(output, draft_probs)
+                    steps[0] = output
+                results = self.runner.execute_replicas(steps, draft_probs)
                 if drafting:  # the step's seconds include the draft model's
-                    result = dataclasses.replace(result, device_s=time.perf_counter() - started - result.prepare_s)
+                    results[0] = dataclasses.replace(
+                        results[0], device_s=time.perf_counter() - started - results[0].prepare_s
+                    )
             except Exception as e:  # not a request's fault: every request was checked when it was added
                 logger.exception("engine step failed; every unfinished request ends with this error")
                 self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
                 return self._take_ended()
-            self.scheduler.commit(output, result.num_accepted.tolist())
+            for replica, output, result in zip(self.replicas, steps, results, strict=True):
+                replica.scheduler.commit(output, result.num_accepted.tolist())
+            result = results[0]
             self.speculation_policy.observe_step(result.shape, result.device_s)
             now = time.time()
             progressed: dict[str, Request] = {}
-            num_draft_tokens = sum(len(item.draft_token_ids) for item in output.scheduled)
+            num_draft_tokens = sum(len(item.draft_token_ids) for item in every)
             num_accepted_tokens = 0
-            for row, item in enumerate(output.scheduled):
+            rows = [
+                (replica, row, item, result)
+                for replica, output, result in zip(self.replicas, steps, results, strict=True)
+                for row, item in enumerate(output.scheduled)
+            ]
+            for replica, row, item, result in rows:
                 request = self._request_of_seq.get(item.seq.seq_id)
                 if not item.samples or request is None:  # None: the request failed earlier in this loop
                     continue
@@ -500,7 +518,7 @@ class LLMEngine:
                         if item.seq.status is SequenceStatus.FINISHED:  # a stop in the middle of the draft
                             break
                     else:
-                        self.block_manager.cache_full_pages(item.seq)  # pages full of accepted drafts
+                        replica.block_manager.cache_full_pages(item.seq)  # pages full of accepted drafts
                 except Exception as e:  # this request's own failure: it ends, the others go on
                     logger.exception("request %r failed", request.request_id)
                     self._end_request(request, "error", f"{type(e).__name__}: {e}")
@@ -515,15 +533,13 @@ class LLMEngine:
                     del self._requests[request.request_id]
                 outputs.append(out)
             self.last_step_stats = StepStats(
-                num_seqs=len(output.scheduled),
-                num_tokens=output.num_batched_tokens,
-                num_decodes=sum(item.num_new_tokens == 1 for item in output.scheduled),
+                num_seqs=len(every),
+                num_tokens=sum(o.num_batched_tokens for o in steps),
+                num_decodes=sum(item.num_new_tokens == 1 for item in every),
                 num_draft_tokens=num_draft_tokens,
                 num_accepted_tokens=num_accepted_tokens,
                 num_sampled=num_sampled,
-                num_attended_keys=sum(
-                    attended_keys(item, self.model_config.sliding_window) for item in output.scheduled
-                ),
+                num_attended_keys=sum(attended_keys(item, self.model_config.sliding_window) for item in every),
                 shape=str(result.shape),
                 schedule_s=scheduled - start,
                 prepare_s=result.prepare_s,
@@ -578,10 +594,7 @@ class LLMEngine:
         bookkeeping start afresh (the failed step may have consumed the donated pool)."""
         for request in list(self._requests.values()):
             self._end_request(request, "error", error)
-        self.block_manager = BlockManager(
-            self.block_manager.num_pages, self.block_manager.page_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(self.scheduler.config, self.block_manager)
+        self._new_replicas()
         self.runner.reset_kv_cache()
         if self.draft_runner is not None:
             self.draft_runner.reset_kv_cache()
@@ -624,8 +637,44 @@ class LLMEngine:
                 held = max(map(len, params.stop)) - 1
                 completion.text = completion.text[: len(completion.text) - held] if held else completion.text
 
+    def _new_replicas(self) -> None:
+        """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
+        c = self.config
+        self.replicas[:] = [
+            Replica.new(self._num_pages, c.page_size, c.enable_prefix_caching, self._scheduler_config)
+            for _ in range(c.data_parallel_size)
+        ]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (with data parallelism, the first replica's: see `replicas`)."""
+        return self.replicas[0].scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The page bookkeeping (with data parallelism, the first replica's: see `replicas`)."""
+        return self.replicas[0].block_manager
+
+    def num_running(self) -> int:
+        return sum(len(r.scheduler.running) for r in self.replicas)
+
+    def num_waiting(self) -> int:
+        return sum(len(r.scheduler.waiting) for r in self.replicas)
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV pages in use (the null pages not counted), over every replica."""
+        used = sum(r.block_manager.num_used_pages for r in self.replicas)
+        return used / max(sum(r.block_manager.num_pages - 1 for r in self.replicas), 1)
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there), over every replica."""
+        return (
+            sum(r.scheduler.num_prefix_query_tokens for r in self.replicas),
+            sum(r.scheduler.num_prefix_hit_tokens for r in self.replicas),
+        )
+
     def _finish_seq(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.FINISHED:
-            self.scheduler.finish(seq)
+            self.replicas[self._request_of_seq[seq.seq_id].replica].scheduler.finish(seq)
         self.speculation_policy.forget(seq.seq_id)
         self._request_of_seq.pop(seq.seq_id, None)

@@ -30,11 +30,9 @@ class EngineCounts:
         self.engine = engine
 
     def collect(self):
-        scheduler = self.engine.scheduler
-        yield _counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", scheduler.num_prefix_query_tokens
-        )
-        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", scheduler.num_prefix_hit_tokens)
+        queries, hits = self.engine.prefix_cache_counts()
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
         stats = self.engine.spec_decoding_stats
         if stats is not None:
             yield _counter("spec_decode_num_drafts", "Drafts verified", stats.num_drafts)
@@ -57,13 +55,12 @@ def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
 class ServerMetrics:
     def __init__(self, engine: LLMEngine):
         self.registry = registry = CollectorRegistry()
-        scheduler, blocks = engine.scheduler, engine.block_manager
         running = Gauge(PREFIX + "num_requests_running", "Sequences running", registry=registry)
-        running.set_function(lambda: len(scheduler.running))
+        running.set_function(engine.num_running)
         waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting", registry=registry)
-        waiting.set_function(lambda: len(scheduler.waiting))
+        waiting.set_function(engine.num_waiting)
         usage = Gauge(PREFIX + "kv_cache_usage_perc", "Share of the KV pages in use (1 = all)", registry=registry)
-        usage.set_function(lambda: blocks.num_used_pages / max(blocks.num_pages - 1, 1))
+        usage.set_function(engine.kv_cache_usage)
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of the requests served", registry=registry
         )

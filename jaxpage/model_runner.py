@@ -31,7 +31,7 @@ from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build
-from jaxpage.parallel import POOL_SPEC, TP_AXIS, local_params, param_specs, shard_config
+from jaxpage.parallel import DATA_AXIS, POOL_SPEC, TP_AXIS, local_params, param_specs, shard_config
 from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
@@ -40,6 +40,7 @@ from jaxpage.step_shapes import StepShape, step_shapes
 
 logger = logging.getLogger("jaxpage")
 
+REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel replicas: one each
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
 DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
@@ -142,15 +143,19 @@ class ModelRunner:
         self.params = params
         self.backend = backend
         dtype = params["embed_tokens"]["embedding"].dtype
-        # Tensor parallelism (jaxpage.parallel): every program runs one shard's model per device under shard_map.
-        self.mesh = mesh if mesh is not None and mesh.shape[TP_AXIS] > 1 else None
+        # Several devices (jaxpage.parallel): every program runs one shard's model per device under shard_map, each
+        # data-parallel replica on its own step (the step's arrays stacked over the replicas) and its own pages.
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.tensor_parallel_size = 1 if self.mesh is None else self.mesh.shape[TP_AXIS]
+        self.data_parallel_size = 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
+        self.pages_per_replica = num_pages
         self._param_specs = param_specs(params)
         self._pool_specs = KVCache(POOL_SPEC, POOL_SPEC)
-        shard = config if self.mesh is None else shard_config(config, self.tensor_parallel_size)
-        tp_axis = None if self.mesh is None else TP_AXIS
+        split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
+        shard = shard_config(config, self.tensor_parallel_size) if split else config
+        tp_axis = TP_AXIS if split else None
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
-        self._pool_shape = backend.pool_shape(config, num_pages, page_size)
+        self._pool_shape = backend.pool_shape(config, num_pages * self.data_parallel_size, page_size)
         self._fill_pool = None  # the program that makes a zeroed K or V pool
         self.kv_cache = self._allocate_pool(dtype)
         self.page_size = page_size
@@ -184,14 +189,25 @@ class ModelRunner:
     # ----- device side -----
 
     def _on_shards(self, fn, in_specs: tuple, out_specs):
-        """fn (whose first argument is the parameters) as each device runs it under tensor parallelism: its shard of
-        the parameters, the pool and the arrays as `in_specs` say (P(): whole), under shard_map; fn itself
-        without."""
+        """fn (whose first argument is the parameters) as each device runs it on several devices: its shard of the
+        parameters, the pool and the arrays as `in_specs` say, under shard_map; fn itself on one device. Arrays
+        stacked over the data-parallel replicas (spec REPLICAS) reach fn as the device's replica's (and its results
+        under REPLICAS are stacked back)."""
         if self.mesh is None:
             return fn
 
+        def unstack(tree):
+            return jax.tree.map(lambda x: x[0], tree)
+
         def on_shard(params, *args):
-            return fn(local_params(params), *args)
+            args = [unstack(a) if spec == REPLICAS else a for a, spec in zip(args, in_specs, strict=True)]
+            out = fn(local_params(params) if self.tensor_parallel_size > 1 else params, *args)
+            if out_specs == REPLICAS:
+                return jax.tree.map(lambda x: x[None], out)
+            return tuple(
+                jax.tree.map(lambda x: x[None], o) if spec == REPLICAS else o
+                for o, spec in zip(out, out_specs, strict=True)
+            )
 
         specs = (self._param_specs, *in_specs)
         # check_vma off: the attention loops carry values that vary over the shards from initial values that do
@@ -210,10 +226,10 @@ class ModelRunner:
             return hidden[step.logits_indices], kv_cache
 
         pool = self._pool_specs
-        return self._on_shards(forward, (pool, P()), (P(), pool))(params, kv_cache, step)
+        return self._on_shards(forward, (pool, REPLICAS), (REPLICAS, pool))(params, kv_cache, step)
 
     def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
-        return self._on_shards(self._sample_on_shard, (P(), P()), P())(params, hidden, inputs)
+        return self._on_shards(self._sample_on_shard, (REPLICAS, REPLICAS), REPLICAS)(params, hidden, inputs)
 
     def _sample_on_shard(self, params, hidden: jax.Array, inputs: SampleInput):
         """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
@@ -251,7 +267,7 @@ class ModelRunner:
         into the null page."""
         pool = self._pool_specs
         propose = functools.partial(self._propose_on_shard, k=k)
-        return self._on_shards(propose, (pool, P()), (P(), P(), pool))(params, kv_cache, inputs)
+        return self._on_shards(propose, (pool, REPLICAS), (REPLICAS, REPLICAS, pool))(params, kv_cache, inputs)
 
     def _propose_on_shard(self, params, kv_cache: KVCache, inputs: ProposeInput, k: int):
         rows = inputs.token_ids.shape[0]
@@ -298,7 +314,10 @@ class ModelRunner:
         pass."""
         rows, k = shape.sample_rows, shape.num_draft_positions
         _, inputs = self._padding_input(shape)
-        hidden = jax.ShapeDtypeStruct((rows * (k + 1), self.config.hidden_size), self.kv_cache.k.dtype)
+        hidden_shape = (rows * (k + 1), self.config.hidden_size)
+        if self.mesh is not None:
+            hidden_shape = (self.data_parallel_size, *hidden_shape)
+        hidden = jax.ShapeDtypeStruct(hidden_shape, self.kv_cache.k.dtype)
         args = (self.params, hidden, inputs)
         what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
@@ -307,7 +326,7 @@ class ModelRunner:
 
     def compile_proposer(self, shape: StepShape) -> jax.stages.Compiled:
         """A draft model's proposal for `shape`'s rows and k, as `compile` gets the forward pass."""
-        args = (self.params, self.kv_cache, self._propose_input([], shape))
+        args = (self.params, self.kv_cache, self._stacked([self._propose_input([], shape)]))
         k = shape.num_draft_positions
         executable = self._load_or_compile(
             CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile()
@@ -334,9 +353,11 @@ class ModelRunner:
         assert shape.kind == "verify", shape
         proposer = self.proposers.get(shape) or self.compile_proposer(shape)
         tokens, probs, self.kv_cache = proposer(
-            self.params, self.kv_cache, self._propose_input(output.scheduled, shape)
+            self.params, self.kv_cache, self._stacked([self._propose_input(output.scheduled, shape)])
         )
         tokens = np.asarray(tokens)
+        if self.mesh is not None:  # one replica (speculative decoding runs without data parallelism)
+            tokens = tokens[0]
         k = shape.num_draft_positions
         for item in output.scheduled:  # K/V written: the last token's and the first k - 1 drafts' (when reserved)
             item.seq.num_draft_computed_tokens = item.num_computed_tokens + min(k, 1 + len(item.draft_token_ids))
@@ -374,7 +395,7 @@ class ModelRunner:
         shape = self.shape_for(output)
         step, _ = self.prepare(output, shape)
         forward = self.executables.get(shape) or self.compile(shape)
-        _, self.kv_cache = forward(self.params, self.kv_cache, step)
+        _, self.kv_cache = forward(self.params, self.kv_cache, self._stacked([step]))
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
         """The program `what` from the compilation cache, else compile_it() (kept in the cache). Its key: `static`
@@ -492,27 +513,69 @@ class ModelRunner:
         return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, draft_probs)
 
     def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
-        """A step of `shape` with no sequence in it."""
-        return self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
+        """A step of `shape` with no sequence in it (for every replica, stacked, on several devices)."""
+        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
+        return self._stacked([empty] * self.data_parallel_size)
 
-    def execute(self, output: SchedulerOutput, draft_probs: jax.Array | None = None) -> StepOutput:
-        """Runs the step (draft_probs: from `propose` of the draft model, for its verify step)."""
-        if output.page_copies:
-            self.copy_pages(output.page_copies)
+    def _stacked(self, per_replica: list):
+        """On several devices: the replicas' step arrays stacked on a leading axis (spec REPLICAS); on one, the one
+        replica's as they are."""
+        if self.mesh is None:
+            return per_replica[0]
+        assert len(per_replica) == self.data_parallel_size, (len(per_replica), self.data_parallel_size)
+        if len(per_replica) == 1:
+            return jax.tree.map(lambda x: x[None], per_replica[0])
+        return jax.tree.map(lambda *xs: np.stack(xs), *per_replica)
+
+    def shape_for_replicas(self, outputs: list[SchedulerOutput]) -> StepShape:
+        """The smallest shape that holds every replica's step: decode if each is decode-only (or empty), else
+        mixed (speculative decoding runs without data parallelism)."""
+        if len(outputs) == 1:
+            return self.shape_for(outputs[0])
+        assert not any(item.draft_token_ids for o in outputs for item in o.scheduled)
+        if all(item.num_new_tokens == 1 for o in outputs for item in o.scheduled):
+            return self.smallest_shape("decode", max(len(o.scheduled) for o in outputs))
+        return self.smallest_shape("mixed", max(max(o.num_batched_tokens, len(o.scheduled)) for o in outputs))
+
+    def execute_replicas(
+        self, outputs: list[SchedulerOutput], draft_probs: jax.Array | None = None
+    ) -> list[StepOutput]:
+        """Runs one step of every data-parallel replica (an output each, in order; empty ones are padding), as one
+        program over the devices: their results, in order. draft_probs: from `propose` of the draft model, for its
+        verify step (one replica)."""
+        copies = [
+            (src + r * self.pages_per_replica, dst + r * self.pages_per_replica)
+            for r, output in enumerate(outputs)
+            for src, dst in output.page_copies
+        ]
+        if copies:  # in the whole pool, whose pages each replica has a range of
+            self.copy_pages(copies)
         start = time.perf_counter()
-        shape = self.shape_for(output)
-        step, sample_input = self.prepare(output, shape, draft_probs)
+        shape = self.shape_for_replicas(outputs)
+        prepared = [self.prepare(output, shape, draft_probs if self.mesh is None else None) for output in outputs]
+        step, sample_input = self._stacked(prepared)
+        if self.mesh is not None and draft_probs is not None:  # from propose: stacked already
+            sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
         dispatched = time.perf_counter()
         forward = self.executables.get(shape) or self.compile(shape)
         sampler = self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
         hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
         token_ids, num_accepted, logprobs = sampler(self.params, hidden, sample_input)
-        count = len(output.scheduled)
-        logprobs = tuple(np.asarray(x)[:count] for x in logprobs) if sample_input.want_logprobs else (None, None, None)
-        token_ids, num_accepted = np.asarray(token_ids)[:count], np.asarray(num_accepted)[:count]
-        return StepOutput(
-            token_ids, num_accepted, *logprobs, shape, dispatched - start, time.perf_counter() - dispatched
-        )
+        want_logprobs = any(bool(s.want_logprobs) for _, s in prepared)
+        token_ids, num_accepted = np.asarray(token_ids), np.asarray(num_accepted)
+        logprobs = tuple(np.asarray(x) for x in logprobs) if want_logprobs else (None, None, None)
+        if self.mesh is None:  # one replica: give its results the replica axis they have on several devices
+            token_ids, num_accepted = token_ids[None], num_accepted[None]
+            logprobs = tuple(x if x is None else x[None] for x in logprobs)
+        device_s = time.perf_counter() - dispatched
+        results = []
+        for r, output in enumerate(outputs):
+            count = len(output.scheduled)
+            mine = tuple(x if x is None else x[r, :count] for x in logprobs)
+            results.append(
+                StepOutput(token_ids[r, :count], num_accepted[r, :count], *mine, shape, dispatched - start, device_s)
+            )
+        return results
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""

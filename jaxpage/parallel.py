@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpage.config import ModelConfig
 
 MESH_AXES = ("data", "model")
+DATA_AXIS = "data"
 TP_AXIS = "model"
 
 # The sharded axis of each parameter that is split (see jaxpage.models.llama for the tree); the rest is replicated.
@@ -61,19 +62,23 @@ _KV_PROJECTIONS = {
     for n in ("k_proj", "v_proj")
     for p in ("kernel", "bias")
 }
-POOL_SPEC = P(None, None, None, TP_AXIS, None)  # [layers, pages, page_size, kv_heads, head_dim]
+# [layers, pages, page_size, kv_heads, head_dim]: each data-parallel replica its own range of pages (its page p is
+# page replica * pages_per_replica + p of the whole pool), each shard its KV heads.
+POOL_SPEC = P(None, DATA_AXIS, None, TP_AXIS, None)
 
 
-def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
-    """The mesh ("data", "model") of shape (1, tensor_parallel_size) over the first devices; ValueError when there
-    are fewer."""
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices: list | None = None) -> Mesh:
+    """The mesh ("data", "model") of shape (data_parallel_size, tensor_parallel_size) over the first devices;
+    ValueError when there are fewer."""
     devices = jax.devices() if devices is None else devices
-    if tensor_parallel_size > len(devices):
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if tp * dp > len(devices):
+        layout = f"tensor_parallel_size {tp}" + (f" x data_parallel_size {dp}" if dp > 1 else "")
         raise ValueError(
-            f"engine argument tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} devices, but "
-            f"{len(devices)} {devices[0].platform} device(s) are visible"
+            f"engine argument {layout} needs {tp * dp} devices, but {len(devices)} {devices[0].platform} device(s) "
+            "are visible"
         )
-    return Mesh(np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), MESH_AXES)
+    return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), MESH_AXES)
 
 
 def check_divisible(config: ModelConfig, tp: int) -> None:

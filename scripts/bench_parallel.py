@@ -1,20 +1,22 @@
 """Parallel layouts side by side: per-device bytes, step time, tokens/s and the compiled step's collectives.
 
-    python scripts/bench_parallel.py [--model SRC] [--devices 8] [--tp 1,3] [--requests 8] [--max-tokens 32]
-    python scripts/bench_parallel.py --tiny     # a tiny random model (8 heads, 2 KV heads), TP 1, 2, 4, 8
+    python scripts/bench_parallel.py [--model SRC] [--devices 8] [--layouts 1x1,3x1,1x2,3x2] [--requests 8]
+        [--max-tokens 32]
+    python scripts/bench_parallel.py --tiny     # a tiny random model (8 heads, 2 KV heads): 1x1,2x1,4x1,8x1,1x2,2x2
 
 On a CPU the devices are simulated (XLA's --xla_force_host_platform_device_count=--devices, set here before jax
 starts): every "device" shares the same cores, so step times show the overhead of a layout, not its scaling; real
-scaling figures come from a machine with several accelerators. Per layout (tensor_parallel_size):
+scaling figures come from a machine with several accelerators. Per layout TPxDP (tensor_parallel_size x
+data_parallel_size):
   weights    bytes on each device (the most any holds), against the stored model's / TP (KV heads copied to the
              shards that read them, and the norms and o/down biases every device holds whole, come on top)
   KV         bytes per token on each device (KV heads copied to the shards that read them count), and the pool's
   collectives all-reduces and all-gathers one run of the compiled forward pass and sampler executes, read from the
              optimized HLO with the layer loop's trip count (Megatron: 2 all-reduces per layer + 1 for the embedding;
-             the sampler's all-gather of the logits)
+             the sampler's all-gather of the logits; data parallelism adds none)
   speed      --requests random prompts (seeded) generated greedily to --max-tokens each: tokens/s, the median
              decode step, and compile seconds (warm-up, no compilation cache)
-Greedy outputs are compared with TP 1's. The last line is one JSON object.
+Greedy outputs are compared with the first layout's. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="anything load_model takes (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (CPU only)")
-    parser.add_argument("--tp", default=None, help="tensor_parallel_size values (default: 1,3; --tiny: 1,2,4,8)")
+    parser.add_argument("--layouts", default=None, help="TPxDP, comma-separated (default 1x1,3x1,1x2,3x2)")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -79,7 +81,8 @@ def main() -> None:
     if args.tiny:
         family = TinyFamily("tp-bench", "LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2))
         model = str(write_tiny_model(family, Path(tempfile.mkdtemp(prefix="jaxpage-bench-parallel-"))))
-    sizes = [int(x) for x in (args.tp or ("1,2,4,8" if args.tiny else "1,3")).split(",")]
+    default = "1x1,2x1,4x1,8x1,1x2,2x2" if args.tiny else "1x1,3x1,1x2,3x2"
+    layouts = [tuple(int(n) for n in layout.split("x")) for layout in (args.layouts or default).split(",")]
     rng = np.random.default_rng(0)
     engine_args = dict(
         skip_tokenizer_init=True,
@@ -88,10 +91,10 @@ def main() -> None:
         max_num_batched_tokens=256,
         compilation_cache_dir=None,
     )
-    log(f"{len(jax.devices())} {jax.devices()[0].platform} devices; layouts: tensor_parallel_size {sizes}")
+    log(f"{len(jax.devices())} {jax.devices()[0].platform} devices; layouts TPxDP: {layouts}")
     rows, reference = [], None
-    for tp in sizes:
-        llm = LLM(model, **engine_args, tensor_parallel_size=tp)
+    for tp, dp in layouts:
+        llm = LLM(model, **engine_args, tensor_parallel_size=tp, data_parallel_size=dp)
         engine, runner = llm.engine, llm.engine.runner
         vocab = engine.model_config.vocab_size
         if reference is None:
@@ -129,6 +132,7 @@ def main() -> None:
         layers = engine.model_config.num_layers
         row = dict(
             tensor_parallel_size=tp,
+            data_parallel_size=dp,
             weight_bytes_per_device=max(held.values()),
             weight_bytes_total=total,
             weight_bytes_stored_model=stored,
@@ -146,23 +150,23 @@ def main() -> None:
             compile_s=compile_s,
             tokens_per_s=sum(map(len, tokens)) / seconds,
             decode_step_s=statistics.median(decode_s) if decode_s else None,
-            same_tokens_as_tp1=tokens == reference,
+            same_tokens_as_first=tokens == reference,
         )
         rows.append(row)
         log(
-            f"TP {tp}: weights {row['weight_bytes_per_device'] / 2**20:.1f} MiB/device "
+            f"{tp}x{dp}: weights {row['weight_bytes_per_device'] / 2**20:.1f} MiB/device "
             f"({row['weight_ratio_to_stored_over_tp']:.3f} x stored model / TP), "
             f"KV {row['kv_bytes_per_token_per_device']} B/token/device, all-reduces {forward['all-reduce']}"
             " per forward, "
             f"{row['tokens_per_s']:.1f} tokens/s, "
-            f"same tokens as TP 1: {row['same_tokens_as_tp1']}"
+            f"same tokens as {layouts[0][0]}x{layouts[0][1]}: {row['same_tokens_as_first']}"
         )
         del llm, engine, runner
-    columns = ("TP", "MiB/dev", "x model/TP", "KV B/tok/dev", "AR/fwd", "AR/layer", "AG/smp", "tok/s", "decode s")
+    columns = ("TPxDP", "MiB/dev", "x model/TP", "KV B/tok/dev", "AR/fwd", "AR/layer", "AG/smp", "tok/s", "decode s")
     print(" ".join(f"{c:>12}" for c in columns), "compile s", "same")
     for r in rows:
         values = (
-            r["tensor_parallel_size"],
+            f"{r['tensor_parallel_size']}x{r['data_parallel_size']}",
             f"{r['weight_bytes_per_device'] / 2**20:.1f}",
             f"{r['weight_ratio_to_stored_over_tp']:.3f}",
             r["kv_bytes_per_token_per_device"],
@@ -172,9 +176,9 @@ def main() -> None:
             f"{r['tokens_per_s']:.1f}",
             f"{r['decode_step_s'] or float('nan'):.4f}",
         )
-        print(" ".join(f"{v:>12}" for v in values), f"{r['compile_s']:>9.1f}", r["same_tokens_as_tp1"])
+        print(" ".join(f"{v:>12}" for v in values), f"{r['compile_s']:>9.1f}", r["same_tokens_as_first"])
     print(json.dumps(dict(model=model or "SmolLM2-135M-Instruct", devices=len(jax.devices()), layouts=rows)))
-    sys.exit(0 if all(r["same_tokens_as_tp1"] for r in rows) else 1)
+    sys.exit(0 if all(r["same_tokens_as_first"] for r in rows) else 1)
 
 
 if __name__ == "__main__":

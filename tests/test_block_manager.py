@@ -439,8 +439,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _admit(self, seq):
         bm, ps = self.bm, self.bm.page_size
+        foreseen = bm.cached_prefix_tokens(seq.token_ids[: seq.num_prompt_tokens])  # data-parallel routing: no change
         matched = bm.match_prefix(seq)
-        assert matched == seq.num_computed_tokens == len(seq.block_table) * ps
+        assert matched == foreseen == seq.num_computed_tokens == len(seq.block_table) * ps
         assert matched <= (seq.num_prompt_tokens - 1) // ps * ps
         assert matched == 0 or bm.enable_prefix_caching
         view = self._device_view()

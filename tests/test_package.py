@@ -92,6 +92,7 @@ HOST_MODULES = [
     "jaxpage.drafter",
     "jaxpage.speculation_policy",
     "jaxpage.step_shapes",
+    "jaxpage.replica",
 ]
 
 

@@ -1,6 +1,6 @@
-"""Tensor parallelism on 8 simulated CPU devices (conftest sets XLA's device count): greedy outputs token-identical to
-one device, parameters and pages really split, KV heads copied where there are fewer than shards, clear errors, and
-nothing compiled after warm-up."""
+"""Tensor and data parallelism on 8 simulated CPU devices (conftest sets XLA's device count): greedy outputs
+token-identical to one device, parameters and pages really split, KV heads copied where there are fewer than shards,
+each replica its own pages, requests routed by prefix and load, clear errors, and nothing compiled after warm-up."""
 
 from __future__ import annotations
 
@@ -122,8 +122,9 @@ def test_kv_head_copies_follow_the_query_heads(model_dir):
         np.testing.assert_array_equal(k_split[:, :, shard], k_one[:, :, shard // queries_per_kv])
 
 
-def test_nothing_compiles_after_warmup(model_dir):
-    llm = LLM(model_dir(2), **ARGS, tensor_parallel_size=4)
+@pytest.mark.parametrize(("tp", "dp"), [(4, 1), (2, 2)])
+def test_nothing_compiles_after_warmup(model_dir, tp, dp):
+    llm = LLM(model_dir(2), **ARGS, tensor_parallel_size=tp, data_parallel_size=dp)
     llm.engine.warmup()
     runner = llm.engine.runner
     compiled = runner.num_compilations
@@ -186,3 +187,51 @@ def test_layouts_that_do_not_divide_are_refused(tmp_path, heads, kv_heads, tp, m
 def test_the_engine_argument_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(None, tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2), (2, 4)])
+def test_data_parallel_replicas_give_one_devices_tokens(model_dir, tp, dp):
+    directory = model_dir(2)
+    many = prompts(9)
+    want = [o.outputs[0].token_ids for o in LLM(directory, **ARGS).generate(many, GREEDY)]
+    llm = LLM(directory, **ARGS, tensor_parallel_size=tp, data_parallel_size=dp)
+    engine = llm.engine
+    assert [o.outputs[0].token_ids for o in llm.generate(many, GREEDY)] == want
+    # Each replica has its own range of the pool's pages, split over its TP shards by KV heads.
+    pool = engine.runner.kv_cache.k
+    assert pool.shape[1] == dp * engine.block_manager.num_pages
+    assert pool.sharding.is_equivalent_to(NamedSharding(engine.mesh, parallel.POOL_SPEC), pool.ndim)
+    assert set(parallel.device_bytes(engine.runner.kv_cache).values()) == {2 * pool.nbytes // (tp * dp)}
+    assert len(engine.replicas) == dp
+    assert all(r.block_manager.num_used_pages == 0 for r in engine.replicas)  # every page back
+
+
+def test_requests_go_to_the_replica_with_their_prefix_else_the_least_loaded(model_dir):
+    llm = LLM(model_dir(2), **ARGS | dict(max_num_seqs=8), data_parallel_size=2)
+    engine = llm.engine
+    shared = [(3 * j) % 90 + 3 for j in range(24)]  # six full pages of 4 tokens
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = engine.prepare_request("first", {"prompt_token_ids": shared + [5]}, params)
+    engine.add_prepared_requests([first])
+    while engine.has_unfinished_requests():
+        engine.step()  # its pages stay in replica 0's prefix cache
+    others = [engine.prepare_request(f"other-{i}", prompts(5)[i], params) for i in range(4)]
+    again = engine.prepare_request("again", {"prompt_token_ids": shared + [6, 7]}, params)
+    engine.add_prepared_requests(others + [again])
+    assert first.replica == 0
+    assert [r.replica for r in others] == [0, 1, 0, 1]  # least loaded, ties to the lowest index
+    assert again.replica == 0  # its prefix is cached there, although replica 0 is not less loaded
+    while engine.has_unfinished_requests():
+        engine.step()
+    hits = engine.replicas[0].scheduler.num_prefix_hit_tokens
+    assert hits >= 20 and engine.replicas[1].scheduler.num_prefix_hit_tokens == 0
+
+
+def test_speculative_decoding_is_refused_with_data_parallelism(model_dir):
+    with pytest.raises(ValueError, match="speculative decoding runs without data parallelism"):
+        LLM(
+            model_dir(2),
+            **ARGS,
+            data_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )

@@ -28,14 +28,17 @@ def test_bench_device_tiny_mode_runs_every_part():
 
 
 def test_bench_parallel_tiny_mode_reports_each_layout():
-    command = [sys.executable, "scripts/bench_parallel.py", "--tiny", "--tp", "1,4", "--max-tokens", "8"]
+    command = [sys.executable, "scripts/bench_parallel.py", "--tiny", "--layouts", "1x1,4x1,1x2", "--max-tokens", "8"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    one, four = json.loads(result.stdout.splitlines()[-1])["layouts"]
+    one, four, replicas = json.loads(result.stdout.splitlines()[-1])["layouts"]
     assert one["forward_all_reduces"] == one["sampler_all_gathers"] == 0
     assert four["forward_all_reduces_per_layer"] == 2 and four["sampler_all_gathers"] == 1
     assert four["kv_bytes_per_token_per_device"] == one["kv_bytes_per_token_per_device"] // 2  # 2 KV heads, 4 copies
-    assert 1 <= four["weight_ratio_to_stored_over_tp"] < 1.1 and four["same_tokens_as_tp1"]
+    assert 1 <= four["weight_ratio_to_stored_over_tp"] < 1.1 and four["same_tokens_as_first"]
+    # Data parallelism: no collective, each replica's devices hold the whole model and their own pages.
+    assert replicas["forward_all_reduces"] == replicas["sampler_all_gathers"] == 0 and not replicas["other_collectives"]
+    assert replicas["weight_ratio_to_stored_over_tp"] == 1 and replicas["same_tokens_as_first"]
 
 
 def test_kv_plot_writes_a_png(tmp_path):

@@ -1,0 +1,39 @@
+"""Data-parallel replicas: each its own page pool (a range of the device pool's pages) and scheduler state, and the
+routing of a new request to one of them. Host-only (no jax).
+
+A request goes to the replica that holds the longest prefix of its prompt in its prefix cache; where none holds any,
+to the least loaded (fewest sequences running and waiting); ties to the lowest index. It stays there: its pages,
+its preemptions and its recomputation all happen on that replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpage.block_manager import BlockManager
+from jaxpage.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclasses.dataclass
+class Replica:
+    block_manager: BlockManager
+    scheduler: Scheduler
+
+    @classmethod
+    def new(cls, num_pages: int, page_size: int, enable_prefix_caching: bool, config: SchedulerConfig) -> Replica:
+        block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+        return cls(block_manager, Scheduler(config, block_manager))
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+
+def choose_replica(replicas: list[Replica], prompt_token_ids: list[int]) -> int:
+    """The index of the replica a new request with this prompt goes to (see the module docstring)."""
+    if len(replicas) == 1:
+        return 0
+    hits = [r.block_manager.cached_prefix_tokens(prompt_token_ids) for r in replicas]
+    best = max(hits)
+    candidates = [i for i, h in enumerate(hits) if h == best]
+    return min(candidates, key=lambda i: (replicas[i].load, i))
