@@ -208,19 +208,25 @@ def test_cli_speculative_config_gives_the_same_greedy_results(tiny_dir, tmp_path
     assert results["spec"] == results["plain"] and len(results["plain"]) == len(PROMPTS)
 
 
-def test_cli_tensor_parallel_gives_the_same_greedy_results(tiny_dir, tmp_path):
-    """`jaxpage batch --tensor-parallel-size 2` over two of the simulated devices (tests/conftest.py): the same
-    greedy completions as one device; a size the devices cannot hold is refused with a clear message."""
+def test_cli_parallel_layouts_give_the_same_greedy_results(tiny_dir, tmp_path):
+    """`jaxpage batch --tensor-parallel-size 2` and `--data-parallel-size 2` over the simulated devices
+    (tests/conftest.py): the same greedy completions as one device; a size the devices cannot hold is refused with a
+    clear message."""
     lines = [completion_line(f"r{i}", p, max_tokens=12) for i, p in enumerate(PROMPTS)]
     write_lines(tmp_path / "in.jsonl", lines)
     results = {}
-    for tp in ("1", "2"):
-        out = tmp_path / f"tp{tp}.jsonl"
-        command = batch_command(tiny_dir, tmp_path / "in.jsonl", out) + ["--tensor-parallel-size", tp]
-        result = subprocess.run(command, capture_output=True, text=True)
+    for name, options in (
+        ("one", []),
+        ("tp2", ["--tensor-parallel-size", "2"]),
+        ("dp2", ["--data-parallel-size", "2"]),
+    ):
+        out = tmp_path / f"{name}.jsonl"
+        result = subprocess.run(
+            batch_command(tiny_dir, tmp_path / "in.jsonl", out) + options, capture_output=True, text=True
+        )
         assert result.returncode == 0, result.stderr
-        results[tp] = {k: choices(r) for k, r in read_records(out).items()}
-    assert results["2"] == results["1"] and len(results["1"]) == len(PROMPTS)
+        results[name] = {k: choices(r) for k, r in read_records(out).items()}
+    assert results["tp2"] == results["dp2"] == results["one"] and len(results["one"]) == len(PROMPTS)
     command = batch_command(tiny_dir, tmp_path / "in.jsonl", tmp_path / "x.jsonl") + ["--tensor-parallel-size", "16"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
