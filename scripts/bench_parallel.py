@@ -118,7 +118,7 @@ def main() -> None:
             leaf.nbytes for leaf, spec in zip(jax.tree.leaves(runner.params), specs, strict=True) if not any(spec)
         )
         pool = parallel.device_bytes(runner.kv_cache)
-        tokens_in_pool = runner.kv_cache.num_pages * runner.kv_cache.page_size
+        tokens_in_pool = runner.pages_per_replica * runner.kv_cache.page_size  # what one device holds pages of
         shape = next(s for s in runner.shapes if s.kind == "decode")
         forward = executed(runner.executables[shape].as_text())
         sampler = executed(runner.samplers[shape.sample_rows, 0].as_text())

@@ -39,6 +39,7 @@ def test_bench_parallel_tiny_mode_reports_each_layout():
     # Data parallelism: no collective, each replica's devices hold the whole model and their own pages.
     assert replicas["forward_all_reduces"] == replicas["sampler_all_gathers"] == 0 and not replicas["other_collectives"]
     assert replicas["weight_ratio_to_stored_over_tp"] == 1 and replicas["same_tokens_as_first"]
+    assert replicas["kv_bytes_per_token_per_device"] == one["kv_bytes_per_token_per_device"]
 
 
 def test_kv_plot_writes_a_png(tmp_path):
