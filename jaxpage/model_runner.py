@@ -446,15 +446,18 @@ class ModelRunner:
 
     # ----- host side -----
 
-    def shape_for(self, output: SchedulerOutput) -> StepShape:
-        """The smallest shape of the step's kind: verify if some sequence brings draft tokens (the scheduler keeps
-        those to steps without prefill), else decode if every sequence has one new token, else mixed."""
-        count = len(output.scheduled)
-        if any(item.draft_token_ids for item in output.scheduled):
-            return self.smallest_shape("verify", count)
-        if all(item.num_new_tokens == 1 for item in output.scheduled):
-            return self.smallest_shape("decode", count)
-        return self.smallest_shape("mixed", output.num_batched_tokens)
+    def shape_for(self, *outputs: SchedulerOutput) -> StepShape:
+        """The smallest shape of the step's kind that holds it (or each data-parallel replica's step, all padded to
+        one shape): verify if some sequence brings draft tokens (the scheduler keeps those to steps without
+        prefill; speculative decoding runs without data parallelism), else decode if every sequence has one new
+        token, else mixed."""
+        items = [item for output in outputs for item in output.scheduled]
+        rows = max(len(output.scheduled) for output in outputs)
+        if any(item.draft_token_ids for item in items):
+            return self.smallest_shape("verify", rows)
+        if all(item.num_new_tokens == 1 for item in items):
+            return self.smallest_shape("decode", rows)
+        return self.smallest_shape("mixed", max(output.num_batched_tokens for output in outputs))
 
     def smallest_shape(self, kind: str, size: int) -> StepShape:
         """The smallest shape of `kind` for `size` sequences (decode, verify) or tokens (mixed)."""
@@ -462,9 +465,7 @@ class ModelRunner:
             s for s in self.shapes if s.kind == kind and (s.num_tokens if kind == "mixed" else s.num_rows) >= size
         )
 
-    def prepare(
-        self, output: SchedulerOutput, shape: StepShape, draft_probs: jax.Array | None = None
-    ) -> tuple[StepInput, SampleInput]:
+    def prepare(self, output: SchedulerOutput, shape: StepShape) -> tuple[StepInput, SampleInput]:
         """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's (with a draft model's
         distributions, for a verify step with drafts from a draft model)."""
         items = output.scheduled
@@ -508,14 +509,18 @@ class ModelRunner:
         )
         attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
         step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1))
-        if draft_probs is None and self.draft_probs and k:
-            draft_probs = np.zeros((shape.sample_rows, k, self.config.vocab_size), np.float32)
-        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, draft_probs)
+        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts)
 
     def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
-        """A step of `shape` with no sequence in it (for every replica, stacked, on several devices)."""
+        """A step of `shape` with no sequence in it (for every replica, stacked, on several devices), with a draft
+        model's distributions (zeros) where its verify steps take them."""
         empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
-        return self._stacked([empty] * self.data_parallel_size)
+        step, inputs = self._stacked([empty] * self.data_parallel_size)
+        k = shape.num_draft_positions
+        if self.draft_probs and k:
+            probs = np.zeros((shape.sample_rows, k, self.config.vocab_size), np.float32)
+            inputs = dataclasses.replace(inputs, draft_probs=self._stacked([probs] * self.data_parallel_size))
+        return step, inputs
 
     def _stacked(self, per_replica: list):
         """On several devices: the replicas' step arrays stacked on a leading axis (spec REPLICAS); on one, the one
@@ -523,19 +528,7 @@ class ModelRunner:
         if self.mesh is None:
             return per_replica[0]
         assert len(per_replica) == self.data_parallel_size, (len(per_replica), self.data_parallel_size)
-        if len(per_replica) == 1:
-            return jax.tree.map(lambda x: x[None], per_replica[0])
         return jax.tree.map(lambda *xs: np.stack(xs), *per_replica)
-
-    def shape_for_replicas(self, outputs: list[SchedulerOutput]) -> StepShape:
-        """The smallest shape that holds every replica's step: decode if each is decode-only (or empty), else
-        mixed (speculative decoding runs without data parallelism)."""
-        if len(outputs) == 1:
-            return self.shape_for(outputs[0])
-        assert not any(item.draft_token_ids for o in outputs for item in o.scheduled)
-        if all(item.num_new_tokens == 1 for o in outputs for item in o.scheduled):
-            return self.smallest_shape("decode", max(len(o.scheduled) for o in outputs))
-        return self.smallest_shape("mixed", max(max(o.num_batched_tokens, len(o.scheduled)) for o in outputs))
 
     def execute_replicas(
         self, outputs: list[SchedulerOutput], draft_probs: jax.Array | None = None
@@ -551,10 +544,10 @@ class ModelRunner:
         if copies:  # in the whole pool, whose pages each replica has a range of
             self.copy_pages(copies)
         start = time.perf_counter()
-        shape = self.shape_for_replicas(outputs)
-        prepared = [self.prepare(output, shape, draft_probs if self.mesh is None else None) for output in outputs]
+        shape = self.shape_for(*outputs)
+        prepared = [self.prepare(output, shape) for output in outputs]
         step, sample_input = self._stacked(prepared)
-        if self.mesh is not None and draft_probs is not None:  # from propose: stacked already
+        if draft_probs is not None:  # from propose, on the device (stacked on several devices, as propose runs)
             sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
         dispatched = time.perf_counter()
         forward = self.executables.get(shape) or self.compile(shape)

@@ -1,6 +1,8 @@
-"""Tensor parallelism on a JAX mesh with axes ("data", "model"): how parameters and the KV pool are split.
+"""Several devices: a JAX mesh with axes ("data", "model"), and how parameters and the KV pool are split over it.
 
-Megatron's split, over the mesh axis "model" (TP shards):
+Data parallelism (axis "data") gives each replica its own range of the pool's pages and the whole model (see
+jaxpage.replica and ModelRunner.execute_replicas). Tensor parallelism splits the model as Megatron does, over the
+axis "model" (TP shards):
     q/k/v projections and gate/up      by output columns (heads, intermediate features)
     o and down projections             by input rows (heads, intermediate features)
     embedding and LM head              by vocabulary
@@ -17,7 +19,7 @@ copied at load time to the tensor_parallel_size / kv_heads shards whose query he
 tensor_parallel_size KV heads (`with_replicated_kv_heads`), one per shard, and the pool and its budget hold the
 copies. Nothing is repeated at run time.
 
-Parameters are placed shard by shard while they load (jaxpage.models.loader takes `param_shardings`): no device ever
+Parameters are placed shard by shard while they load (`placement` gives load_model's `sharding`): no device ever
 holds the whole model.
 """
 
