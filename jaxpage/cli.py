@@ -62,6 +62,14 @@ def _add_parallel_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-parallel-size", type=int, default=1, help="replicas of the model, each its own pages (default 1)"
     )
+    hosts = parser.add_argument_group(
+        "several hosts",
+        "run the same command on every host, with its own --process-id: process 0 does the job, the others follow "
+        "it (jax.distributed; an option left out is for JAX to find, as on a TPU pod)",
+    )
+    hosts.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, reachable by all")
+    hosts.add_argument("--num-processes", type=int, help="processes in all, one per host")
+    hosts.add_argument("--process-id", type=int, help="this process's index, 0 to --num-processes - 1")
 
 
 def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +206,26 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _distributed_args(args) -> dict:
+    return dict(
+        coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id
+    )
+
+
+def _follows(args) -> bool:
+    """Several hosts: joins the other processes. On a process other than 0, follows process 0's engine until it
+    shuts down and returns True: the command's own job is process 0's."""
+    from jaxpage import distributed
+    from jaxpage.config import EngineConfig
+
+    config = EngineConfig(**_distributed_args(args))  # checks them
+    distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+    if distributed.is_leader():
+        return False
+    distributed.follow()
+    return True
+
+
 def _generate(args) -> None:
     from jaxpage.sampling_params import SamplingParams
 
@@ -211,6 +239,8 @@ def _generate(args) -> None:
     )
     _check_prompt(args.prompt)
     _quiet_transformers()
+    if _follows(args):
+        return
     from jaxpage.llm import LLM
     from jaxpage.tokenizer import encode_prompt
 
@@ -222,6 +252,7 @@ def _generate(args) -> None:
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        **_distributed_args(args),
     )
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
@@ -306,11 +337,14 @@ def _engine_args(args) -> dict:
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        **_distributed_args(args),
     )
 
 
 def _batch(args) -> None:
     _quiet_transformers()
+    if _follows(args):
+        return
     from jaxpage.batch import BatchError, run_batch
 
     try:
@@ -328,6 +362,8 @@ def _serve(args) -> None:
         value = getattr(args, option)
         if value is not None and value < 0:
             raise CommandError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
+    if _follows(args):
+        return
     from jaxpage.server import serve
 
     serve(

@@ -198,6 +198,12 @@ class EngineConfig:
     # Data parallelism: this many replicas of the model (each tensor_parallel_size devices), each with its own pages
     # and scheduler state, stepping together; new requests go where their prefix is cached, else to the least loaded.
     data_parallel_size: int = 1
+    # Several hosts (jaxpage.distributed): one process per host, joined by jax.distributed.initialize with these
+    # (None: for JAX to find, e.g. on a TPU pod; JAX reads $JAX_COORDINATOR_ADDRESS itself). Process 0 serves; the
+    # others follow it (LLMEngine.follow). All None and no $JAX_COORDINATOR_ADDRESS: one process.
+    coordinator_address: str | None = None  # host:port of process 0's coordination service
+    num_processes: int | None = None
+    process_id: int | None = None
 
     CPU_KV_CACHE_BYTES = 2 << 30
     ATTENTION_IMPLS = (
@@ -259,6 +265,16 @@ class EngineConfig:
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
         put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
+        if self.coordinator_address is not None:
+            address = self.coordinator_address
+            host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                fail(arg("coordinator_address"), "host:port", address, wrong_type=not isinstance(address, str))
+        if self.num_processes is not None:
+            put("num_processes", check_int(arg("num_processes"), self.num_processes, 1))
+        if self.process_id is not None:
+            limit = None if self.num_processes is None else self.num_processes - 1
+            put("process_id", check_int(arg("process_id"), self.process_id, 0, limit))
         if self.data_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(
                 "engine argument speculative_config: speculative decoding runs without data parallelism "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
-from jaxpage import parallel
+from jaxpage import distributed, parallel
 from jaxpage.attention_backend import AttentionBackend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
@@ -32,6 +34,7 @@ from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
 from jaxpage.spec_decode_stats import SpecDecodingStats
 from jaxpage.speculation_policy import SpeculationPolicy
+from jaxpage.step_broadcast import Message, StepBroadcast
 from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
 from jaxpage.validation import INT32_MAX, ArgumentTypeError, check_number, check_text, describe, fail, is_int
 
@@ -53,7 +56,7 @@ def kv_pool_pages(engine: EngineConfig, token_bytes: int, max_model_len: int) ->
             if available is not None and available < 2 * budget:  # a small machine: half of what is left
                 budget = available // 2
         else:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}
             budget = int(stats.get("bytes_limit", 0) * engine.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
         useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
         pages = min(budget // page_bytes, useful, INT32_MAX // engine.page_size)
@@ -71,7 +74,7 @@ def available_memory_bytes() -> int | None:
     """Memory the KV pool can still take: the device's free memory on GPU/TPU, the host's available memory on CPU
     (None where it cannot be told)."""
     if jax.default_backend() != "cpu":
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
     try:
         with open("/proc/meminfo") as f:
@@ -163,6 +166,13 @@ class LLMEngine:
     """The serving engine: `add_request`, then `step` until `has_unfinished_requests` is False."""
 
     def __init__(self, config: EngineConfig):
+        # Several hosts (jaxpage.distributed): every process builds process 0's engine; the others then `follow`.
+        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        self.channel = StepBroadcast() if jax.process_count() > 1 else None
+        if self.channel is not None:
+            config = self.channel.share_config(config)
+        self.is_leader = distributed.is_leader()
+        self._stopped = False
         self.config = config
         self.attention_backend = AttentionBackend.resolve(config.attention_impl)
         self.compilation_cache = None
@@ -183,7 +193,9 @@ class LLMEngine:
             draft = parallel.as_run(*draft, self.mesh)
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
-            tokenizer = None if config.skip_tokenizer_init else background.submit(load_tokenizer, config.model)
+            # A follower never sees a request: it needs no tokenizer.
+            wanted = self.is_leader and not config.skip_tokenizer_init
+            tokenizer = background.submit(load_tokenizer, config.model) if wanted else None
             self._start(config, target, draft)
             self.tokenizer = tokenizer.result() if tokenizer else None
         if draft is not None and self.tokenizer is not None:
@@ -199,6 +211,8 @@ class LLMEngine:
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self._ids_lock = threading.Lock()  # sequence ids and seeds, drawn by prepare_request outside the step's lock
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
+        if self.channel is not None and self.is_leader:  # the followers must hear that it ends, at exit if not before
+            atexit.register(self.channel.stop)
 
     def _start(self, config: EngineConfig, target: tuple, draft: tuple | None = None) -> None:
         """Sizes and allocates the KV pool (and a draft model's), builds the scheduler and the runner(s). `target`
@@ -219,7 +233,18 @@ class LLMEngine:
         # data-parallel replica (each replica has num_pages pages).
         cpu = jax.default_backend() == "cpu"
         budget_token_bytes = token_bytes * config.data_parallel_size if cpu else device_token_bytes
-        num_pages = kv_pool_pages(config, budget_token_bytes, self.max_model_len)
+        if self.channel is None:
+            num_pages = kv_pool_pages(config, budget_token_bytes, self.max_model_len)
+        else:  # each host measures its own memory: every process takes the smallest pool, or refuses with all
+            try:
+                num_pages, refused = kv_pool_pages(config, budget_token_bytes, self.max_model_len), None
+            except ValueError as e:
+                num_pages, refused = 0, e
+            num_pages = self.channel.agree_min(num_pages)
+            if refused is not None:
+                raise refused
+            if num_pages == 0:
+                raise ValueError("another process's memory cannot hold the KV pool (see its log)")
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         copies = target_config.num_kv_heads // self.model_config.num_kv_heads
@@ -256,11 +281,12 @@ class LLMEngine:
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             max_verify_rows=0 if spec is None else config.max_num_seqs,
         )
+        runner_args |= dict(mesh=self.mesh, channel=self.channel)
         self.runner = ModelRunner(
-            target_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None, mesh=self.mesh
+            target_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None
         )
         self.draft_runner = (
-            None if draft is None else ModelRunner(*draft, self.attention_backend, **runner_args, mesh=self.mesh)
+            None if draft is None else ModelRunner(*draft, self.attention_backend, **runner_args, channel_runner=1)
         )
 
     @classmethod
@@ -296,6 +322,7 @@ class LLMEngine:
     ) -> Request:
         """The checked and tokenized request, not yet queued: add_request's checks (but for a request_id in use,
         which add_prepared_requests checks), without waiting for a step in progress."""
+        self._check_leader("add_request")
         if not isinstance(request_id, str) or not request_id:
             fail("request_id", "a non-empty string", request_id, wrong_type=not isinstance(request_id, str))
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -435,10 +462,65 @@ class LLMEngine:
     def warmup(self) -> list[CompiledShape]:
         """Compiles the step for every shape a workload can reach, so that serving compiles nothing; returns the
         shapes compiled and the seconds each took (a shape already compiled is not compiled again)."""
-        compiled = self.runner.warmup()
-        if self.draft_runner is not None:
-            compiled += self.draft_runner.warmup_draft()
+        self._check_leader("warmup")
+        if self.channel is not None:
+            self.channel.send(Message.WARMUP)
+        return self._warmup()
+
+    def _warmup(self) -> list[CompiledShape]:
+        with self._lockstep():
+            compiled = self.runner.warmup()
+            if self.draft_runner is not None:
+                compiled += self.draft_runner.warmup_draft()
+            if self.channel is not None:
+                runners = [r for r in (self.runner, self.draft_runner) if r is not None]
+                self.channel.warmup(set().union(*(r.payload_sizes() for r in runners)))
         return compiled
+
+    # ----- several hosts -----
+
+    def _lockstep(self):
+        """A section every process runs by itself, in the same order (see StepBroadcast.lockstep)."""
+        return contextlib.nullcontext() if self.channel is None else self.channel.lockstep()
+
+    def _check_leader(self, what: str) -> None:
+        """Raises unless this process leads (process 0, or the only one): `what` is the leader's to call, or
+        after it shuts down."""
+        if self._stopped:
+            raise RuntimeError(f"{what}: the engine has shut down")
+        if not self.is_leader:
+            raise RuntimeError(
+                f"{what}: process {jax.process_index()} of {jax.process_count()} follows process 0, which takes the "
+                "requests; call follow() here"
+            )
+
+    def follow(self) -> None:
+        """On a process other than 0: runs every program process 0's engine launches, as it tells them (see
+        jaxpage.step_broadcast), until it shuts down."""
+        if self.is_leader:
+            raise RuntimeError("follow: this is process 0, which leads; the other processes follow it")
+        runners = (self.runner, self.draft_runner)
+        draft_probs = None
+        while True:
+            header, data = self.channel.receive()
+            if header.kind is Message.STOP:
+                self._stopped = True
+                return
+            if header.kind is Message.WARMUP:
+                self._warmup()
+            else:
+                try:
+                    draft_probs = runners[header.runner].replay(header, data, draft_probs)
+                except Exception:  # the leader's launch fails too, and it resets the pool next
+                    logger.exception("following process 0: %s failed", header.kind.name)
+
+    def shutdown(self) -> None:
+        """Ends the engine: step and add_request refuse after it. With several hosts, process 0's shutdown tells the
+        others, whose `follow` returns (at exit, if not called before)."""
+        with self._lock:
+            if self.channel is not None:
+                self.channel.stop()
+            self._stopped = True
 
     # ----- the step -----
 
@@ -451,6 +533,7 @@ class LLMEngine:
         blamed: every unfinished request ends with that error, the pool is made anew, and the engine serves on.
         """
         with self._lock:
+            self._check_leader("step")
             start = time.perf_counter()
             drafts = {}  # speculative decoding runs without data parallelism: on the one replica
             if self.drafter is not None and self.scheduler.can_draft():

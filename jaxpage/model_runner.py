@@ -36,6 +36,7 @@ from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import ScheduledSequence, SchedulerOutput
+from jaxpage.step_broadcast import Header, Message, StepBroadcast, unpack
 from jaxpage.step_shapes import StepShape, step_shapes
 
 logger = logging.getLogger("jaxpage")
@@ -44,6 +45,12 @@ REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel rep
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
 DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """A result on the host. One that spans the devices of several processes is whole on each device (gathered or
+    replicated): this process reads its own copy."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
@@ -137,6 +144,8 @@ class ModelRunner:
         max_verify_rows: int = 0,
         draft_probs: bool = False,
         mesh: jax.sharding.Mesh | None = None,
+        channel: StepBroadcast | None = None,
+        channel_runner: int = 0,
     ):
         self.config = config  # the whole model's (with_replicated_kv_heads under tensor parallelism)
         self.compilation_cache = compilation_cache
@@ -149,6 +158,11 @@ class ModelRunner:
         self.tensor_parallel_size = 1 if self.mesh is None else self.mesh.shape[TP_AXIS]
         self.data_parallel_size = 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
         self.pages_per_replica = num_pages
+        # Several hosts (jaxpage.step_broadcast): process 0 tells the others each program it launches, as runner
+        # `channel_runner` (0: the target model's, 1: a draft model's); they `replay` it.
+        self.channel = channel
+        self.channel_runner = channel_runner
+        self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
         self._param_specs = param_specs(params)
         self._pool_specs = KVCache(POOL_SPEC, POOL_SPEC)
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
@@ -188,11 +202,12 @@ class ModelRunner:
 
     # ----- device side -----
 
-    def _on_shards(self, fn, in_specs: tuple, out_specs):
+    def _on_shards(self, fn, in_specs: tuple, out_specs, gather: bool = False):
         """fn (whose first argument is the parameters) as each device runs it on several devices: its shard of the
         parameters, the pool and the arrays as `in_specs` say, under shard_map; fn itself on one device. Arrays
         stacked over the data-parallel replicas (spec REPLICAS) reach fn as the device's replica's (and its results
-        under REPLICAS are stacked back)."""
+        under REPLICAS are stacked back). gather (for results out_specs REPLICAS): every replica's results on every
+        device, so that each process can read them all."""
         if self.mesh is None:
             return fn
 
@@ -203,7 +218,8 @@ class ModelRunner:
             args = [unstack(a) if spec == REPLICAS else a for a, spec in zip(args, in_specs, strict=True)]
             out = fn(local_params(params) if self.tensor_parallel_size > 1 else params, *args)
             if out_specs == REPLICAS:
-                return jax.tree.map(lambda x: x[None], out)
+                out = jax.tree.map(lambda x: x[None], out)
+                return jax.tree.map(lambda x: lax.all_gather(x, DATA_AXIS, tiled=True), out) if gather else out
             return tuple(
                 jax.tree.map(lambda x: x[None], o) if spec == REPLICAS else o
                 for o, spec in zip(out, out_specs, strict=True)
@@ -213,7 +229,8 @@ class ModelRunner:
         # check_vma off: the attention loops carry values that vary over the shards from initial values that do
         # not, which its check refuses; what the programs return whole (P()) is the same on every shard by
         # construction (after an all-reduce or all-gather), as the tests that compare with one device show.
-        return jax.shard_map(on_shard, mesh=self.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+        outs = P() if gather else out_specs
+        return jax.shard_map(on_shard, mesh=self.mesh, in_specs=specs, out_specs=outs, check_vma=False)
 
     def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, max_q_len: int):
         """(hidden states [R * (k + 1), hidden] of the tokens the sampler's rows use, kv_cache with the step's
@@ -229,7 +246,8 @@ class ModelRunner:
         return self._on_shards(forward, (pool, REPLICAS), (REPLICAS, pool))(params, kv_cache, step)
 
     def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
-        return self._on_shards(self._sample_on_shard, (REPLICAS, REPLICAS), REPLICAS)(params, hidden, inputs)
+        sample = self._on_shards(self._sample_on_shard, (REPLICAS, REPLICAS), REPLICAS, gather=self._gather_replicas)
+        return sample(params, hidden, inputs)
 
     def _sample_on_shard(self, params, hidden: jax.Array, inputs: SampleInput):
         """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
@@ -351,11 +369,8 @@ class ModelRunner:
         device, for the target's verification)."""
         shape = self.shape_for(output)
         assert shape.kind == "verify", shape
-        proposer = self.proposers.get(shape) or self.compile_proposer(shape)
-        tokens, probs, self.kv_cache = proposer(
-            self.params, self.kv_cache, self._stacked([self._propose_input(output.scheduled, shape)])
-        )
-        tokens = np.asarray(tokens)
+        tokens, probs = self._run_propose(shape, self._stacked([self._propose_input(output.scheduled, shape)]))
+        tokens = _fetch(tokens)
         if self.mesh is not None:  # one replica (speculative decoding runs without data parallelism)
             tokens = tokens[0]
         k = shape.num_draft_positions
@@ -366,6 +381,12 @@ class ModelRunner:
             for row, item in enumerate(output.scheduled)
         ]
         return dataclasses.replace(output, scheduled=scheduled), probs
+
+    def _run_propose(self, shape: StepShape, inputs: ProposeInput) -> tuple[jax.Array, jax.Array]:
+        self._send(Message.PROPOSE, shape, inputs)
+        proposer = self.proposers.get(shape) or self.compile_proposer(shape)
+        tokens, probs, self.kv_cache = proposer(self.params, self.kv_cache, inputs)
+        return tokens, probs
 
     def catch_up(self, output: SchedulerOutput) -> None:
         """A draft model's pool brought up to the verify step `output` before `propose`: each sequence's tokens
@@ -394,8 +415,12 @@ class ModelRunner:
         output = SchedulerOutput(scheduled=items, page_copies=[])
         shape = self.shape_for(output)
         step, _ = self.prepare(output, shape)
+        self._run_forward(shape, self._stacked([step]))
+
+    def _run_forward(self, shape: StepShape, step: StepInput) -> None:
+        self._send(Message.FORWARD, shape, step)
         forward = self.executables.get(shape) or self.compile(shape)
-        _, self.kv_cache = forward(self.params, self.kv_cache, self._stacked([step]))
+        _, self.kv_cache = forward(self.params, self.kv_cache, step)
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
         """The program `what` from the compilation cache, else compile_it() (kept in the cache). Its key: `static`
@@ -405,6 +430,8 @@ class ModelRunner:
         if self.compilation_cache is not None:
             static = (self.config, self.backend, what.shape) if static is None else static
             static = (*static, self.tensor_parallel_size)
+            if jax.process_count() > 1:  # each process compiles its own part of the program
+                static = (*static, "process", jax.process_index(), jax.process_count())
             key = program_key(what.program, static, args)
             devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
             executable = self.compilation_cache.load(key, devices)
@@ -514,13 +541,18 @@ class ModelRunner:
     def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
         """A step of `shape` with no sequence in it (for every replica, stacked, on several devices), with a draft
         model's distributions (zeros) where its verify steps take them."""
-        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
-        step, inputs = self._stacked([empty] * self.data_parallel_size)
+        step, inputs = self._step_template(shape)
         k = shape.num_draft_positions
         if self.draft_probs and k:
             probs = np.zeros((shape.sample_rows, k, self.config.vocab_size), np.float32)
             inputs = dataclasses.replace(inputs, draft_probs=self._stacked([probs] * self.data_parallel_size))
         return step, inputs
+
+    def _step_template(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
+        """The arrays of a step of `shape` with no sequence in it, for every replica (stacked, on several devices),
+        without a draft model's distributions."""
+        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
+        return self._stacked([empty] * self.data_parallel_size)
 
     def _stacked(self, per_replica: list):
         """On several devices: the replicas' step arrays stacked on a leading axis (spec REPLICAS); on one, the one
@@ -547,16 +579,14 @@ class ModelRunner:
         shape = self.shape_for(*outputs)
         prepared = [self.prepare(output, shape) for output in outputs]
         step, sample_input = self._stacked(prepared)
+        dispatched = time.perf_counter()
+        self._send(Message.STEP, shape, (step, sample_input), flag=draft_probs is not None)
         if draft_probs is not None:  # from propose, on the device (stacked on several devices, as propose runs)
             sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
-        dispatched = time.perf_counter()
-        forward = self.executables.get(shape) or self.compile(shape)
-        sampler = self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
-        hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
-        token_ids, num_accepted, logprobs = sampler(self.params, hidden, sample_input)
+        token_ids, num_accepted, logprobs = self._run_step(shape, step, sample_input)
         want_logprobs = any(bool(s.want_logprobs) for _, s in prepared)
-        token_ids, num_accepted = np.asarray(token_ids), np.asarray(num_accepted)
-        logprobs = tuple(np.asarray(x) for x in logprobs) if want_logprobs else (None, None, None)
+        token_ids, num_accepted = _fetch(token_ids), _fetch(num_accepted)
+        logprobs = tuple(_fetch(x) for x in logprobs) if want_logprobs else (None, None, None)
         if self.mesh is None:  # one replica: give its results the replica axis they have on several devices
             token_ids, num_accepted = token_ids[None], num_accepted[None]
             logprobs = tuple(x if x is None else x[None] for x in logprobs)
@@ -570,9 +600,65 @@ class ModelRunner:
             )
         return results
 
+    def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput) -> tuple:
+        """The step's forward pass and sampler, launched (see _sample_on_shard for what they return)."""
+        forward = self.executables.get(shape) or self.compile(shape)
+        sampler = self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
+        hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
+        return sampler(self.params, hidden, sample_input)
+
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
+        self._send(Message.RESET)
         self.kv_cache = self._allocate_pool(self.kv_cache.k.dtype)
+
+    # ----- several hosts (jaxpage.step_broadcast) -----
+
+    def _send(self, kind: Message, key: StepShape | int = 0, payload=None, flag: int = 0) -> None:
+        """On process 0 of several: tells the others the program launched next (key: its step shape, or a count)
+        and its host-made arrays."""
+        if self.channel is not None:
+            key = self.shapes.index(key) if isinstance(key, StepShape) else key
+            self.channel.send(kind, self.channel_runner, key, flag, payload)
+
+    def replay(self, header: Header, data: bytes, draft_probs: jax.Array | None = None) -> jax.Array | None:
+        """On a follower: launches the program process 0 launched (its message: header and data) on this process's
+        devices, with the arrays it made. Returns a proposal's distributions (for the verify step that follows, as
+        draft_probs), else None."""
+        kind = header.kind
+        if kind is Message.RESET:
+            self.reset_kv_cache()
+        elif kind is Message.COPY:
+            self._copy(*unpack(data, (np.zeros(header.key, np.int32),) * 2))
+        elif kind is Message.FORWARD:
+            shape = self.shapes[header.key]
+            self._run_forward(shape, unpack(data, self._step_template(shape)[0]))
+        elif kind is Message.PROPOSE:
+            shape = self.shapes[header.key]
+            return self._run_propose(shape, unpack(data, self._stacked([self._propose_input([], shape)])))[1]
+        elif kind is Message.STEP:
+            shape = self.shapes[header.key]
+            step, sample_input = unpack(data, self._step_template(shape))
+            if header.flag:
+                sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
+            self._run_step(shape, step, sample_input)
+        else:
+            raise ValueError(f"a model runner cannot replay message {kind.name}")
+        return None
+
+    def payload_sizes(self) -> set[int]:
+        """The bytes of every message's arrays this runner can send (for StepBroadcast.warmup)."""
+
+        def size(tree) -> int:
+            return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+        sizes = {2 * COPY_CHUNK * np.dtype(np.int32).itemsize}
+        for shape in self.shapes:
+            step, sample_input = self._step_template(shape)
+            sizes |= {size(step), size((step, sample_input))}
+            if shape.kind == "verify":
+                sizes.add(size(self._stacked([self._propose_input([], shape)])))
+        return sizes
 
     def _allocate_pool(self, dtype) -> KVCache:
         """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's (got
@@ -587,6 +673,7 @@ class ModelRunner:
         return KVCache(k=self._fill_pool(), v=self._fill_pool())
 
     def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._send(Message.COPY, len(src), (src, dst))
         if len(src) != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
             self.kv_cache = self._copy_pages_jit(self.kv_cache, src, dst)
             return
