@@ -53,6 +53,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
+    _add_quantization_option(parser)
+
+
+def _add_quantization_option(parser: argparse.ArgumentParser, what: str = "") -> None:
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help=f"int8: {what}weights in int8 with a scale per output channel, quantized as they load (default: off)",
+    )
 
 
 def _add_parallel_option(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
+    _add_quantization_option(convert, "store the ")
     batch = commands.add_parser(
         "batch",
         help="run an OpenAI-format batch file (JSONL); run it again to resume",
@@ -247,6 +258,7 @@ def _generate(args) -> None:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=1,
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
@@ -289,7 +301,7 @@ def _predict(args) -> None:
     from jaxpage.tokenizer import encode_prompt, load_tokenizer
 
     start = time.perf_counter()
-    config, params = load_model(args.model, dtype=args.dtype)
+    config, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     tokenizer = load_tokenizer(args.model)
     loaded = time.perf_counter()
     token_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
@@ -316,7 +328,7 @@ def _convert(args) -> None:
     if source_format(resolve_source(args.source)) == "orbax":
         raise ValueError(f"{args.source} is already a jaxpage checkpoint")
     start = time.perf_counter()
-    config, params = load_model(args.source, dtype=args.dtype)
+    config, params = load_model(args.source, dtype=args.dtype, quantization=args.quantization)
     tokenizer = load_tokenizer(args.source)
     save_checkpoint(destination, config, params)
     tokenizer.save_pretrained(str(destination))
@@ -328,6 +340,7 @@ def _convert(args) -> None:
 def _engine_args(args) -> dict:
     return dict(
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -57,9 +57,15 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: a query sees itself and the sliding_window - 1 keys before it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The weights as stored in the parameters: None (floats) or "int8" (every projection and the embedding: int8
+    # with a float32 scale per output channel, see jaxpage.models.int8).
+    quantization: str | None = None
+
+    QUANTIZATIONS = ("int8",)
 
     def __post_init__(self):
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
+        assert self.quantization is None or self.quantization in self.QUANTIZATIONS, self.quantization
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             assert getattr(self, name) > 0, (name, getattr(self, name))
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
@@ -171,6 +177,9 @@ class EngineConfig:
 
     model: str | None = None  # HF directory, .gguf file, jaxpage checkpoint; None: SmolLM2-135M-Instruct
     dtype: str | None = None  # float32 / bfloat16 / float16; None or "auto": float32 on CPU, bfloat16 elsewhere
+    # "int8": the model's projections and embedding in int8 with a float32 scale per output channel, quantized as
+    # they load (jaxpage.models.int8); None: the weights as stored (a jaxpage checkpoint keeps its own).
+    quantization: str | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16  # tokens per page, 1 to MAX_PAGE_SIZE
     num_pages: int | None = None
@@ -261,6 +270,8 @@ class EngineConfig:
         if self.compilation_cache_dir not in (None, "auto"):
             put("compilation_cache_dir", check_path(arg("compilation_cache_dir"), self.compilation_cache_dir))
         choose("load_format", ("auto", "dummy"))
+        if self.quantization is not None:
+            choose("quantization", ModelConfig.QUANTIZATIONS)
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))

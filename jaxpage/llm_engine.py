@@ -26,6 +26,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.drafter import Draft, Drafter
 from jaxpage.model_runner import CompiledShape, ModelRunner
+from jaxpage.models.llama import params_dtype
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.replica import Replica, choose_replica
@@ -183,7 +184,11 @@ class LLMEngine:
         self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
         placement = None if self.mesh is None else parallel.placement(self.mesh)
         self.model_config, params = load_model(
-            config.model, dtype=config.dtype, load_format=config.load_format, sharding=placement
+            config.model,
+            dtype=config.dtype,
+            load_format=config.load_format,
+            sharding=placement,
+            quantization=config.quantization,
         )
         target = parallel.as_run(self.model_config, params, self.mesh)
         spec = config.speculative_config
@@ -222,7 +227,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
-        dtype_bytes = jax.tree.leaves(params)[0].dtype.itemsize
+        dtype_bytes = params_dtype(params).itemsize
         head_dim = self.attention_backend.pool_head_dim(self.model_config.head_dim)
         token_bytes = self.attention_backend.kv_bytes_per_token(target_config, dtype_bytes)
         if draft is not None:  # the draft model's pool has the same pages: the budget pays for both

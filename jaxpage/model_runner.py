@@ -30,7 +30,7 @@ from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBat
 from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
-from jaxpage.models.llama import Llama, build
+from jaxpage.models.llama import Llama, build, params_dtype
 from jaxpage.parallel import DATA_AXIS, POOL_SPEC, TP_AXIS, local_params, param_specs, shard_config
 from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
@@ -151,7 +151,7 @@ class ModelRunner:
         self.compilation_cache = compilation_cache
         self.params = params
         self.backend = backend
-        dtype = params["embed_tokens"]["embedding"].dtype
+        dtype = params_dtype(params)
         # Several devices (jaxpage.parallel): every program runs one shard's model per device under shard_map, each
         # data-parallel replica on its own step (the step's arrays stacked over the replicas) and its own pages.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None

@@ -55,6 +55,15 @@ _SPLIT_AXIS = {
     ("layers", "mlp", "up_proj", "bias"): 1,
     ("layers", "mlp", "down_proj", "kernel"): 1,  # [L, F, D]
     ("lm_head", "kernel"): 1,  # [D, V]
+    # int8 weights' scales (jaxpage.models.int8), one per output channel: split with their channels; the o and down
+    # projections' ([L, D]) are replicated, applied to each shard's partial sum before the all-reduce.
+    ("embed_tokens", "scale"): 0,  # [V]
+    ("layers", "attn", "q_proj", "scale"): 1,  # [L, H, d]
+    ("layers", "attn", "k_proj", "scale"): 1,
+    ("layers", "attn", "v_proj", "scale"): 1,
+    ("layers", "mlp", "gate_proj", "scale"): 1,  # [L, F]
+    ("layers", "mlp", "up_proj", "scale"): 1,
+    ("lm_head", "scale"): 0,  # [V]
 }
 # Biases added after an all-reduce: every shard holds them, and only shard 0 adds them (see local_params).
 _ROW_PARALLEL_BIASES = (("layers", "attn", "o_proj", "bias"), ("layers", "mlp", "down_proj", "bias"))
@@ -62,7 +71,7 @@ _ROW_PARALLEL_BIASES = (("layers", "attn", "o_proj", "bias"), ("layers", "mlp", 
 _KV_PROJECTIONS = {
     ("layers", "attn", n, p): _SPLIT_AXIS[("layers", "attn", n, p)]
     for n in ("k_proj", "v_proj")
-    for p in ("kernel", "bias")
+    for p in ("kernel", "bias", "scale")
 }
 # [layers, pages, page_size, kv_heads, head_dim]: each data-parallel replica its own range of pages (its page p is
 # page replica * pages_per_replica + p of the whole pool), each shard its KV heads.

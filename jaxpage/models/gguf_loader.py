@@ -193,8 +193,9 @@ class GGUFSource:
         return None
 
 
-def load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
-    """(config, numpy parameter tree) from a GGUF file."""
+def load_gguf(path: Path, dtype, quantization: str | None = None) -> tuple[ModelConfig, dict]:
+    """(config, numpy parameter tree) from a GGUF file (quantization: see params_from_hf_tensors)."""
     gguf = open_gguf(path)
     config = config_from_gguf(gguf, path)
-    return config, params_from_hf_tensors(config, GGUFSource(gguf, config, path), dtype)
+    params = params_from_hf_tensors(config, GGUFSource(gguf, config, path), dtype, quantization)
+    return dataclasses.replace(config, quantization=quantization), params

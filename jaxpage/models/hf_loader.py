@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -97,9 +98,11 @@ class SafetensorsSource:
         return self._handles[path].get_tensor(name)
 
 
-def load_hf_directory(directory: Path, dtype) -> tuple[ModelConfig, dict]:
-    """(config, numpy parameter tree) from a Hugging Face model directory."""
+def load_hf_directory(directory: Path, dtype, quantization: str | None = None) -> tuple[ModelConfig, dict]:
+    """(config, numpy parameter tree) from a Hugging Face model directory (quantization: see
+    params_from_hf_tensors)."""
     config = read_hf_config(directory)
     with contextlib.ExitStack() as stack:
         source = SafetensorsSource(*_weight_map(directory), stack)
-        return config, params_from_hf_tensors(config, source, dtype)
+        params = params_from_hf_tensors(config, source, dtype, quantization)
+    return dataclasses.replace(config, quantization=quantization), params

@@ -29,7 +29,16 @@ import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import Attention, DenseAttention, DenseBatch
+from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
 from jaxpage.models.rope import apply_rope, rope_tables
+
+
+def linear(config: ModelConfig, features, use_bias: bool, dtype, name: str, axis=-1) -> nn.Module:
+    """A projection of the model: nn.DenseGeneral, or its int8 form for a quantized model (same parameter names)."""
+    if config.quantization == "int8":
+        method = lm_head_method() if name == "lm_head" else "dequantize"
+        return Int8DenseGeneral(features, axis, use_bias, dtype, method, name=name)
+    return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 class RMSNorm(nn.Module):
@@ -55,9 +64,7 @@ class SelfAttention(nn.Module):
         c = self.config
 
         def projection(heads, name):
-            return nn.DenseGeneral(
-                (heads, c.head_dim), use_bias=c.qkv_bias, dtype=self.dtype, param_dtype=self.dtype, name=name
-            )
+            return linear(c, (heads, c.head_dim), c.qkv_bias, self.dtype, name)
 
         q = projection(c.num_heads, "q_proj")(x)  # [..., H, d]
         k = projection(c.num_kv_heads, "k_proj")(x)  # [..., K, d]
@@ -68,9 +75,7 @@ class SelfAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = self.attention(q, k, v, batch, kv_cache, layer)
-        out = nn.DenseGeneral(
-            c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, dtype=self.dtype, param_dtype=self.dtype, name="o_proj"
-        )(out)
+        out = linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1))(out)
         return _all_reduce(out, self.tp_axis), kv_cache
 
 
@@ -84,7 +89,7 @@ class MLP(nn.Module):
         c = self.config
 
         def dense(features, name):
-            return nn.Dense(features, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+            return linear(c, features, c.mlp_bias, self.dtype, name)
 
         gate = dense(c.intermediate_size, "gate_proj")(x)
         up = dense(c.intermediate_size, "up_proj")(x)
@@ -133,7 +138,10 @@ class Llama(nn.Module):
 
     def setup(self):
         c = self.config
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
+        if c.quantization == "int8":
+            self.embed_tokens = Int8Embed(c.vocab_size, c.hidden_size, self.dtype, lm_head_method())
+        else:
+            self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
@@ -143,7 +151,7 @@ class Llama(nn.Module):
         )(c, self.attention, self.dtype, self.tp_axis)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+            self.lm_head = linear(c, c.vocab_size, False, self.dtype, "lm_head")
 
     def __call__(self, token_ids, positions, batch, kv_cache=None):
         """Returns (hidden [..., hidden_size] after the final norm, kv_cache after every layer)."""
@@ -194,7 +202,8 @@ def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
 
 
 def params_dtype(params: dict) -> jnp.dtype:
-    return params["embed_tokens"]["embedding"].dtype
+    """The dtype the model computes in: its float parameters' (int8 weights keep theirs apart)."""
+    return params["norm"]["scale"].dtype
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,7 @@ def load_model(
     dtype=None,
     sharding: jax.sharding.Sharding | Callable[[ModelConfig], Any] | None = None,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Loads (config, params) from a model source.
 
@@ -67,6 +69,9 @@ def load_model(
               parameter: each device receives only its shards, see jaxpage.parallel); default the first device.
     load_format: "auto" reads the weights; "dummy" reads only the config of a Hugging Face directory and makes
               random parameters on the device (vLLM's name: benchmarks of model shapes without their weights).
+    quantization: None (the weights as they are) or "int8": every projection and the embedding in int8 with a
+              float32 scale per output channel, quantized tensor by tensor as they load (jaxpage.models.int8). A
+              jaxpage checkpoint keeps the quantization it was written with.
     Raises ModelLoadError with the file (and tensor) at fault.
     """
     path = resolve_source(source)
@@ -77,13 +82,19 @@ def load_model(
     if load_format == "dummy":
         if fmt != "hf":
             raise ModelLoadError(f"{path}: load_format='dummy' needs a Hugging Face model directory (config.json)")
-        config = hf_loader.read_hf_config(path)
+        config = dataclasses.replace(hf_loader.read_hf_config(path), quantization=quantization)
         init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=placement(config))
         return config, init(config, jax.random.key(0), dtype)
     if fmt == "orbax":
-        return orbax_checkpoint.load_checkpoint(path, dtype, placement)
+        config, params = orbax_checkpoint.load_checkpoint(path, dtype, placement)
+        if quantization not in (None, config.quantization):
+            raise ModelLoadError(
+                f"{path}: a checkpoint of {config.quantization or 'unquantized'} weights; to serve it as "
+                f"{quantization}, convert its source with `jaxpage convert --quantization {quantization}`"
+            )
+        return config, params
     if fmt == "gguf":
-        config, params = gguf_loader.load_gguf(path, dtype)
+        config, params = gguf_loader.load_gguf(path, dtype, quantization)
     else:
-        config, params = hf_loader.load_hf_directory(path, dtype)
+        config, params = hf_loader.load_hf_directory(path, dtype, quantization)
     return config, jax.device_put(params, placement(config))

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
+from jaxpage.models.int8 import quantize
 
 
 class TensorSource(Protocol):
@@ -97,8 +98,20 @@ def layer_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple
     return specs
 
 
-def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype) -> dict:
-    """The parameter tree (numpy arrays of `dtype`) from a checkpoint's tensors.
+def contract_axes(path: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The input axes of a weight that int8 quantization scales over (one scale per output channel), for one
+    layer's tensor in jaxpage's layout; None for a parameter that stays in floats (norms, biases)."""
+    if path[-1] == "embedding":
+        return (1,)  # [V, D]: a scale per token (the tied LM head's output channels)
+    if path[-1] != "kernel":
+        return None
+    return (0, 1) if path[-2] == "o_proj" else (0,)  # o_proj [H, d, D]; the others [in, out...]
+
+
+def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, quantization: str | None = None) -> dict:
+    """The parameter tree (numpy arrays of `dtype`) from a checkpoint's tensors; with quantization "int8", every
+    projection and the embedding as int8 with a float32 scale per output channel (`scale` beside `kernel` or
+    `embedding`), quantized one tensor at a time: the whole model never exists in floats.
 
     Raises ModelLoadError naming the file and the tensor when one is missing or has the wrong shape.
     """
@@ -122,27 +135,38 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype) -> 
             )
         return convert(tensor)
 
+    def store(node: dict, path: tuple[str, ...], tensors, num_layers: int | None = None) -> None:
+        """Writes `tensors` (one per layer, stacked, when num_layers is given; else one) at node[path[-1]], each
+        in `dtype` as it comes, or quantized to int8 with its scale at node["scale"]."""
+        axes = contract_axes(path) if quantization == "int8" else None
+        stacked: dict[str, np.ndarray] = {}
+        for i, tensor in enumerate(tensors):
+            if axes is None:
+                parts = {path[-1]: tensor}
+            else:
+                parts = dict(zip((path[-1], "scale"), quantize(tensor, axes), strict=True))
+            for key, value in parts.items():
+                if key not in stacked:
+                    stacked[key] = np.empty((num_layers or 1, *value.shape), value.dtype if axes else dtype)
+                stacked[key][i] = value
+        for key, value in stacked.items():
+            node[key] = value if num_layers else value[0]
+
     layers: dict = {}
     for suffix, path, shape, convert in layer_tensor_specs(c):
-        stacked = None
-        for i in range(c.num_layers):  # each layer written once, straight into the stacked array
-            tensor = load(f"{prefix}layers.{i}.{suffix}", shape, convert)
-            if stacked is None:
-                stacked = np.empty((c.num_layers, *tensor.shape), dtype)
-            stacked[i] = tensor
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = stacked
+        # Each layer read once and written straight into the stacked array.
+        tensors = (load(f"{prefix}layers.{i}.{suffix}", shape, convert) for i in range(c.num_layers))
+        store(node, path, tensors, c.num_layers)
 
-    def load_one(name: str, shape: tuple[int, ...], convert: Callable = _same) -> np.ndarray:
-        return np.ascontiguousarray(load(name, shape, convert).astype(dtype, copy=False))
-
-    params = {
-        "embed_tokens": {"embedding": load_one(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size))},
-        "layers": layers,
-        "norm": {"scale": load_one(f"{prefix}norm.weight", (c.hidden_size,))},
-    }
+    params: dict = {"embed_tokens": {}, "layers": layers, "norm": {}}
+    embedding = load(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size))
+    store(params["embed_tokens"], ("embed_tokens", "embedding"), [embedding])
+    store(params["norm"], ("norm", "scale"), [load(f"{prefix}norm.weight", (c.hidden_size,))])
     if not c.tie_word_embeddings:
-        params["lm_head"] = {"kernel": load_one("lm_head.weight", (c.vocab_size, c.hidden_size), _linear())}
+        params["lm_head"] = {}
+        lm_head = load("lm_head.weight", (c.vocab_size, c.hidden_size), _linear())
+        store(params["lm_head"], ("lm_head", "kernel"), [lm_head])
     return params

@@ -1,0 +1,118 @@
+"""Quantization side by side: quality and decode speed of each weight mode against float32, in one run.
+
+    python scripts/bench_quantization.py [--model SRC] [--modes float32,int8] [--requests 32] [--max-tokens 64]
+
+For each mode (float32: the weights as loaded, in float32 here; int8: quantization="int8"):
+  perplexity   on tests/data/alice_chapter_1.txt (public domain, ~2700 tokens), the cache-free forward pass in
+               512-token windows (jaxpage.benchmarks.perplexity)
+  agreement    greedy continuations of --max-tokens tokens of --requests prompts (48-token windows of the same text
+               at evenly spaced offsets), EOS ignored: the share of positions whose token equals float32's, and the
+               mean length of the prefix that does
+  decode       those --requests requests generated together (max_num_seqs = --requests): completion tokens/s from
+               the first request queued to the last token, and the median decode step; after warm-up (compile
+               seconds printed; no compilation cache)
+The last line is one JSON object with every figure; ratios are against float32 in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="anything load_model takes (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--modes", default="float32,int8")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import jax
+
+    from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
+    from jaxpage.llm import LLM
+    from jaxpage.models import load_model
+    from jaxpage.sampling_params import SamplingParams
+    from jaxpage.tokenizer import load_tokenizer
+
+    text_ids = list(load_tokenizer(args.model)(TEXT_PATH.read_text()).input_ids)
+    stride = (len(text_ids) - args.prompt_len) // args.requests
+    prompts = [{"prompt_token_ids": text_ids[i * stride : i * stride + args.prompt_len]} for i in range(args.requests)]
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results: dict[str, dict] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for mode in args.modes.split(","):
+        quantization = None if mode == "float32" else mode
+        print(f"== {mode}", file=sys.stderr, flush=True)
+        config, params = load_model(args.model, dtype="float32", quantization=quantization)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        ppl = perplexity(config, params, text_ids)
+        del params
+        llm = LLM(
+            args.model,
+            dtype="float32",
+            quantization=quantization,
+            max_num_seqs=args.requests,
+            max_model_len=args.prompt_len + args.max_tokens + 16,
+            compilation_cache_dir=None,
+        )
+        compiled = llm.engine.warmup()
+        steps: list[float] = []
+        step = llm.engine.step
+
+        def timed_step(step=step, engine=llm.engine, steps=steps):
+            outputs = step()
+            stats = engine.last_step_stats
+            if stats is not None and stats.num_decodes == stats.num_seqs:
+                steps.append(stats.device_s)
+            return outputs
+
+        llm.engine.step = timed_step
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, greedy)
+        seconds = time.perf_counter() - start
+        tokens[mode] = [o.outputs[0].token_ids for o in outputs]
+        results[mode] = {
+            "weight_bytes": weight_bytes,
+            "perplexity": ppl,
+            "tokens_per_s": args.requests * args.max_tokens / seconds,
+            "median_decode_step_s": statistics.median(steps),
+            "compile_s": sum(c.seconds for c in compiled),
+            "compiled": [str(c) for c in compiled],
+        }
+        del llm
+    base = tokens.get("float32")
+    for mode, row in results.items():
+        if base is not None:
+            same = [sum(a == b for a, b in zip(x, y, strict=True)) for x, y in zip(tokens[mode], base, strict=True)]
+            prefix = [
+                next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                for x, y in zip(tokens[mode], base, strict=True)
+            ]
+            row["agreement"] = sum(same) / sum(len(x) for x in base)
+            row["mean_agreeing_prefix"] = statistics.mean(prefix)
+            f32 = results["float32"]
+            row["perplexity_ratio"] = row["perplexity"] / f32["perplexity"]
+            row["speedup"] = row["tokens_per_s"] / f32["tokens_per_s"]
+    print(f"{'mode':<8} {'weights MiB':>11} {'ppl':>8} {'ppl x':>7} {'agree':>6} {'prefix':>6} {'tok/s':>7} {'x':>5} "
+          f"{'step ms':>8} {'compile s':>9}")  # fmt: skip
+    for mode, row in results.items():
+        print(
+            f"{mode:<8} {row['weight_bytes'] / 2**20:>11.1f} {row['perplexity']:>8.3f} "
+            f"{row.get('perplexity_ratio', 1):>7.4f} {row.get('agreement', 1):>6.3f} "
+            f"{row.get('mean_agreeing_prefix', args.max_tokens):>6.1f} {row['tokens_per_s']:>7.1f} "
+            f"{row.get('speedup', 1):>5.2f} {row['median_decode_step_s'] * 1e3:>8.1f} {row['compile_s']:>9.1f}"
+        )
+    print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "modes": results}))
+
+
+if __name__ == "__main__":
+    main()
