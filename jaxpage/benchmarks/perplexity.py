@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 
 from jaxpage.config import ModelConfig
-from jaxpage.models import forward
 
 # Chapter I of Lewis Carroll's Alice's Adventures in Wonderland (1865, public domain): ~2700 tokens of English.
 TEXT_PATH = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice_chapter_1.txt"
@@ -16,6 +15,8 @@ TEXT_PATH = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice_chap
 def perplexity(config: ModelConfig, params: dict, token_ids: list[int], window: int = 512) -> float:
     """exp(mean negative log-likelihood) of each token after the first, each window of `window` tokens predicted
     from its own start (no context carried over)."""
+    from jaxpage.models import forward  # jax: not at import (the benchmark helpers import without it)
+
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start : start + window + 1]
