@@ -152,7 +152,7 @@ def main() -> None:
         params = engine.runner.params
         param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         embedding_bytes = params["embed_tokens"]["embedding"].nbytes
-        kv_token_bytes = engine.model_config.kv_bytes_per_token(params["embed_tokens"]["embedding"].dtype.itemsize)
+        kv_token_bytes = engine.model_config.kv_bytes_per_token(params["norm"]["scale"].dtype.itemsize)
         bandwidth = copy_bandwidth(min(2 << 30, param_bytes))
         results |= {"param_bytes": int(param_bytes), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
         log(f"engine ready in {results['engine_start_s']}s; {param_bytes / 1e9:.2f} GB of weights")
