@@ -103,6 +103,8 @@ def gpu_decode_attention(
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
     block_tables: jax.Array,  # [S, pages_per_seq] int32, page ids into k_pages / v_pages
     *,
+    k_scales: jax.Array | None = None,  # [total_pages, page_size, num_kv_heads] with 8-bit pages
+    v_scales: jax.Array | None = None,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,

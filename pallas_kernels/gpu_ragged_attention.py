@@ -98,6 +98,8 @@ def gpu_ragged_attention(
     block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
     cu_q_lens: jax.Array,  # [S + 1] int32 (padding rows: q_len 0)
     *,
+    k_scales: jax.Array | None = None,  # [total_pages, page_size, num_kv_heads] with 8-bit pages
+    v_scales: jax.Array | None = None,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,

@@ -73,20 +73,20 @@ def kernel_operands(q, k_pages, v_pages, kernel: str):
     return pad_head_dim(q, k_pages.shape[-1]), k_pages, v_pages
 
 
-def kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_kv_tile: int):
-    """(k, v [total_pages, page_size, kv_heads, head_dim], block_tables) for a kernel.
+def kernel_pool_view(pools: tuple, block_tables, layer, pages_per_kv_tile: int):
+    """(pools, block_tables) as a kernel reads them: pools (k, v, and any 8-bit pages' k_scales, v_scales; None
+    stays None) each [total_pages, page_size, ...].
 
     With `layer`, one layer of a stacked pool [L, num_pages, ...] is read without a copy: (layer, page) is
     flattened into one page axis and the ids are offset. The tables get null-page columns up to a multiple of
     pages_per_kv_tile (positions there are past every kv length: never visible)."""
     if layer is not None:
-        num_layers, num_pages = k_pages.shape[:2]
-        k_pages = k_pages.reshape(num_layers * num_pages, *k_pages.shape[2:])
-        v_pages = v_pages.reshape(num_layers * num_pages, *v_pages.shape[2:])
+        num_pages = pools[0].shape[1]
+        pools = tuple(None if x is None else x.reshape(-1, *x.shape[2:]) for x in pools)
         block_tables = block_tables + layer * num_pages
     pages_per_seq = block_tables.shape[1]
     padded = -(-pages_per_seq // pages_per_kv_tile) * pages_per_kv_tile
-    return k_pages, v_pages, jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
+    return pools, jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
 
 
 def _is_tpu_interpret_params(interpret) -> bool:

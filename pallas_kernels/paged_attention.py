@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.impl import kernel_operands, kernel_pool_view, resolve_impl
-from pallas_kernels.ragged_paged_attention import check_inputs
+from pallas_kernels.ragged_paged_attention import check_inputs, check_scales
 from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 
@@ -26,6 +26,8 @@ def paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # [] int32: read this layer of a stacked pool in place
+    k_scales: jax.Array | None = None,  # [num_pages, page_size, num_kv_heads] with 8-bit pages ([L, ...] with layer)
+    v_scales: jax.Array | None = None,
     impl: str = "auto",
     interpret=False,
     backend: str | None = None,
@@ -35,8 +37,8 @@ def paged_attention(
     Semantics are those of `ragged_paged_attention` with q_len 1 for every sequence: logits `sm_scale * q.k`,
     optionally soft-capped, over the keys at positions 0..kv_len-1 (or the last `sliding_window`); query head h
     reads kv head h // (num_heads // num_kv_heads); float32 softmax; the pool's head_dim may be padded to a
-    multiple of 128. Rows with kv_len 0 give 0; K/V at positions >= kv_len are never read into the result, even
-    when they hold NaN.
+    multiple of 128; 8-bit pages come with their scales. Rows with kv_len 0 give 0; K/V at positions >= kv_len
+    are never read into the result, even when they hold NaN.
 
     Returns [S, num_heads, head_dim] in q's dtype. Raises ValueError for inconsistent shapes or dtypes or an
     unknown impl.
@@ -49,28 +51,40 @@ def paged_attention(
     check_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs), soft_cap, sliding_window, layer
     )
+    check_scales(k_pages, v_pages, k_scales, v_scales)
     options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     head_dim = q.shape[-1]
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     if kernel == "xla":
-        metadata = (kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs))
-        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, layer, **options, max_q_len=1)
+        metadata = (kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs), layer, k_scales, v_scales)
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, **options, max_q_len=1)
     elif kernel == "tpu":
         from pallas_kernels.tpu_decode_attention import tpu_decode_attention  # Pallas: imported when used
         from pallas_kernels.tpu_page_pipeline import tpu_pages_per_kv_tile
 
         pages_per_kv_tile = tpu_pages_per_kv_tile(k_pages.shape[-3])
-        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_kv_tile)
+        pools = (k_pages, v_pages, k_scales, v_scales)
+        (k, v, k_scales, v_scales), tables = kernel_pool_view(pools, block_tables, layer, pages_per_kv_tile)
         out = tpu_decode_attention(
-            q, k, v, kv_lens, tables, **options, pages_per_kv_tile=pages_per_kv_tile, interpret=interpret
+            *(q, k, v, kv_lens, tables),
+            k_scales=k_scales,
+            v_scales=v_scales,
+            **options,
+            pages_per_kv_tile=pages_per_kv_tile,
+            interpret=interpret,
         )
     else:
         from pallas_kernels.gpu_decode_attention import gpu_decode_attention, gpu_decode_tiling
 
         num_splits, pages_per_kv_tile = gpu_decode_tiling(num_seqs * k_pages.shape[-2], block_tables.shape[-1])
-        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, num_splits * pages_per_kv_tile)
+        pools = (k_pages, v_pages, k_scales, v_scales)
+        (k, v, k_scales, v_scales), tables = kernel_pool_view(
+            pools, block_tables, layer, num_splits * pages_per_kv_tile
+        )
         out = gpu_decode_attention(
             *(q, k, v, kv_lens, tables),
+            k_scales=k_scales,
+            v_scales=v_scales,
             **options,
             num_splits=num_splits,
             pages_per_kv_tile=pages_per_kv_tile,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.impl import kernel_operands, kernel_pool_view, padded_head_dim, resolve_impl
+from pallas_kernels.kv_quantization import QUANTIZED_KV_DTYPES, is_quantized
 from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 
@@ -32,6 +33,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     max_q_len: int | None = None,
     impl: str = "xla",
     interpret=False,
@@ -48,6 +51,11 @@ def ragged_paged_attention(
     With `layer` ([] int32), k_pages and v_pages are the whole stacked pool [num_layers, num_pages, page_size,
     num_kv_heads, head_dim] and the pages of that layer are read in place: slicing one layer out of a pool that
     is carried through a layer loop would make XLA copy the layer's pages on every call.
+
+    8-bit pages (int8, float8_e4m3fn, float8_e5m2; `pallas_kernels.kv_quantization`) come with `k_scales` and
+    `v_scales` [num_pages, page_size, num_kv_heads] (with `layer`, [num_layers, ...]): the key of position p is
+    `k_pages[page, slot] * k_scales[page, slot][:, None]`. Every implementation dequantizes the tiles it reads,
+    never the pool.
 
     Query row i of sequence s (q_len = cu_q_lens[s + 1] - cu_q_lens[s]) sits at position kv_lens[s] - q_len + i
     and sees the keys at positions 0..that position, or only the last `sliding_window` of them. Position p of
@@ -66,13 +74,14 @@ def ragged_paged_attention(
     Returns [T, num_heads, head_dim] in q's dtype. Raises ValueError for inconsistent shapes or dtypes.
     """
     check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window, layer)
+    check_scales(k_pages, v_pages, k_scales, v_scales)
     kernel = resolve_impl(impl, interpret, backend)
     head_dim = q.shape[-1]
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if kernel == "xla":
-        metadata = (kv_lens, block_tables, cu_q_lens, num_seqs)
-        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, layer, **options, max_q_len=max_q_len)
+        metadata = (kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scales, v_scales)
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, **options, max_q_len=max_q_len)
         return out[..., :head_dim]
     live = jnp.arange(kv_lens.shape[0]) < num_seqs
     kv_lens = jnp.where(live, kv_lens, 0)
@@ -82,9 +91,12 @@ def ragged_paged_attention(
         from pallas_kernels.tpu_ragged_attention import TPU_Q_TILE, tpu_ragged_attention
 
         pages_per_kv_tile = tpu_pages_per_kv_tile(k_pages.shape[-3])
-        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, pages_per_kv_tile)
+        pools = (k_pages, v_pages, k_scales, v_scales)
+        (k, v, k_scales, v_scales), tables = kernel_pool_view(pools, block_tables, layer, pages_per_kv_tile)
         out = tpu_ragged_attention(
             *(q, k, v, kv_lens, tables, cu_q_lens),
+            k_scales=k_scales,
+            v_scales=v_scales,
             **options,
             q_tile=TPU_Q_TILE,
             pages_per_kv_tile=pages_per_kv_tile,
@@ -93,9 +105,12 @@ def ragged_paged_attention(
     else:
         from pallas_kernels.gpu_ragged_attention import GPU_PAGES_PER_KV_TILE, GPU_Q_TILE, gpu_ragged_attention
 
-        k, v, tables = kernel_pool_view(k_pages, v_pages, block_tables, layer, GPU_PAGES_PER_KV_TILE)
+        pools = (k_pages, v_pages, k_scales, v_scales)
+        (k, v, k_scales, v_scales), tables = kernel_pool_view(pools, block_tables, layer, GPU_PAGES_PER_KV_TILE)
         out = gpu_ragged_attention(
             *(q, k, v, kv_lens, tables, cu_q_lens),
+            k_scales=k_scales,
+            v_scales=v_scales,
             **options,
             q_tile=GPU_Q_TILE,
             pages_per_kv_tile=GPU_PAGES_PER_KV_TILE,
@@ -119,10 +134,31 @@ def check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs
     _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window)
 
 
+def check_scales(k_pages, v_pages, k_scales, v_scales):
+    """Raises ValueError unless 8-bit pages come with float scales of the pages' shape without head_dim, and
+    floating-point pages without."""
+    given = [name for name, x in (("k_scales", k_scales), ("v_scales", v_scales)) if x is not None]
+    if len(given) != (2 if is_quantized(k_pages.dtype) else 0):
+        raise ValueError(
+            f"8-bit pages ({', '.join(d.name for d in QUANTIZED_KV_DTYPES)}) need k_scales and v_scales, other pages "
+            f"none; got {k_pages.dtype} pages with {' and '.join(given) or 'no scales'}"
+        )
+    if k_scales is None:
+        return
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x.shape != k_pages.shape[:-1] or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"{name} must be a floating-point array of the pages' shape without head_dim {k_pages.shape[:-1]}, "
+                f"got {x.dtype}{list(x.shape)}"
+            )
+
+
 def _check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window):
-    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be a floating-point array, got dtype {q.dtype}")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not (jnp.issubdtype(x.dtype, jnp.floating) or is_quantized(x.dtype)):
+            raise ValueError(f"{name} must be a floating-point or 8-bit (int8, fp8) array, got dtype {x.dtype}")
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4:

@@ -129,6 +129,8 @@ def tpu_decode_attention(
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
     block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
     *,
+    k_scales: jax.Array | None = None,  # [total_pages, page_size, num_kv_heads] with 8-bit pages
+    v_scales: jax.Array | None = None,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,

@@ -14,7 +14,8 @@ kv tiles of `kv_tile` keys, and memory like one kv tile for all sequences ([S, k
      sliding window). With `max_q_len` this loop is not built at all: a decode step compiles only what it runs.
 Each kv tile is gathered from the pool through the block table with positions >= kv_len ZEROED (jnp.where on the
 values, not only masked in the logits): stale slots, the null page and freed pages may hold NaN/inf garbage, and
-NaN times a zero probability is still NaN.
+NaN times a zero probability is still NaN. 8-bit pages (int8, fp8) are dequantized as their tiles are gathered,
+with their per-token scales: the pool itself is never dequantized.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.impl import MASK_VALUE
+from pallas_kernels.kv_quantization import dequantize
 
 Q_TILE = 64  # query rows per step of the prefill loop
 KV_TILE = 128  # keys per step of the loops over kv tiles (rounded down to whole pages, at least one page)
@@ -51,6 +53,8 @@ def xla_ragged_attention(
     cu_q_lens: jax.Array,  # [S + 1] int32
     num_seqs: jax.Array,  # [] int32
     layer: jax.Array | None = None,  # [] int32: read this layer of a stacked pool in place
+    k_scales: jax.Array | None = None,  # [num_pages, page_size, num_kv_heads] (8-bit pages), or [L, ...] with layer
+    v_scales: jax.Array | None = None,
     *,
     sm_scale: float,
     soft_cap: float | None = None,
@@ -62,7 +66,7 @@ def xla_ragged_attention(
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
     """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
 
-    The pool's head_dim must be q's. With `max_q_len`, every live sequence must have q_len <= max_q_len (rows of
+    The pool's head_dim must be q's. 8-bit pages come with their scales (`pallas_kernels.kv_quantization`). With `max_q_len`, every live sequence must have q_len <= max_q_len (rows of
     longer sequences before their last max_q_len come out as 0). The tuning is an argument so that tests can shrink
     the tiles to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
     """
@@ -120,19 +124,22 @@ def xla_ragged_attention(
             pv = pv.reshape(n, num_kv_heads, rows * group, num_kv_heads, head_dim)
             return jnp.where(same_head, pv, 0.0).sum(axis=3)
 
-        def load(pages, page_ids, in_cache):  # -> [n, kv_tile, kv_heads, head_dim], zero where not in_cache
-            x = (pages[page_ids] if layer is None else pages[layer, page_ids]).reshape(
-                n, kv_tile, num_kv_heads, head_dim
-            )
+        def load(pages, scales, page_ids, in_cache):  # -> [n, kv_tile, kv_heads, head_dim], zero where not in_cache
+            def gather(x):
+                x = x[page_ids] if layer is None else x[layer, page_ids]
+                return x.reshape(n, kv_tile, *x.shape[3:])
+
+            # 8-bit pages: the gathered tile is dequantized, never the pool.
+            x = dequantize(gather(pages), None if scales is None else gather(scales))
             # jnp.where, not a mask on the logits alone: NaN garbage times a zero probability is still NaN.
-            return jnp.where(in_cache[:, :, None, None], x, jnp.zeros((), x.dtype)).astype(jnp.float32)
+            return jnp.where(in_cache[:, :, None, None], x, 0.0)
 
         def kv_step(j, carry):
             row_max, row_sum, acc = carry  # [n, kv_heads, rows, group] twice, [n, kv_heads, rows, group, head_dim]
             key_pos = j * kv_tile + jnp.arange(kv_tile)
             in_cache = key_pos[None, :] < seq_kv_lens[:, None]  # [n, kv_tile]
             page_ids = lax.dynamic_slice_in_dim(seq_tables, j * pages_per_kv_tile, pages_per_kv_tile, axis=1)
-            keys, values = load(k_pages, page_ids, in_cache), load(v_pages, page_ids, in_cache)
+            keys, values = load(k_pages, k_scales, page_ids, in_cache), load(v_pages, v_scales, page_ids, in_cache)
             # Keys on the minor axis: the softmax reductions run along contiguous memory.
             s = scores(keys).reshape(n, num_kv_heads, rows, group, kv_tile) * sm_scale
             if soft_cap is not None:

@@ -1,0 +1,177 @@
+"""8-bit KV pages (int8, fp8 e4m3, fp8 e5m2) with per-token, per-KV-head scales: every attention implementation
+against the dense reference on the dequantized pool, with NaN-poisoned stale slots (pages and scales), and the
+quantization itself.
+
+The dequantized pool is exact in float32 (an 8-bit value times a bfloat16 scale), so an implementation that reads
+8-bit pages must match the reference on that pool as closely as one that reads float pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention import assert_close, decode_args, decode_case, expected
+from test_ragged_paged_attention import (
+    CASES,
+    GQA,
+    IMPLS,
+    LAYOUTS,
+    Batch,
+    assert_matches_reference,
+    make_batch,
+    sm_scale,
+)
+
+from pallas_kernels.kv_quantization import QUANTIZED_KV_DTYPES, SCALE_DTYPE, dequantize, quantize
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:the TPU kernels need the KV pool's head_dim padded")
+
+FORMATS = {jnp.dtype(d).name: d for d in QUANTIZED_KV_DTYPES}  # int8, float8_e4m3fn, float8_e5m2
+BF16 = LAYOUTS[4]  # 6 heads over 2 kv heads, head_dim 128, page size 8, bfloat16
+
+
+@dataclasses.dataclass
+class QuantizedBatch:
+    batch: Batch  # its k_pages, v_pages: the dequantized pool (what the reference reads)
+    k_pages: jax.Array  # 8-bit
+    v_pages: jax.Array
+    k_scales: jax.Array  # [num_pages, page_size, num_kv_heads]
+    v_scales: jax.Array
+
+    @property
+    def args(self) -> tuple:
+        b = self.batch
+        return (b.q, self.k_pages, self.v_pages, b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
+
+    @property
+    def scales(self) -> dict:
+        return dict(k_scales=self.k_scales, v_scales=self.v_scales)
+
+
+def quantized_batch(layout, seqs, dtype, *, seed=0, poison=False, **kwargs) -> QuantizedBatch:
+    """make_batch's batch with its pool quantized to `dtype`. With poison, every slot that holds no live position
+    has NaN scales, and NaN values where the format has NaN (fp8; int8 has none); the reference's pool is NaN
+    there too."""
+    batch = make_batch(layout, seqs, seed=seed, poison=poison, **kwargs)
+    clean = make_batch(layout, seqs, seed=seed, **kwargs) if poison else batch
+    (k, k_scales), (v, v_scales) = quantize(clean.k_pages, dtype), quantize(clean.v_pages, dtype)
+    if poison:
+        slots = np.isnan(np.asarray(batch.k_pages, np.float32)).all(axis=(-2, -1))  # [num_pages, page_size]
+        k_scales, v_scales = (jnp.where(slots[..., None], jnp.nan, s) for s in (k_scales, v_scales))
+        if jnp.issubdtype(dtype, jnp.floating):
+            k, v = (jnp.where(slots[..., None, None], jnp.nan, x).astype(dtype) for x in (k, v))
+    dequantized = dict(k_pages=dequantize(k, k_scales, layout.dtype), v_pages=dequantize(v, v_scales, layout.dtype))
+    batch = dataclasses.replace(batch, **dequantized)
+    return QuantizedBatch(batch, k, v, k_scales, v_scales)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_quantize_round_trip_error_is_within_half_a_step(dtype):
+    x = jax.random.normal(jax.random.key(0), (64, 4, 64)) * jnp.logspace(-3, 3, 64)[:, None, None]
+    values, scales = quantize(x, FORMATS[dtype])
+    assert values.dtype == jnp.dtype(FORMATS[dtype]) and scales.dtype == SCALE_DTYPE and scales.shape == (64, 4)
+    error = np.abs(np.asarray(dequantize(values, scales) - x))
+    absmax = np.abs(np.asarray(x)).max(-1, keepdims=True)
+    # int8: half a step of absmax / 127 (the bfloat16 scale: 1/256 more). fp8: half an ulp of the format, relative
+    # to each value (3 mantissa bits for e4m3, 2 for e5m2), plus the smallest normal's step near zero.
+    if dtype == "int8":
+        bound = absmax / 127 * (0.5 + 2**-8) + 1e-12
+    else:
+        bits = 3 if dtype == "float8_e4m3fn" else 2
+        tiny = float(jnp.finfo(FORMATS[dtype]).smallest_normal) * 2.0**-bits
+        bound = (
+            np.abs(np.asarray(x)) * 2.0 ** -(bits + 1) * 1.01 + absmax / QUANTIZED_KV_DTYPES[jnp.dtype(dtype)] * tiny
+        )
+    assert (error <= bound).all(), float((error - bound).max())
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_quantize_zeros_and_extremes(dtype):
+    x = jnp.zeros((2, 8)).at[1].set(jnp.array([1e30, -1e30, 3e29, 0, 0, 0, 0, 1.0]))
+    values, scales = quantize(x, FORMATS[dtype])
+    assert float(scales[0]) == 0 and (np.asarray(values[0], np.float32) == 0).all()
+    back = np.asarray(dequantize(values, scales))
+    assert np.isfinite(back).all()
+    np.testing.assert_allclose(back[1, :2], [1e30, -1e30], rtol=2e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("layout", [GQA, BF16], ids=str)
+def test_ragged_matches_reference_on_the_dequantized_pool(impl, dtype, layout):
+    batch = quantized_batch(layout, CASES["mixed"](layout.page_size), FORMATS[dtype], poison=True)
+    options = dict(sm_scale=sm_scale(layout), sliding_window=40 if layout is BF16 else None)
+    out = ragged_paged_attention(*batch.args, **batch.scales, **options, **IMPLS[impl])
+    assert_matches_reference(layout, batch.batch, out, **options)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_decode_matches_reference_on_the_dequantized_pool(impl, dtype):
+    layout = GQA
+    batch = quantized_batch(layout, decode_case(layout.page_size), FORMATS[dtype], seed=1, poison=True)
+    q, _, _, kv_lens, tables = decode_args(batch.batch)
+    options = dict(sm_scale=sm_scale(layout), soft_cap=30.0)
+    got = paged_attention(q, batch.k_pages, batch.v_pages, kv_lens, tables, **batch.scales, **options, **IMPLS[impl])
+    assert got.dtype == layout.dtype
+    assert_close(layout, got, expected(batch.batch, **options))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stacked_quantized_pool_with_a_layer_index_reads_that_layer(impl):
+    seqs = CASES["mixed"](GQA.page_size)
+    layers = [quantized_batch(GQA, seqs, jnp.int8, seed=seed) for seed in range(3)]
+    stacked = {
+        name: jnp.stack([getattr(b, name) for b in layers]) for name in ("k_pages", "v_pages", "k_scales", "v_scales")
+    }
+    b = layers[0].batch
+    metadata = (b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
+    out = ragged_paged_attention(b.q, *(stacked.pop("k_pages"), stacked.pop("v_pages")), *metadata, **stacked,
+                                 layer=jnp.int32(1), sm_scale=0.2, **IMPLS[impl])  # fmt: skip
+    assert_matches_reference(GQA, dataclasses.replace(b, k_pages=layers[1].batch.k_pages, v_pages=layers[1].batch.v_pages),
+                             out, sm_scale=0.2)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_8_bit_pages_stay_close_to_float_pages(dtype):
+    # What quantization costs: attention over the quantized pool against the same pool in float32.
+    layout = GQA
+    seqs = CASES["mixed"](layout.page_size)
+    exact = ragged_paged_attention(*make_batch(layout, seqs).args, sm_scale=sm_scale(layout))
+    batch = quantized_batch(layout, seqs, FORMATS[dtype])
+    out = ragged_paged_attention(*batch.args, **batch.scales, sm_scale=sm_scale(layout))
+    error = float(jnp.sqrt(jnp.mean((out - exact) ** 2) / jnp.mean(exact**2)))
+    assert error < {"int8": 0.01, "float8_e4m3fn": 0.05, "float8_e5m2": 0.1}[dtype], error
+
+
+BAD_SCALES = {
+    "int8-without-scales": (lambda b: dict(k_scales=None, v_scales=None), "need k_scales and v_scales"),
+    "one-scale-only": (lambda b: dict(v_scales=None), "with k_scales"),
+    "float-pages-with-scales": (lambda b: dict(k_pages=b.batch.k_pages, v_pages=b.batch.v_pages), "other pages none"),
+    "scales-shape": (lambda b: dict(k_scales=b.k_scales[:, :-1]), "k_scales must be"),
+    "scales-dtype": (lambda b: dict(v_scales=b.v_scales.astype(jnp.int32)), "v_scales must be a floating-point"),
+    "integer-pages": (
+        lambda b: dict(k_pages=b.k_pages.astype(jnp.int16), v_pages=b.v_pages.astype(jnp.int16)),
+        "8-bit",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", BAD_SCALES)
+def test_rejects_bad_scales(name):
+    change, message = BAD_SCALES[name]
+    batch = quantized_batch(GQA, CASES["mixed"](GQA.page_size), jnp.int8)
+    args = dict(zip(("q", "k_pages", "v_pages", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"), batch.args))
+    kwargs = {**args, **batch.scales, **change(batch)}
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(**kwargs, sm_scale=0.2)
+    q, k, v, kv_lens, tables = (kwargs[n] for n in ("q", "k_pages", "v_pages", "kv_lens", "block_tables"))
+    scales = dict(k_scales=kwargs["k_scales"], v_scales=kwargs["v_scales"])
+    with pytest.raises(ValueError, match=message):
+        paged_attention(q[:8], k, v, kv_lens, tables, **scales, sm_scale=0.2, impl="xla")
