@@ -66,8 +66,9 @@ def xla_ragged_attention(
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
     """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
 
-    The pool's head_dim must be q's. 8-bit pages come with their scales (`pallas_kernels.kv_quantization`). With `max_q_len`, every live sequence must have q_len <= max_q_len (rows of
-    longer sequences before their last max_q_len come out as 0). The tuning is an argument so that tests can shrink
+    The pool's head_dim must be q's; 8-bit pages come with their scales (`pallas_kernels.kv_quantization`). With
+    `max_q_len`, every live sequence must have q_len <= max_q_len (rows of longer sequences before their last
+    max_q_len come out as 0). The tuning is an argument so that tests can shrink
     the tiles to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
     """
     num_tokens, num_heads, head_dim = q.shape

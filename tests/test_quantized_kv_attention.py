@@ -127,15 +127,14 @@ def test_decode_matches_reference_on_the_dequantized_pool(impl, dtype):
 def test_stacked_quantized_pool_with_a_layer_index_reads_that_layer(impl):
     seqs = CASES["mixed"](GQA.page_size)
     layers = [quantized_batch(GQA, seqs, jnp.int8, seed=seed) for seed in range(3)]
-    stacked = {
-        name: jnp.stack([getattr(b, name) for b in layers]) for name in ("k_pages", "v_pages", "k_scales", "v_scales")
-    }
+    names = ("k_pages", "v_pages", "k_scales", "v_scales")
+    k, v, k_scales, v_scales = (jnp.stack([getattr(b, name) for b in layers]) for name in names)
     b = layers[0].batch
     metadata = (b.kv_lens, b.block_tables, b.cu_q_lens, b.num_seqs)
-    out = ragged_paged_attention(b.q, *(stacked.pop("k_pages"), stacked.pop("v_pages")), *metadata, **stacked,
-                                 layer=jnp.int32(1), sm_scale=0.2, **IMPLS[impl])  # fmt: skip
-    assert_matches_reference(GQA, dataclasses.replace(b, k_pages=layers[1].batch.k_pages, v_pages=layers[1].batch.v_pages),
-                             out, sm_scale=0.2)  # fmt: skip
+    scales = dict(k_scales=k_scales, v_scales=v_scales)
+    out = ragged_paged_attention(b.q, k, v, *metadata, **scales, layer=jnp.int32(1), sm_scale=0.2, **IMPLS[impl])
+    layer_1 = dataclasses.replace(b, k_pages=layers[1].batch.k_pages, v_pages=layers[1].batch.v_pages)
+    assert_matches_reference(GQA, layer_1, out, sm_scale=0.2)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -167,7 +166,9 @@ BAD_SCALES = {
 def test_rejects_bad_scales(name):
     change, message = BAD_SCALES[name]
     batch = quantized_batch(GQA, CASES["mixed"](GQA.page_size), jnp.int8)
-    args = dict(zip(("q", "k_pages", "v_pages", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"), batch.args))
+    args = dict(
+        zip(("q", "k_pages", "v_pages", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"), batch.args, strict=True)
+    )
     kwargs = {**args, **batch.scales, **change(batch)}
     with pytest.raises(ValueError, match=message):
         ragged_paged_attention(**kwargs, sm_scale=0.2)
