@@ -13,6 +13,11 @@ config never branch on backends:
 `attention_impl` "auto" is the kernels of the platform jax runs on (TPU, GPU), else "xla"; "pallas" is the
 platform's kernels, refused where there are none.
 
+The pool's format is the engine argument `kv_cache_dtype`, in vLLM's names: "auto" (the model's compute dtype),
+"int8", "fp8" (= "fp8_e4m3") or "fp8_e5m2": 8-bit pages with one bfloat16 scale per token per KV head beside them
+(`pallas_kernels.kv_quantization`). The step quantizes each token's K/V as it writes them; every attention
+implementation applies the scales to the tiles it reads, never to the pool.
+
 The most query rows any sequence of a step has is known on the host and passed as a static argument `max_q_len`:
 1 for a decode-only step (it compiles only the decode attention), k + 1 for a step that verifies k speculative
 tokens per sequence (the ragged attention, told that no sequence has more rows), None for a mixed step.
@@ -27,11 +32,14 @@ import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
+from pallas_kernels import kv_quantization
 from pallas_kernels.impl import pad_head_dim, padded_head_dim
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
+# kv_cache_dtype (canonical: EngineConfig turns "fp8" into "fp8_e4m3") -> the pages' dtype; "auto": the compute dtype
+QUANTIZED_KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
 @jax.tree_util.register_dataclass
@@ -48,27 +56,34 @@ class PagedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    """One of BACKENDS; hashable (it is part of the jitted step's static structure)."""
+    """One of BACKENDS, with the pool's kv_cache_dtype; hashable (it is part of the jitted step's static
+    structure)."""
 
     name: str
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         assert self.name in BACKENDS, self.name
+        assert self.kv_cache_dtype == "auto" or self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES, self.kv_cache_dtype
 
     @classmethod
-    def resolve(cls, attention_impl: str = "auto") -> AttentionBackend:
-        """The backend for the engine argument; ValueError where it cannot run on this platform."""
+    def resolve(cls, attention_impl: str = "auto", kv_cache_dtype: str = "auto") -> AttentionBackend:
+        """The backend for the engine arguments; ValueError where it cannot run on this platform."""
+        return cls(cls._resolve_name(attention_impl), kv_cache_dtype)
+
+    @staticmethod
+    def _resolve_name(attention_impl: str) -> str:
         platform = jax.default_backend()
         native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform)
         if attention_impl == "auto":
-            return cls(native or "xla")
+            return native or "xla"
         if attention_impl == "pallas":
             if native is None:
                 raise ValueError(
                     f"engine argument attention_impl='pallas' cannot run on {platform}: there are no Pallas kernels "
                     "for it (use 'auto', 'xla', or 'pallas_tpu_interpret' / 'pallas_gpu_interpret' for tests)"
                 )
-            return cls(native)
+            return native
         if attention_impl in ("pallas_tpu", "pallas_gpu") and attention_impl != native:
             raise ValueError(
                 f"engine argument attention_impl={attention_impl!r} cannot run on {platform} "
@@ -76,7 +91,7 @@ class AttentionBackend:
             )
         if attention_impl not in BACKENDS:
             raise ValueError(f"engine argument attention_impl must be 'auto', 'pallas' or one of {BACKENDS}")
-        return cls(attention_impl)
+        return attention_impl
 
     @property
     def _kernel_args(self) -> dict:
@@ -90,21 +105,59 @@ class AttentionBackend:
         """The pool's head_dim: the TPU kernels need it padded with zeros to a multiple of 128 (the lane width)."""
         return padded_head_dim(head_dim) if self.name.startswith("pallas_tpu") else head_dim
 
-    def kv_bytes_per_token(self, config: ModelConfig, dtype_bytes: int) -> int:
-        """2 * layers * kv_heads * head_dim * dtype_bytes, with the pool's (padded) head_dim."""
-        return config.kv_bytes_per_token(dtype_bytes) // config.head_dim * self.pool_head_dim(config.head_dim)
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
-    def pool_shape(self, config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-        """[num_layers, num_pages, page_size, num_kv_heads, head_dim] with the pool's head_dim."""
-        return (config.num_layers, num_pages, page_size, config.num_kv_heads, self.pool_head_dim(config.head_dim))
+    def pool_dtype(self, compute_dtype) -> jnp.dtype:
+        """The pages' dtype: the compute dtype, or the 8-bit format of kv_cache_dtype."""
+        return jnp.dtype(QUANTIZED_KV_CACHE_DTYPES.get(self.kv_cache_dtype, compute_dtype))
+
+    def kv_bytes_per_token(self, config: ModelConfig, dtype_bytes: int) -> int:
+        """2 * layers * kv_heads * (head_dim * bytes per value + bytes per scale), with the pool's (padded)
+        head_dim; dtype_bytes: the compute dtype's (what "auto" stores)."""
+        if not self.quantized:
+            return config.kv_bytes_per_token(dtype_bytes) // config.head_dim * self.pool_head_dim(config.head_dim)
+        per_head = self.pool_head_dim(config.head_dim) + kv_quantization.SCALE_DTYPE.itemsize  # 1-byte values
+        return 2 * config.num_layers * config.num_kv_heads * per_head
+
+    def kv_head_bytes(self, config: ModelConfig, dtype_bytes: int) -> str:
+        """What one token of one KV head takes, for the start-up log: "64 dims * 4 bytes", or for 8-bit pages
+        "(64 dims * 1 byte int8 + 2 bytes scale)" (dims: the pool's head_dim, padded ones said so)."""
+        head_dim = self.pool_head_dim(config.head_dim)
+        dims = f"{head_dim} dims" + ("" if head_dim == config.head_dim else f" (head_dim {config.head_dim} padded)")
+        if not self.quantized:
+            return f"{dims} * {dtype_bytes} bytes"
+        return f"({dims} * 1 byte {self.kv_cache_dtype} + {kv_quantization.SCALE_DTYPE.itemsize} bytes scale)"
+
+    def pool_layout(self, config: ModelConfig, num_pages: int, page_size: int, compute_dtype) -> KVCache:
+        """The pool's arrays as shapes and dtypes: K and V [num_layers, num_pages, page_size, num_kv_heads,
+        head_dim] (the pool's head_dim), and for 8-bit pages their scales [num_layers, num_pages, page_size,
+        num_kv_heads]."""
+        pages = (config.num_layers, num_pages, page_size, config.num_kv_heads, self.pool_head_dim(config.head_dim))
+        values = jax.ShapeDtypeStruct(pages, self.pool_dtype(compute_dtype))
+        if not self.quantized:
+            return KVCache(k=values, v=values)
+        scales = jax.ShapeDtypeStruct(pages[:-1], kv_quantization.SCALE_DTYPE)
+        return KVCache(k=values, v=values, k_scales=scales, v_scales=scales)
 
     def write_kv(self, kv_cache: KVCache, k, v, slot_mapping, layer) -> KVCache:
-        """The step's new K/V ([T, kv_heads, head_dim] each) into layer `layer` of the pool at slot_mapping [T]."""
+        """The step's new K/V ([T, kv_heads, head_dim] each) into layer `layer` of the pool at slot_mapping [T]
+        (8-bit pages: quantized per token and KV head, their scales beside them)."""
         page_size, head_dim = kv_cache.page_size, kv_cache.k.shape[-1]
         pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+        k, v = pad_head_dim(k, head_dim), pad_head_dim(v, head_dim)
+        if kv_cache.k_scales is None:
+            return KVCache(
+                k=kv_cache.k.at[layer, pages, offsets].set(k.astype(kv_cache.k.dtype)),
+                v=kv_cache.v.at[layer, pages, offsets].set(v.astype(kv_cache.v.dtype)),
+            )
+        (k, k_scales), (v, v_scales) = (kv_quantization.quantize(x, kv_cache.k.dtype) for x in (k, v))
         return KVCache(
-            k=kv_cache.k.at[layer, pages, offsets].set(pad_head_dim(k, head_dim).astype(kv_cache.k.dtype)),
-            v=kv_cache.v.at[layer, pages, offsets].set(pad_head_dim(v, head_dim).astype(kv_cache.v.dtype)),
+            k=kv_cache.k.at[layer, pages, offsets].set(k),
+            v=kv_cache.v.at[layer, pages, offsets].set(v),
+            k_scales=kv_cache.k_scales.at[layer, pages, offsets].set(k_scales),
+            v_scales=kv_cache.v_scales.at[layer, pages, offsets].set(v_scales),
         )
 
     def attend(
@@ -123,6 +176,7 @@ class AttentionBackend:
         max_q_len (static): no live sequence has more query tokens than this (None: any number). With 1, every
         live sequence has one query token, token s being sequence s's, and T == S."""
         options = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer, **self._kernel_args)
+        options |= dict(k_scales=kv_cache.k_scales, v_scales=kv_cache.v_scales)
         if max_q_len == 1:
             assert q.shape[0] == batch.kv_lens.shape[0], (q.shape, batch.kv_lens.shape)
             live = jnp.arange(batch.kv_lens.shape[0]) < batch.num_seqs

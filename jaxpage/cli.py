@@ -65,6 +65,16 @@ def _add_quantization_option(parser: argparse.ArgumentParser, what: str = "") ->
     )
 
 
+def _add_kv_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="the KV pages: auto (the model's dtype), or 8 bits with a scale per token per KV head, applied inside "
+        "the attention kernels: int8, fp8 (= fp8_e4m3), fp8_e5m2 (default: auto)",
+    )
+
+
 def _add_parallel_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="devices to split the model over, as Megatron (default 1)"
@@ -106,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     generate.add_argument("--min-p", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
+    _add_kv_cache_option(generate)
     _add_parallel_option(generate)
     _add_speculative_option(generate)
     _add_compilation_cache_options(generate)
@@ -170,6 +181,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    _add_kv_cache_option(parser)
     _add_parallel_option(parser)
     _add_speculative_option(parser)
     _add_compilation_cache_options(parser)
@@ -259,6 +271,7 @@ def _generate(args) -> None:
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=1,
         compilation_cache_dir=args.compilation_cache_dir,
         speculative_config=args.speculative_config,
@@ -341,6 +354,7 @@ def _engine_args(args) -> dict:
     return dict(
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

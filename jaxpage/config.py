@@ -180,6 +180,10 @@ class EngineConfig:
     # "int8": the model's projections and embedding in int8 with a float32 scale per output channel, quantized as
     # they load (jaxpage.models.int8); None: the weights as stored (a jaxpage checkpoint keeps its own).
     quantization: str | None = None
+    # The KV pool's format, in vLLM's names: "auto" (the compute dtype), "int8", "fp8" (same as "fp8_e4m3") or
+    # "fp8_e5m2": 8-bit pages with a bfloat16 scale per token per KV head, applied inside the attention kernels
+    # (jaxpage.attention_backend). Kept canonical: "fp8" becomes "fp8_e4m3".
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16  # tokens per page, 1 to MAX_PAGE_SIZE
     num_pages: int | None = None
@@ -225,6 +229,7 @@ class EngineConfig:
         "pallas_gpu_interpret",
     )
     DTYPES = ("float32", "bfloat16", "float16")
+    KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
     MAX_PAGE_SIZE = 1024
     MAX_NUM_SEQS = 1 << 16
     MAX_NUM_BATCHED_TOKENS = 1 << 20
@@ -272,6 +277,9 @@ class EngineConfig:
         choose("load_format", ("auto", "dummy"))
         if self.quantization is not None:
             choose("quantization", ModelConfig.QUANTIZATIONS)
+        choose("kv_cache_dtype", self.KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "fp8":
+            put("kv_cache_dtype", "fp8_e4m3")
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))

@@ -175,7 +175,7 @@ class LLMEngine:
         self.is_leader = distributed.is_leader()
         self._stopped = False
         self.config = config
-        self.attention_backend = AttentionBackend.resolve(config.attention_impl)
+        self.attention_backend = AttentionBackend.resolve(config.attention_impl, config.kv_cache_dtype)
         self.compilation_cache = None
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
@@ -228,7 +228,6 @@ class LLMEngine:
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = params_dtype(params).itemsize
-        head_dim = self.attention_backend.pool_head_dim(self.model_config.head_dim)
         token_bytes = self.attention_backend.kv_bytes_per_token(target_config, dtype_bytes)
         if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
             token_bytes += self.attention_backend.kv_bytes_per_token(draft[0], dtype_bytes)
@@ -254,15 +253,12 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         copies = target_config.num_kv_heads // self.model_config.num_kv_heads
         logger.info(
-            "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %d dims%s * %d bytes)%s; %d pages of %d "
-            "tokens, %.2f GiB",
+            "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %s)%s; %d pages of %d tokens, %.2f GiB",
             token_bytes,
             self.model_config.num_layers,
             target_config.num_kv_heads,
             f" ({self.model_config.num_kv_heads} copied {copies}x)" if copies > 1 else "",
-            head_dim,
-            "" if head_dim == self.model_config.head_dim else f" (head_dim {self.model_config.head_dim} padded)",
-            dtype_bytes,
+            self.attention_backend.kv_head_bytes(self.model_config, dtype_bytes),
             f", {device_token_bytes} per device on {tp} devices" if tp > 1 else "",
             num_pages,
             config.page_size,

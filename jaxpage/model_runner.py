@@ -31,7 +31,7 @@ from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build, params_dtype
-from jaxpage.parallel import DATA_AXIS, POOL_SPEC, TP_AXIS, local_params, param_specs, shard_config
+from jaxpage.parallel import DATA_AXIS, POOL_SPEC, SCALE_SPEC, TP_AXIS, local_params, param_specs, shard_config
 from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
@@ -151,7 +151,7 @@ class ModelRunner:
         self.compilation_cache = compilation_cache
         self.params = params
         self.backend = backend
-        dtype = params_dtype(params)
+        self.dtype = dtype = params_dtype(params)  # the compute dtype
         # Several devices (jaxpage.parallel): every program runs one shard's model per device under shard_map, each
         # data-parallel replica on its own step (the step's arrays stacked over the replicas) and its own pages.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
@@ -164,14 +164,15 @@ class ModelRunner:
         self.channel_runner = channel_runner
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
         self._param_specs = param_specs(params)
-        self._pool_specs = KVCache(POOL_SPEC, POOL_SPEC)
+        scale_spec = SCALE_SPEC if backend.quantized else None
+        self._pool_specs = KVCache(POOL_SPEC, POOL_SPEC, scale_spec, scale_spec)
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
         shard = shard_config(config, self.tensor_parallel_size) if split else config
         tp_axis = TP_AXIS if split else None
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
-        self._pool_shape = backend.pool_shape(config, num_pages * self.data_parallel_size, page_size)
-        self._fill_pool = None  # the program that makes a zeroed K or V pool
-        self.kv_cache = self._allocate_pool(dtype)
+        self._pool_layout = backend.pool_layout(config, num_pages * self.data_parallel_size, page_size, dtype)
+        self._fill_pool = None  # the program that makes a zeroed pool
+        self.kv_cache = self._allocate_pool()
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, max_verify_rows)
@@ -335,7 +336,7 @@ class ModelRunner:
         hidden_shape = (rows * (k + 1), self.config.hidden_size)
         if self.mesh is not None:
             hidden_shape = (self.data_parallel_size, *hidden_shape)
-        hidden = jax.ShapeDtypeStruct(hidden_shape, self.kv_cache.k.dtype)
+        hidden = jax.ShapeDtypeStruct(hidden_shape, self.dtype)
         args = (self.params, hidden, inputs)
         what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
@@ -610,7 +611,7 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
         self._send(Message.RESET)
-        self.kv_cache = self._allocate_pool(self.kv_cache.k.dtype)
+        self.kv_cache = self._allocate_pool()
 
     # ----- several hosts (jaxpage.step_broadcast) -----
 
@@ -660,17 +661,21 @@ class ModelRunner:
                 sizes.add(size(self._stacked([self._propose_input([], shape)])))
         return sizes
 
-    def _allocate_pool(self, dtype) -> KVCache:
+    def _allocate_pool(self) -> KVCache:
         """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's (got
         once: a reset after a failed step reuses it)."""
         if self._fill_pool is None:
-            shape = self._pool_shape
-            where = None if self.mesh is None else NamedSharding(self.mesh, POOL_SPEC)
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=where)
+            layout = self._pool_layout
+            where = None
+            if self.mesh is not None:
+                specs = dataclasses.astuple(self._pool_specs)
+                where = KVCache(*(None if spec is None else NamedSharding(self.mesh, spec) for spec in specs))
+            zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout), out_shardings=where)
+            arrays = tuple((x.shape, x.dtype.name) for x in jax.tree.leaves(layout))
             self._fill_pool = self._load_or_compile(
-                CompiledShape("pool", shape), (), lambda: zeros.lower().compile(), static=(shape, jnp.dtype(dtype).name)
+                CompiledShape("pool", layout.k.shape), (), lambda: zeros.lower().compile(), static=arrays
             )
-        return KVCache(k=self._fill_pool(), v=self._fill_pool())
+        return self._fill_pool()
 
     def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         self._send(Message.COPY, len(src), (src, dst))

@@ -76,6 +76,7 @@ _KV_PROJECTIONS = {
 # [layers, pages, page_size, kv_heads, head_dim]: each data-parallel replica its own range of pages (its page p is
 # page replica * pages_per_replica + p of the whole pool), each shard its KV heads.
 POOL_SPEC = P(None, DATA_AXIS, None, TP_AXIS, None)
+SCALE_SPEC = P(None, DATA_AXIS, None, TP_AXIS)  # 8-bit pages' scales: sharded like their pages
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices: list | None = None) -> Mesh:

@@ -1,10 +1,14 @@
-"""Quantization side by side: quality and decode speed of each weight mode against float32, in one run.
+"""Quantization side by side: quality and decode speed of each mode against float32, in one run.
 
-    python scripts/bench_quantization.py [--model SRC] [--modes float32,int8] [--requests 32] [--max-tokens 64]
+    python scripts/bench_quantization.py [--model SRC] [--modes float32,int8,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2]
+        [--requests 32] [--max-tokens 64]
 
-For each mode (float32: the weights as loaded, in float32 here; int8: quantization="int8"):
-  perplexity   on tests/data/alice_chapter_1.txt (public domain, ~2700 tokens), the cache-free forward pass in
-               512-token windows (jaxpage.benchmarks.perplexity)
+A mode is a weight format and optionally a KV format, joined by "+": float32 (the weights as loaded, in float32
+here), int8 (quantization="int8"), kv-FORMAT (kv_cache_dtype=FORMAT: int8, fp8, fp8_e4m3, fp8_e5m2) with float32
+weights, int8+kv-int8 (both). For each:
+  perplexity   on tests/data/alice_chapter_1.txt (public domain, ~2700 tokens), in 512-token windows, each one
+               prefill through a KV page pool of the mode's KV format: the engine's attention path, every K/V read
+               back from the pool (jaxpage.benchmarks.perplexity)
   agreement    greedy continuations of --max-tokens tokens of --requests prompts (48-token windows of the same text
                at evenly spaced offsets), EOS ignored: the share of positions whose token equals float32's, and the
                mean length of the prefix that does
@@ -26,11 +30,21 @@ import time
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="anything load_model takes (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--modes", default="float32,int8")
+    parser.add_argument("--modes", default="float32,int8,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     return parser.parse_args()
+
+
+def parse_mode(mode: str) -> tuple[str | None, str]:
+    """(quantization, kv_cache_dtype) of a mode such as "float32", "int8", "kv-fp8_e4m3", "int8+kv-int8"."""
+    weights, _, kv = mode.partition("+")
+    if weights.startswith("kv-"):
+        weights, kv = "float32", weights
+    if weights not in ("float32", "int8") or (kv and not kv.startswith("kv-")):
+        raise SystemExit(f"unknown mode {mode!r}: float32, int8, kv-FORMAT or int8+kv-FORMAT")
+    return (None if weights == "float32" else weights), (kv[3:] if kv else "auto")
 
 
 def main() -> None:
@@ -49,17 +63,18 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict[str, dict] = {}
     tokens: dict[str, list[list[int]]] = {}
-    for mode in args.modes.split(","):
-        quantization = None if mode == "float32" else mode
+    modes = {mode: parse_mode(mode) for mode in args.modes.split(",")}
+    for mode, (quantization, kv_cache_dtype) in modes.items():
         print(f"== {mode}", file=sys.stderr, flush=True)
         config, params = load_model(args.model, dtype="float32", quantization=quantization)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-        ppl = perplexity(config, params, text_ids)
+        ppl = perplexity(config, params, text_ids, kv_cache_dtype=kv_cache_dtype)
         del params
         llm = LLM(
             args.model,
             dtype="float32",
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_seqs=args.requests,
             max_model_len=args.prompt_len + args.max_tokens + 16,
             compilation_cache_dir=None,
@@ -82,6 +97,7 @@ def main() -> None:
         tokens[mode] = [o.outputs[0].token_ids for o in outputs]
         results[mode] = {
             "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": llm.engine.attention_backend.kv_bytes_per_token(config, 4),
             "perplexity": ppl,
             "tokens_per_s": args.requests * args.max_tokens / seconds,
             "median_decode_step_s": statistics.median(steps),
@@ -102,11 +118,11 @@ def main() -> None:
             f32 = results["float32"]
             row["perplexity_ratio"] = row["perplexity"] / f32["perplexity"]
             row["speedup"] = row["tokens_per_s"] / f32["tokens_per_s"]
-    print(f"{'mode':<8} {'weights MiB':>11} {'ppl':>8} {'ppl x':>7} {'agree':>6} {'prefix':>6} {'tok/s':>7} {'x':>5} "
-          f"{'step ms':>8} {'compile s':>9}")  # fmt: skip
+    print(f"{'mode':<12} {'weights MiB':>11} {'KV B/tok':>8} {'ppl':>8} {'ppl x':>7} {'agree':>6} {'prefix':>6} "
+          f"{'tok/s':>7} {'x':>5} {'step ms':>8} {'compile s':>9}")  # fmt: skip
     for mode, row in results.items():
         print(
-            f"{mode:<8} {row['weight_bytes'] / 2**20:>11.1f} {row['perplexity']:>8.3f} "
+            f"{mode:<12} {row['weight_bytes'] / 2**20:>11.1f} {row['kv_bytes_per_token']:>8} {row['perplexity']:>8.3f} "
             f"{row.get('perplexity_ratio', 1):>7.4f} {row.get('agreement', 1):>6.3f} "
             f"{row.get('mean_agreeing_prefix', args.max_tokens):>6.1f} {row['tokens_per_s']:>7.1f} "
             f"{row.get('speedup', 1):>5.2f} {row['median_decode_step_s'] * 1e3:>8.1f} {row['compile_s']:>9.1f}"

@@ -14,6 +14,7 @@ from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBat
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
 from pallas_kernels.impl import pad_head_dim
+from pallas_kernels.kv_quantization import dequantize, quantize
 
 DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 100)]
 VERIFIES = [(5, 5), (1, 15), (5, 16), (3, 17), (5, 100), (2, 40)]  # k + 1 = 5 rows at most (speculative decoding)
@@ -50,12 +51,27 @@ def test_auto_is_xla_on_cpu_and_names_are_checked():
         AttentionBackend.resolve("reference")
 
 
-def test_the_backend_owns_the_pool_shape():
+def test_the_backend_owns_the_pool_layout():
     config = ModelConfig("llama", 96, 64, 96, 3, 4, 2, 16, 1e-6, 1e4, 256)
     for name, head_dim in (("xla", 16), ("pallas_gpu_interpret", 16), ("pallas_tpu_interpret", 128)):
         backend = AttentionBackend(name)
-        assert backend.pool_shape(config, num_pages=5, page_size=8) == (3, 5, 8, 2, head_dim)
+        layout = backend.pool_layout(config, num_pages=5, page_size=8, compute_dtype=jnp.bfloat16)
+        assert layout.k.shape == layout.v.shape == (3, 5, 8, 2, head_dim) and layout.k.dtype == jnp.bfloat16
+        assert layout.k_scales is None and layout.v_scales is None
         assert backend.kv_bytes_per_token(config, 4) == 2 * 3 * 2 * head_dim * 4
+        for kv_cache_dtype, dtype in (
+            ("int8", jnp.int8),
+            ("fp8_e4m3", jnp.float8_e4m3fn),
+            ("fp8_e5m2", jnp.float8_e5m2),
+        ):
+            backend = AttentionBackend(name, kv_cache_dtype)
+            layout = backend.pool_layout(config, num_pages=5, page_size=8, compute_dtype=jnp.float32)
+            assert layout.k.shape == (3, 5, 8, 2, head_dim) and layout.k.dtype == dtype
+            assert layout.k_scales.shape == layout.v_scales.shape == (3, 5, 8, 2)
+            assert layout.k_scales.dtype == jnp.bfloat16
+            # what the sizing and the log use: every byte of the layout, per token
+            pool_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(layout))
+            assert backend.kv_bytes_per_token(config, 4) == pool_bytes // (5 * 8) == 2 * 3 * 2 * (head_dim + 2)
     assert config.kv_bytes_per_token(4) == 2 * 3 * 2 * 16 * 4  # the model's own formula: no padding
 
 
@@ -117,3 +133,55 @@ def test_verify_and_mixed_give_the_same_attention():
     ]
     assert np.isfinite(np.asarray(outs[1][0])).all()
     np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), atol=1e-6)
+
+
+def quantized(kv_cache: KVCache, kv_cache_dtype: str, head_dim: int) -> KVCache:
+    """kv_cache's pool (float, head_dim padded to `head_dim`) in 8 bits, as the engine would hold it."""
+    dtype = AttentionBackend("xla", kv_cache_dtype).pool_dtype(jnp.float32)
+    (k, k_scales), (v, v_scales) = (quantize(pad_head_dim(x, head_dim), dtype) for x in (kv_cache.k, kv_cache.v))
+    return KVCache(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_8_bit_pool_writes_quantized_tokens_and_attends_as_the_dequantized_pool(kv_cache_dtype):
+    q, k, v, batch, kv_cache = step(MIXED)
+    backend = AttentionBackend("xla", kv_cache_dtype)
+    attention = jax.jit(lambda backend, *a: PagedAttention(backend, 0.2)(*a, jnp.int32(0)), static_argnums=0)
+    got, pool = attention(backend, q, k, v, batch, quantized(kv_cache, kv_cache_dtype, GQA.head_dim))
+    assert pool.k.dtype == backend.pool_dtype(jnp.float32) and pool.k_scales.dtype == jnp.bfloat16
+    # The step's tokens are in the pool, quantized per token and head: what quantize makes of them.
+    slots = np.asarray(batch.slot_mapping)[: int(batch.cu_q_lens[int(batch.num_seqs)])]
+    pages, offsets = slots // GQA.page_size, slots % GQA.page_size
+    for new, pool_values, pool_scales in ((k, pool.k, pool.k_scales), (v, pool.v, pool.v_scales)):
+        values, scales = quantize(new[: len(slots)], pool.k.dtype)
+        np.testing.assert_array_equal(
+            np.asarray(pool_values[0, pages, offsets], np.float32), np.asarray(values, np.float32)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(pool_scales[0, pages, offsets], np.float32), np.asarray(scales, np.float32)
+        )
+    # And attention reads that pool: the float backend on the same pool dequantized gives the same result.
+    dequantized = KVCache(k=dequantize(pool.k, pool.k_scales), v=dequantize(pool.v, pool.v_scales))
+    options = dict(sm_scale=0.2, sliding_window=None, max_q_len=None)
+    want = AttentionBackend("xla").attend(q, dequantized, batch, jnp.int32(0), **options)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize(("seqs", "max_q_len"), [(DECODES, 1), (MIXED, None)], ids=["decode-only", "mixed"])
+def test_kernels_match_the_xla_backend_on_an_8_bit_pool(name, seqs, max_q_len):
+    q, k, v, batch, kv_cache = step(seqs)
+    if max_q_len == 1:
+        q, k, v, batch = one_token_per_row(q, k, v, batch)
+    attention = jax.jit(
+        lambda backend, *args: PagedAttention(backend, 0.2, None, max_q_len)(*args, jnp.int32(0)), static_argnums=0
+    )
+    want, want_pool = attention(
+        AttentionBackend("xla", "int8"), q, k, v, batch, quantized(kv_cache, "int8", GQA.head_dim)
+    )
+    backend = AttentionBackend(name, "int8")
+    head_dim = backend.pool_head_dim(GQA.head_dim)
+    got, got_pool = attention(backend, q, k, v, batch, quantized(kv_cache, "int8", head_dim))
+    np.testing.assert_array_equal(np.asarray(got_pool.k[..., : GQA.head_dim]), np.asarray(want_pool.k))
+    np.testing.assert_array_equal(np.asarray(got_pool.v_scales), np.asarray(want_pool.v_scales))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

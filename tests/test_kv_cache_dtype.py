@@ -1,0 +1,157 @@
+"""The engine with 8-bit KV pages (engine argument kv_cache_dtype): the pool's layout and sizing, the same greedy
+tokens from every attention implementation and under tensor parallelism, stale pages never read, copy-on-write
+copying the scales, and on the default model perplexity and greedy agreement against a float32 pool."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from test_llm_api import GREEDY, PROMPTS, make_llm, token_prompts
+
+from jaxpage import parallel
+from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
+from jaxpage.config import EngineConfig
+from jaxpage.kv_cache import KVCache
+from jaxpage.llm import LLM
+from jaxpage.models import load_model
+from jaxpage.sampling_params import SamplingParams
+
+FORMATS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def greedy(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(token_prompts(prompts), params)]
+
+
+def test_engine_argument_in_vllm_names():
+    assert EngineConfig().kv_cache_dtype == "auto"
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's fp8 is e4m3
+    for name in FORMATS:
+        assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == name
+    with pytest.raises(ValueError, match="engine argument kv_cache_dtype must be auto or int8 or fp8"):
+        EngineConfig(kv_cache_dtype="float8")
+    with pytest.raises(TypeError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype=8)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_pool_layout_and_sizing_use_the_real_bytes(tiny_dir, kv_cache_dtype, caplog, monkeypatch):
+    budget = 200 << 10  # fewer pages than max_num_seqs full sequences: the budget decides
+    monkeypatch.setattr(logging.getLogger("jaxpage"), "propagate", True)  # jaxpage's logger has its own handler
+    with caplog.at_level(logging.INFO, logger="jaxpage"):
+        llm = make_llm(tiny_dir, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget)
+    engine = llm.engine
+    config, pool = engine.model_config, engine.runner.kv_cache
+    layers, kv_heads, head_dim = config.num_layers, config.num_kv_heads, config.head_dim
+    assert pool.k.dtype == pool.v.dtype == FORMATS[kv_cache_dtype]
+    assert pool.k_scales.shape == pool.v_scales.shape == pool.k.shape[:-1]
+    assert pool.k_scales.dtype == jnp.bfloat16
+    token_bytes = 2 * layers * kv_heads * (head_dim + 2)
+    assert sum(x.nbytes for x in jax.tree.leaves(pool)) == pool.num_pages * pool.page_size * token_bytes
+    assert pool.num_pages == budget // (pool.page_size * token_bytes)
+    assert (
+        f"KV cache: {token_bytes} bytes per token (2 * {layers} layers * {kv_heads} kv heads * ({head_dim} dims * 1 "
+        f"byte {kv_cache_dtype} + 2 bytes scale))" in caplog.text
+    )
+    float_pool = make_llm(tiny_dir, kv_cache_memory_bytes=budget).engine.runner.kv_cache  # float32 on CPU
+    assert float_pool.k_scales is None
+    assert float_pool.num_pages == budget // (pool.page_size * 2 * layers * kv_heads * head_dim * 4)
+
+
+@pytest.mark.parametrize("attention_impl", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+def test_kernels_give_the_xla_path_s_greedy_tokens(tiny_dir, attention_impl):
+    # One chunked prompt and decodes; the TPU kernel reads 8-bit pages whose head_dim is padded to 128.
+    want = greedy(make_llm(tiny_dir, kv_cache_dtype="int8", max_num_batched_tokens=32))
+    llm = make_llm(tiny_dir, kv_cache_dtype="int8", attention_impl=attention_impl, max_num_batched_tokens=32)
+    assert greedy(llm) == want
+
+
+def test_tensor_parallel_shards_pages_and_scales_by_kv_head(tmp_path):
+    from test_parallel import ARGS, family
+
+    from jaxpage.benchmarks.tiny_models import write_tiny_model
+
+    path = str(write_tiny_model(family(2), tmp_path))
+    prompts = [[(5 * i + j) % 90 + 3 for j in range(4 + 7 * i)] for i in range(4)]
+    want = greedy(LLM(path, **ARGS, kv_cache_dtype="int8"), prompts)
+    llm = LLM(path, **ARGS, kv_cache_dtype="int8", tensor_parallel_size=2)
+    assert greedy(llm, prompts) == want
+    pool = llm.engine.runner.kv_cache
+    assert pool.k_scales.sharding.is_equivalent_to(NamedSharding(llm.engine.mesh, parallel.SCALE_SPEC), 4)
+    assert pool.k_scales.addressable_shards[0].data.shape[3] == 1  # one KV head per shard
+
+
+def test_stale_pages_are_never_read(tiny_dir):
+    """Every page no sequence holds is NaN (values and scales) before every step: the same tokens."""
+    want = greedy(make_llm(tiny_dir, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False, num_pages=40))
+    engine = make_llm(tiny_dir, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False, num_pages=40).engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        held = {page for seq in engine.scheduler.running for page in seq.block_table}
+        free = np.array([p for p in range(engine.block_manager.num_pages) if p not in held], np.int32)
+        engine.runner.kv_cache = jax.tree.map(lambda x, free=free: x.at[:, free].set(jnp.nan), engine.runner.kv_cache)
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.outputs[0].token_ids
+    assert [finished[i] for i in range(len(PROMPTS))] == want
+    assert np.isnan(np.asarray(engine.runner.kv_cache.k_scales, np.float32)).any()  # the poison was really there
+
+
+def test_page_copies_copy_the_scales(tiny_dir):
+    runner = make_llm(tiny_dir, kv_cache_dtype="int8").engine.runner
+    rng = np.random.default_rng(0)
+    pool = runner.kv_cache
+    runner.kv_cache = KVCache(
+        k=jnp.asarray(rng.integers(-127, 128, pool.k.shape), jnp.int8),
+        v=jnp.asarray(rng.integers(-127, 128, pool.v.shape), jnp.int8),
+        k_scales=jnp.asarray(rng.random(pool.k_scales.shape), jnp.bfloat16),
+        v_scales=jnp.asarray(rng.random(pool.v_scales.shape), jnp.bfloat16),
+    )
+    before = jax.tree.map(np.asarray, runner.kv_cache)
+    runner.copy_pages([(1, 7), (2, 8)])
+    for name in ("k", "v", "k_scales", "v_scales"):
+        want = getattr(before, name).copy()
+        want[:, [7, 8]] = want[:, [1, 2]]
+        np.testing.assert_array_equal(np.asarray(getattr(runner.kv_cache, name)), want)
+
+
+def test_parallel_sampling_shares_quantized_prefix_pages(tiny_dir):
+    # n > 1 shares the prompt's pages and copies the last one on write: the samples continue from the same K/V.
+    llm = make_llm(tiny_dir, kv_cache_dtype="int8")
+    params = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(token_prompts(PROMPTS[:1]), params)[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1
+    assert out.outputs[0].token_ids == greedy(llm, PROMPTS[:1], params)[0]
+
+
+# ----- the default model (SmolLM2-135M-Instruct): what 8 bits cost in quality -----
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32(smollm2_path):
+    return load_model(smollm2_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def alice_token_ids(smollm2_path):
+    from jaxpage.tokenizer import load_tokenizer
+
+    return list(load_tokenizer(smollm2_path)(TEXT_PATH.read_text()).input_ids)
+
+
+def test_default_model_kv_perplexity_within_one_percent(smollm2_float32, alice_token_ids):
+    # Two 512-token windows of the shipped text, each one prefill through a pool of the format (the full text:
+    # scripts/bench_quantization.py). fp8_e5m2's 2 mantissa bits cost more: it gets its own, looser bound.
+    token_ids = alice_token_ids[:1025]
+    base = perplexity(*smollm2_float32, token_ids, kv_cache_dtype="auto")
+    assert base == pytest.approx(perplexity(*smollm2_float32, token_ids), rel=1e-5)  # the paged path is the model
+    for kv_cache_dtype, bound in (("int8", 1.01), ("fp8_e4m3", 1.01), ("fp8_e5m2", 1.03)):
+        ppl = perplexity(*smollm2_float32, token_ids, kv_cache_dtype=kv_cache_dtype)
+        assert ppl != base and ppl <= base * bound, (kv_cache_dtype, base, ppl)
