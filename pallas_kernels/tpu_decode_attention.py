@@ -12,6 +12,10 @@ which slot is current. This needs the grid to run in order ("arbitrary" dimensio
 
 Block tables (flattened) and kv lengths are scalar-prefetch operands in SMEM. The pool's head_dim must be a
 multiple of 128 (the TPU lane width).
+
+8-bit pages (int8, fp8) come with their per-token scales, fetched beside each page (the next sequence's first kv
+tile's too) and applied to each kv head's tile in VMEM (`tpu_page_pipeline`): the products then take q's dtype.
+Float pages take theirs (q is cast to it).
 """
 
 from __future__ import annotations
@@ -35,13 +39,12 @@ def _decode_kernel(
     tables_ref,  # [S * pages_per_seq] int32: block tables, row after row
     # operands
     q_ref,  # [num_heads, head_dim] (VMEM): this sequence's query
-    k_hbm,  # [total_pages, page_size, num_kv_heads, head_dim] (HBM)
-    v_hbm,
+    pool_hbm,  # (k, v, k_scales, v_scales) (HBM): pages [total_pages, page_size, num_kv_heads, head_dim]; scales
+    # [total_pages, page_size, num_kv_heads] for 8-bit pages, None for float pages
     o_ref,  # [num_heads, head_dim] (VMEM)
     # scratch
-    k_slots,  # [2, pages_per_kv_tile, page_size, num_kv_heads, head_dim] (VMEM)
-    v_slots,
-    sems,  # [2, 2] DMA semaphores
+    pool_slots,  # their slots [2, pages_per_kv_tile, ...] (VMEM)
+    sems,  # [arrays, 2] DMA semaphores
     pipeline_ref,  # [2] int32 (SMEM): the slot the next kv tile lands in; the sequence whose first is in flight
     *,
     sm_scale: float,
@@ -50,6 +53,7 @@ def _decode_kernel(
     pages_per_seq: int,
 ):
     num_heads, head_dim = q_ref.shape
+    k_slots, v_slots, k_scale_slots, v_scale_slots = pool_slots
     pages_per_kv_tile, page_size, num_kv_heads = k_slots.shape[1:4]
     group = num_heads // num_kv_heads
     kv_tile = pages_per_kv_tile * page_size  # keys
@@ -70,7 +74,7 @@ def _decode_kernel(
 
     def copies(s, tile, slot):
         entry = s * pages_per_seq + tile * pages_per_kv_tile
-        return pipeline.kv_tile_copies(k_hbm, v_hbm, k_slots, v_slots, sems, tables_ref, entry, slot)
+        return pipeline.kv_tile_copies(pool_hbm, pool_slots, sems, tables_ref, entry, slot)
 
     kv_len = kv_lens_ref[seq]
     first_kv_tile, num_kv_tiles = kv_tiles(seq)
@@ -81,7 +85,7 @@ def _decode_kernel(
 
     next_seq = jnp.minimum(seq + 1, num_seqs - 1)
     next_first_kv_tile, next_num_kv_tiles = kv_tiles(next_seq)
-    q = q_ref[...].astype(k_slots.dtype)
+    q = q_ref[...].astype(pipeline.compute_dtype(q_ref.dtype, k_slots.dtype))
 
     def kv_step(j, state):
         slot = pipeline_ref[_SLOT]
@@ -105,8 +109,8 @@ def _decode_kernel(
         key_col = key_pos.reshape(kv_tile)
         new_state = []
         for h in range(num_kv_heads):
-            keys = pipeline.head_kv_tile(k_slots, slot, h, key_col, kv_len)
-            values = pipeline.head_kv_tile(v_slots, slot, h, key_col, kv_len)
+            keys = pipeline.head_kv_tile(k_slots, k_scale_slots, slot, h, key_col, kv_len, q.dtype)
+            values = pipeline.head_kv_tile(v_slots, v_scale_slots, slot, h, key_col, kv_len, q.dtype)
             q_heads = q[h * group : (h + 1) * group]
             new_state.append(
                 pipeline.attend(q_heads, keys, values, visible, state[h], sm_scale=sm_scale, soft_cap=soft_cap)
@@ -124,7 +128,7 @@ def _decode_kernel(
 )
 def tpu_decode_attention(
     q: jax.Array,  # [S, num_heads, head_dim]
-    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128
+    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128; float or 8-bit
     v_pages: jax.Array,
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
     block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
@@ -148,18 +152,19 @@ def tpu_decode_attention(
         pages_per_seq=pages_per_seq,
     )
     rows_spec = pl.BlockSpec((None, num_heads, head_dim), lambda s, *_: (s, 0, 0))
+    pools = (k_pages, v_pages, k_scales, v_scales)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(num_seqs,),
-            in_specs=[rows_spec, pipeline.POOL_SPEC, pipeline.POOL_SPEC],
+            in_specs=[rows_spec, pipeline.pool_specs(pools)],
             out_specs=rows_spec,
-            scratch_shapes=[*pipeline.scratch(k_pages, pages_per_kv_tile), pltpu.SMEM((2,), jnp.int32)],
+            scratch_shapes=[*pipeline.scratch(pools, pages_per_kv_tile), pltpu.SMEM((2,), jnp.int32)],
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
         name="jaxpage_tpu_decode_attention",
-    )(kv_lens, block_tables.reshape(-1), q, k_pages, v_pages)
+    )(kv_lens, block_tables.reshape(-1), q, pools)
     return out

@@ -12,6 +12,9 @@ in VMEM scratch), so each row ends up with exactly its own sequence's attention.
 Block tables (flattened), kv lengths, cu_q_lens and each program's first sequence are scalar-prefetch operands
 in SMEM. Causal inside each chunk: row i of a sequence with q_len rows and kv_len keys sits at position
 kv_len - q_len + i. The pool's head_dim must be a multiple of 128 (the TPU lane width).
+
+8-bit pages (int8, fp8) come with their per-token scales, fetched beside each page and applied to each kv head's
+tile in VMEM (`tpu_page_pipeline`): the products then take q's dtype. Float pages take theirs (q is cast to it).
 """
 
 from __future__ import annotations
@@ -37,14 +40,13 @@ def _ragged_kernel(
     cu_q_lens_ref,  # [S + 1] int32 (padding rows: q_len 0)
     first_seq_ref,  # [num_q_tiles] int32: the first sequence with rows in each query tile
     # operands
-    q_ref,  # [num_kv_heads, group, q_tile, head_dim] (VMEM): this query tile's rows
-    k_hbm,  # [total_pages, page_size, num_kv_heads, head_dim] (HBM)
-    v_hbm,
+    q_ref,  # [num_kv_heads, group, q_tile, head_dim] (VMEM): this query tile's rows, in the compute dtype
+    pool_hbm,  # (k, v, k_scales, v_scales) (HBM): pages [total_pages, page_size, num_kv_heads, head_dim]; scales
+    # [total_pages, page_size, num_kv_heads] for 8-bit pages, None for float pages
     o_ref,  # [num_kv_heads, group, q_tile, head_dim] (VMEM)
     # scratch
-    k_slots,  # [2, pages_per_kv_tile, page_size, num_kv_heads, head_dim] (VMEM)
-    v_slots,
-    sems,  # [2, 2] DMA semaphores
+    pool_slots,  # their slots [2, pages_per_kv_tile, ...] (VMEM)
+    sems,  # [arrays, 2] DMA semaphores
     acc_ref,  # [num_kv_heads, group * q_tile, head_dim] float32
     max_ref,  # [num_kv_heads, group * q_tile, 1] float32
     sum_ref,  # [num_kv_heads, group * q_tile, 1] float32
@@ -55,6 +57,7 @@ def _ragged_kernel(
     pages_per_seq: int,
 ):
     num_kv_heads, group, q_tile, head_dim = q_ref.shape
+    k_slots, v_slots, k_scale_slots, v_scale_slots = pool_slots
     pages_per_kv_tile, page_size = k_slots.shape[1:3]
     kv_tile = pages_per_kv_tile * page_size  # keys
     rows = group * q_tile
@@ -80,7 +83,7 @@ def _ragged_kernel(
 
         def copies(j, slot):
             entry = seq * pages_per_seq + (first_kv_tile + j) * pages_per_kv_tile
-            return pipeline.kv_tile_copies(k_hbm, v_hbm, k_slots, v_slots, sems, tables_ref, entry, slot)
+            return pipeline.kv_tile_copies(pool_hbm, pool_slots, sems, tables_ref, entry, slot)
 
         @pl.when(num_kv_tiles > 0)
         def _():
@@ -101,8 +104,8 @@ def _ragged_kernel(
             visible = jnp.broadcast_to(visible[None], (group, q_tile, kv_tile)).reshape(rows, kv_tile)
             key_col = key_pos.reshape(kv_tile)
             for h in range(num_kv_heads):
-                keys = pipeline.head_kv_tile(k_slots, slot, h, key_col, kv_len)
-                values = pipeline.head_kv_tile(v_slots, slot, h, key_col, kv_len)
+                keys = pipeline.head_kv_tile(k_slots, k_scale_slots, slot, h, key_col, kv_len, q_ref.dtype)
+                values = pipeline.head_kv_tile(v_slots, v_scale_slots, slot, h, key_col, kv_len, q_ref.dtype)
                 q = q_ref[h].reshape(rows, head_dim)
                 state = (acc_ref[h], max_ref[h], sum_ref[h])
                 acc_ref[h], max_ref[h], sum_ref[h] = pipeline.attend(
@@ -130,7 +133,7 @@ def _ragged_kernel(
 )
 def tpu_ragged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128
+    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128; float or 8-bit
     v_pages: jax.Array,
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
     block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
@@ -155,7 +158,7 @@ def tpu_ragged_attention(
     # [num_kv_heads, group, tokens, head_dim]: a query tile's rows of one kv head are one [group * q_tile, d] matrix
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_tokens - num_tokens), (0, 0)))
-    q_rows = q_rows.astype(k_pages.dtype)
+    q_rows = q_rows.astype(pipeline.compute_dtype(q.dtype, k_pages.dtype))
     q_tile_starts = jnp.arange(num_q_tiles, dtype=jnp.int32) * q_tile
     first_seq = jnp.searchsorted(cu_q_lens[1:], q_tile_starts, side="right").astype(jnp.int32)
 
@@ -168,15 +171,16 @@ def tpu_ragged_attention(
     )
     rows_spec = pl.BlockSpec((num_kv_heads, group, q_tile, head_dim), lambda t, *_: (0, 0, t, 0))
     state_rows = group * q_tile
+    pools = (k_pages, v_pages, k_scales, v_scales)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_q_tiles,),
-            in_specs=[rows_spec, pipeline.POOL_SPEC, pipeline.POOL_SPEC],
+            in_specs=[rows_spec, pipeline.pool_specs(pools)],
             out_specs=rows_spec,
             scratch_shapes=[
-                *pipeline.scratch(k_pages, pages_per_kv_tile),
+                *pipeline.scratch(pools, pages_per_kv_tile),
                 pltpu.VMEM((num_kv_heads, state_rows, head_dim), jnp.float32),
                 pltpu.VMEM((num_kv_heads, state_rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, state_rows, 1), jnp.float32),
@@ -186,5 +190,5 @@ def tpu_ragged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
         name="jaxpage_tpu_ragged_attention",
-    )(kv_lens, block_tables.reshape(-1), cu_q_lens, first_seq, q_rows, k_pages, v_pages)
+    )(kv_lens, block_tables.reshape(-1), cu_q_lens, first_seq, q_rows, pools)
     return out[:, :, :num_tokens].transpose(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)

@@ -4,12 +4,15 @@
   spaces: an out-of-bounds DMA raises there (the generic interpreter silently clamps it), and with race detection
   it reports a read of a buffer a DMA is still writing;
 - lowering to Mosaic for a TPU from this machine, which runs every Pallas lowering rule the kernels need;
-- the pool layout they need: head_dim padded to a multiple of 128.
+- the pool layout they need: head_dim padded to a multiple of 128;
+- both of the above for 8-bit pages (int8, fp8) with their scales, dequantized in the kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import warnings
 
 import jax
@@ -19,6 +22,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from test_paged_attention import assert_close, decode_args, decode_case, expected
+from test_quantized_kv_attention import quantized_batch
 from test_ragged_paged_attention import (
     CASES,
     GQA,
@@ -30,13 +34,19 @@ from test_ragged_paged_attention import (
 )
 
 from pallas_kernels.impl import pad_head_dim, padded_head_dim
+from pallas_kernels.kv_quantization import SCALE_DTYPE, is_quantized
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.tpu_decode_attention import tpu_decode_attention
 from pallas_kernels.tpu_ragged_attention import tpu_ragged_attention
 
 TPU_INTERPRET = dict(impl="pallas", interpret=pltpu.InterpretParams())
+DETECT_RACES = dict(impl="pallas", interpret=pltpu.InterpretParams(detect_races=True))
 BF16 = LAYOUTS[4]  # 6 heads over 2 kv heads, head_dim 128, page size 8, bfloat16
+BF16_PADDED = LAYOUTS[5]  # 8 heads over 2 kv heads, head_dim 64, page size 16, bfloat16
+# 8-bit pages in TPU interpret mode: each format with a float32 and a bfloat16 q (the kernels' compute dtype).
+QUANTIZED = [(GQA, jnp.int8), (BF16_PADDED, jnp.float8_e4m3fn)]
+QUANTIZED_IDS = ["float32-int8", "bfloat16-float8_e4m3fn"]
 
 
 def padded_pool(batch):
@@ -44,6 +54,14 @@ def padded_pool(batch):
     head_dim = padded_head_dim(batch.k_pages.shape[-1])
     return dataclasses.replace(
         batch, k_pages=pad_head_dim(batch.k_pages, head_dim), v_pages=pad_head_dim(batch.v_pages, head_dim)
+    )
+
+
+def padded_quantized_pool(quantized):
+    """A QuantizedBatch's 8-bit pages with head_dim padded with zeros to a multiple of 128 (scales unchanged)."""
+    head_dim = padded_head_dim(quantized.k_pages.shape[-1])
+    return dataclasses.replace(
+        quantized, k_pages=pad_head_dim(quantized.k_pages, head_dim), v_pages=pad_head_dim(quantized.v_pages, head_dim)
     )
 
 
@@ -64,10 +82,37 @@ def test_decode_kernel_in_tpu_interpret_mode_has_no_races():
     layout = GQA
     batch = make_batch(layout, decode_case(layout.page_size), poison=True)
     options = dict(sm_scale=sm_scale(layout), sliding_window=40)
-    detect_races = dict(impl="pallas", interpret=pltpu.InterpretParams(detect_races=True))
-    got = paged_attention(*decode_args(padded_pool(batch)), **options, **detect_races)
+    got = paged_attention(*decode_args(padded_pool(batch)), **options, **DETECT_RACES)
     assert not tpu_interpreter.races.races_found
     assert_close(layout, got, expected(batch, **options))
+
+
+@pytest.mark.parametrize(("layout", "dtype"), QUANTIZED, ids=QUANTIZED_IDS)
+def test_quantized_ragged_kernel_in_tpu_interpret_mode_has_no_races(layout, dtype):
+    # 8-bit pages and their scales come in by separate DMAs: none of them may be read before it lands. Stale slots
+    # hold NaN scales (and NaN fp8 values); the reference reads the dequantized pool.
+    quantized = quantized_batch(layout, CASES["mixed"](layout.page_size), dtype, poison=True)
+    options = dict(sm_scale=sm_scale(layout), sliding_window=40)
+    out = ragged_paged_attention(
+        *padded_quantized_pool(quantized).args, **quantized.scales, **options, **DETECT_RACES
+    ).block_until_ready()
+    assert not tpu_interpreter.races.races_found
+    assert_matches_reference(layout, quantized.batch, out, **options)
+
+
+@pytest.mark.parametrize(("layout", "dtype"), QUANTIZED, ids=QUANTIZED_IDS)
+def test_quantized_decode_kernel_in_tpu_interpret_mode_has_no_races(layout, dtype):
+    # The decode pipeline runs across programs: the next sequence's first pages and scales are fetched early.
+    quantized = quantized_batch(layout, decode_case(layout.page_size), dtype, seed=1, poison=True)
+    padded = padded_quantized_pool(quantized)
+    q, _, _, kv_lens, tables = decode_args(quantized.batch)
+    options = dict(sm_scale=sm_scale(layout), soft_cap=30.0)
+    got = paged_attention(
+        q, padded.k_pages, padded.v_pages, kv_lens, tables, **quantized.scales, **options, **DETECT_RACES
+    ).block_until_ready()
+    assert not tpu_interpreter.races.races_found
+    assert got.dtype == layout.dtype
+    assert_close(layout, got, expected(quantized.batch, **options))
 
 
 def test_the_race_detector_finds_a_read_during_a_dma():
@@ -97,30 +142,42 @@ def test_tpu_interpret_mode_catches_a_page_id_out_of_the_pool():
         paged_attention(*decode_args(dataclasses.replace(batch, block_tables=tables)), sm_scale=0.2, **TPU_INTERPRET)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(
+    "pool_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name
+)
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(None, None), (32, 30.0)])
-def test_kernels_lower_to_mosaic(dtype, sliding_window, soft_cap):
+def test_kernels_lower_to_mosaic(pool_dtype, sliding_window, soft_cap):
     # Exporting for a TPU runs the Pallas-to-Mosaic lowering of every operation in the kernels (Mosaic's own
     # compiler passes run on the TPU host, not here). SmolLM2's shapes: 9 heads over 3 kv heads, head_dim 64 padded.
+    # 8-bit pages come with a bfloat16 q and add the two scale operands; float pages take q in their dtype.
     seqs, tokens, pages_per_seq = 8, 128, 16
     spec = jax.ShapeDtypeStruct
-    pool = spec((100, 16, 3, 128), dtype)
+    quantized = is_quantized(pool_dtype)
+    q_dtype = jnp.bfloat16 if quantized else pool_dtype
+    pool = spec((100, 16, 3, 128), pool_dtype)
+    scales = spec(pool.shape[:-1], SCALE_DTYPE) if quantized else None
     options = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_kv_tile=8)
     tables, kv_lens = spec((seqs, pages_per_seq), jnp.int32), spec((seqs,), jnp.int32)
 
-    def ragged(q, k, v, kv_lens, tables, cu_q_lens):
-        return tpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **options, q_tile=32, interpret=False)
+    def ragged(q, k, v, kv_lens, tables, cu_q_lens, k_scales, v_scales):
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+        return tpu_ragged_attention(
+            q, k, v, kv_lens, tables, cu_q_lens, **scales, **options, q_tile=32, interpret=False
+        )
 
-    def decode(q, k, v, kv_lens, tables):
-        return tpu_decode_attention(q, k, v, kv_lens, tables, **options, interpret=False)
+    def decode(q, k, v, kv_lens, tables, k_scales, v_scales):
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+        return tpu_decode_attention(q, k, v, kv_lens, tables, **scales, **options, interpret=False)
 
-    for exported in (
-        jax.export.export(jax.jit(ragged), platforms=["tpu"])(
-            spec((tokens, 9, 128), dtype), pool, pool, kv_lens, tables, spec((seqs + 1,), jnp.int32)
-        ),
-        jax.export.export(jax.jit(decode), platforms=["tpu"])(spec((seqs, 9, 128), dtype), pool, pool, kv_lens, tables),
+    export = functools.partial(jax.export.export, platforms=["tpu"])
+    cu_q_lens = spec((seqs + 1,), jnp.int32)
+    for function, args, float_operands in (  # operands: the scalar-prefetch ones, q, the pages (and scales)
+        (ragged, (spec((tokens, 9, 128), q_dtype), pool, pool, kv_lens, tables, cu_q_lens, scales, scales), 7),
+        (decode, (spec((seqs, 9, 128), q_dtype), pool, pool, kv_lens, tables, scales, scales), 5),
     ):
-        assert "tpu_custom_call" in exported.mlir_module()
+        module = export(jax.jit(function))(*args).mlir_module()
+        [operands] = re.findall(r"custom_call @tpu_custom_call\(([^)]*)\)", module)
+        assert len(operands.split(",")) == float_operands + 2 * quantized
 
 
 @pytest.mark.parametrize("impl", IMPLS)
