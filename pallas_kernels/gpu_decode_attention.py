@@ -11,11 +11,13 @@ Grid (sequence, kv head, split). A program takes the query heads of one kv head 
 rows, the smallest Triton dot) and one of `num_splits` equal slices of the sequence's block table; it walks its
 pages one kv tile of `pages_per_kv_tile` pages at a time -- gathering their rows through the block table, which the
 Triton lowering has no scalar prefetch for, so the table is an ordinary operand -- with an online softmax in
-float32. Each split
-writes its normalized partial output with its row max and row sum; the splits are merged outside the kernel with
-a log-sum-exp weighting. Splits keep the GPU busy when the batch is small and sequences long.
+float32. Each split writes its normalized partial output with its row max and row sum; the splits are merged
+outside the kernel with a log-sum-exp weighting. Splits keep the GPU busy when the batch is small and sequences long.
 
-K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may hold NaN.
+8-bit pages (int8, fp8; `pallas_kernels.kv_quantization`) come with per-token scales, one more pair of operands
+blocked by kv head like the pages: each kv tile is read in 8 bits and multiplied by its scales in the kernel (float
+pools compile without them). K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may
+hold NaN, in 8-bit pages also their scales.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
 
@@ -53,6 +56,7 @@ def _decode_kernel(
     q_ref,  # [rows, head_dim]: its query heads of this kv head, padded to `rows`
     k_ref,  # [total_pages, page_size, head_dim]: this kv head's K pool
     v_ref,  # [total_pages, page_size, head_dim]
+    scale_refs,  # 8-bit pages: (k_scale_ref, v_scale_ref) [total_pages, page_size], this kv head's; else ()
     o_ref,  # [rows, head_dim] float32: this split's normalized partial output
     m_ref,  # [rows] float32: row max of the logits seen (MASK where none)
     l_ref,  # [rows] float32: row sum of exp(logits - max) (0 where none)
@@ -82,7 +86,7 @@ def _decode_kernel(
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
         kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap)
-        return attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible[None, :], state, **kwargs)
+        return attend_pages(q, k_ref, v_ref, scale_refs, page_ids, key_pos, kv_len, visible[None, :], state, **kwargs)
 
     num_kv_tiles = jnp.maximum(pl.cdiv(last_page - first_page, pages_per_kv_tile), 0)
     state = lax.fori_loop(0, num_kv_tiles, kv_tile_step, initial_state(rows, head_dim))
@@ -130,6 +134,8 @@ def gpu_decode_attention(
         pages_per_kv_tile=pages_per_kv_tile,
     )
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, k, split: (0, 0, k, 0))
+    scales = () if k_scales is None else (k_scales, v_scales)
+    scale_spec = pl.BlockSpec((total_pages, page_size, None), lambda s, k, split: (0, 0, k))
     partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
     out, row_max, row_sum = pl.pallas_call(
         kernel,
@@ -140,6 +146,7 @@ def gpu_decode_attention(
             pl.BlockSpec((None, None, rows, head_dim), lambda s, k, split: (s, k, 0, 0)),
             pool_spec,
             pool_spec,
+            tuple(scale_spec for _ in scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, k, split: (s, k, split, 0, 0)),
@@ -151,9 +158,11 @@ def gpu_decode_attention(
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
             jax.ShapeDtypeStruct(partial_shape, jnp.float32),
         ],
+        # Triton, explicitly: without compiler_params jax lowers to Mosaic GPU (jax_pallas_use_mosaic_gpu's default).
+        compiler_params=plgpu.CompilerParams(),
         interpret=interpret,
         name="jaxpage_gpu_decode_attention",
-    )(kv_lens, block_tables, q_rows, k_pages, v_pages)
+    )(kv_lens, block_tables, q_rows, k_pages, v_pages, scales)
 
     # Log-sum-exp merge of the splits: weight each by exp(its max - the overall max) times its row sum.
     overall_max = row_max.max(axis=2, keepdims=True)

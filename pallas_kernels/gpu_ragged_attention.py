@@ -9,7 +9,10 @@ float32. Programs past a sequence's rows do nothing. Rows are stored under a mas
 neighbour's rows; the query and output arrays carry `q_tile` rows of padding so that every tile's rows exist.
 
 Causal inside each chunk: row i of a sequence with q_len rows and kv_len keys sits at position kv_len - q_len + i.
-K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may hold NaN.
+8-bit pages (int8, fp8; `pallas_kernels.kv_quantization`) come with per-token scales, one more pair of operands
+blocked by kv head like the pages: each kv tile is read in 8 bits and multiplied by its scales in the kernel (float
+pools compile without them). K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may
+hold NaN, in 8-bit pages also their scales.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def _ragged_kernel(
     q_ref,  # [T + q_tile, group, head_dim]: every query row, this kv head's query heads (padded)
     k_ref,  # [total_pages, page_size, head_dim]: this kv head's K pool
     v_ref,  # [total_pages, page_size, head_dim]
+    scale_refs,  # 8-bit pages: (k_scale_ref, v_scale_ref) [total_pages, page_size], this kv head's; else ()
     zeros_ref,  # the output's initial value (aliased to o_ref): rows no program writes stay 0
     o_ref,  # [T + q_tile, group, head_dim]: output rows, this kv head's heads
     *,
@@ -76,7 +80,7 @@ def _ragged_kernel(
             if sliding_window is not None:
                 visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
             kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap)
-            return attend_pages(q, k_ref, v_ref, page_ids, key_pos, kv_len, visible, state, **kwargs)
+            return attend_pages(q, k_ref, v_ref, scale_refs, page_ids, key_pos, kv_len, visible, state, **kwargs)
 
         state = lax.fori_loop(0, num_kv_tiles, kv_tile_step, initial_state(q_tile * group, head_dim))
         out = normalized(state).reshape(q_tile, group, head_dim)
@@ -126,6 +130,8 @@ def gpu_ragged_attention(
     )
     rows_spec = pl.BlockSpec((num_tokens + q_tile, None, padded_group, head_dim), lambda s, t, k: (0, k, 0, 0))
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, t, k: (0, 0, k, 0))
+    scales = () if k_scales is None else (k_scales, v_scales)
+    scale_spec = pl.BlockSpec((total_pages, page_size, None), lambda s, t, k: (0, 0, k))
     out = pl.pallas_call(
         kernel,
         grid=(num_seq_rows, pl.cdiv(num_tokens, q_tile), num_kv_heads),
@@ -136,12 +142,15 @@ def gpu_ragged_attention(
             rows_spec,
             pool_spec,
             pool_spec,
+            tuple(scale_spec for _ in scales),
             rows_spec,
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        input_output_aliases={6: 0},
+        input_output_aliases={6 + len(scales): 0},  # the zeros
+        # Triton, explicitly: without compiler_params jax lowers to Mosaic GPU (jax_pallas_use_mosaic_gpu's default).
+        compiler_params=plgpu.CompilerParams(),
         interpret=interpret,
         name="jaxpage_gpu_ragged_attention",
-    )(kv_lens, cu_q_lens, block_tables, q_rows, k_pages, v_pages, jnp.zeros_like(q_rows))
+    )(kv_lens, cu_q_lens, block_tables, q_rows, k_pages, v_pages, scales, jnp.zeros_like(q_rows))
     return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)

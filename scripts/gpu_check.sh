@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # Issue 4's device check, for a machine with an NVIDIA GPU and jax[cuda], flax, torch, transformers and pytest
 # already installed (it installs nothing). Runs the kernel tests natively (on a GPU the tests run the Pallas
-# kernels without the interpreter) and the decode kernel's bandwidth benchmark. Takes a few minutes.
+# kernels without the interpreter), 8-bit KV pages included, and the decode kernel's bandwidth benchmark. Every
+# step runs even if one before it fails; the exit status says whether all passed. Takes a few minutes.
 #   bash scripts/gpu_check.sh [OUT_DIR]      # OUT_DIR receives the logs (default: .)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import jax; print(jax.__version__, jax.devices()); assert jax.default_backend() == 'gpu'" | tee "$out/gpu_check_devices.log"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu_check_devices.log" || true
+python3 -c "import jax; print(jax.__version__, jax.devices()); assert jax.default_backend() == 'gpu'" \
+    | tee "$out/gpu_check_devices.log" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu_check_devices.log"
+status=0
 # The kernels' sweeps (the GPU kernel natively, the TPU kernel interpreted), then the engine with attention_impl
 # "auto" (the GPU kernels natively) against a dense forward pass.
 python3 -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py tests/test_paged_attention.py \
     tests/test_attention_backend.py "tests/test_llm_api.py::test_greedy_equals_the_dense_forward" \
-    2>&1 | tee "$out/gpu_check_tests.log"
-python3 scripts/bench_decode_kernel.py 2>&1 | tee "$out/gpu_check_bench.log"
+    2>&1 | tee "$out/gpu_check_tests.log" || status=1
+# 8-bit KV pages (int8, fp8 e4m3 and e5m2): the GPU kernels dequantize the tiles they read, natively.
+python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kv_attention.py 2>&1 \
+    | tee "$out/gpu_check_quantized_kv.log" || status=1
+python3 scripts/bench_decode_kernel.py 2>&1 | tee "$out/gpu_check_bench.log" || status=1
+exit "$status"

@@ -9,6 +9,8 @@ The dequantized pool is exact in float32 (an 8-bit value times a bfloat16 scale)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,8 @@ from test_ragged_paged_attention import (
     sm_scale,
 )
 
+from pallas_kernels.gpu_decode_attention import gpu_decode_attention
+from pallas_kernels.gpu_ragged_attention import gpu_ragged_attention
 from pallas_kernels.kv_quantization import QUANTIZED_KV_DTYPES, SCALE_DTYPE, dequantize, quantize
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -176,3 +180,66 @@ def test_rejects_bad_scales(name):
     scales = dict(k_scales=kwargs["k_scales"], v_scales=kwargs["v_scales"])
     with pytest.raises(ValueError, match=message):
         paged_attention(q[:8], k, v, kv_lens, tables, **scales, sm_scale=0.2, impl="xla")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize(("num_splits", "pages_per_kv_tile"), [(1, 1), (2, 2), (4, 1), (8, 1)])
+def test_gpu_decode_kernel_splits_and_kv_tiles(num_splits, pages_per_kv_tile, dtype):
+    # The GPU decode kernel's split-K over 8-bit pages (as test_paged_attention's float sweep): page size 8, 16
+    # pages a table, so 8 splits leave 2 pages each and most splits of short sequences are empty. Stale slots'
+    # scales (and fp8 values) are NaN.
+    layout = LAYOUTS[0]
+    batch = quantized_batch(layout, decode_case(layout.page_size), FORMATS[dtype], seed=3, poison=True)
+    q, _, _, kv_lens, tables = decode_args(batch.batch)
+    got = gpu_decode_attention(
+        *(q, batch.k_pages, batch.v_pages, kv_lens, tables),
+        **batch.scales,
+        sm_scale=sm_scale(layout),
+        soft_cap=None,
+        sliding_window=None,
+        num_splits=num_splits,
+        pages_per_kv_tile=pages_per_kv_tile,
+        interpret=IMPLS["pallas-gpu"]["interpret"],
+    )
+    assert_close(layout, got, expected(batch.batch, sm_scale=sm_scale(layout)))
+
+
+TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")  # a Triton kernel's custom call (by jaxlib)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", *FORMATS])
+def test_gpu_kernels_lower_to_triton(dtype):
+    # Exporting for an NVIDIA GPU runs the Pallas-to-Triton lowering of every operation in the kernels, the casts of
+    # 8-bit values included (without a GPU, for compute capability 9.0). 8-bit pages add the two scale operands;
+    # float pools compile without them. SmolLM2's shapes: 9 heads over 3 kv heads, head_dim 64, page size 16.
+    spec = jax.ShapeDtypeStruct
+    seqs, quantized = 8, dtype != "bfloat16"
+    pool = spec((100, 16, 3, 64), jnp.dtype(dtype))
+    scales = spec((100, 16, 3), SCALE_DTYPE) if quantized else None
+    kv_lens, tables = spec((seqs,), jnp.int32), spec((seqs, 16), jnp.int32)
+    options = dict(sm_scale=0.125, soft_cap=30.0, sliding_window=32, pages_per_kv_tile=8, interpret=False)
+
+    def ragged(q, k, v, kv_lens, tables, cu_q_lens, k_scales, v_scales):
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+        return gpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **scales, q_tile=16, **options)
+
+    def decode(q, k, v, kv_lens, tables, k_scales, v_scales):
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+        return gpu_decode_attention(q, k, v, kv_lens, tables, **scales, num_splits=2, **options)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in TRITON_CALLS]
+    export = functools.partial(jax.export.export, platforms=["cuda"], disabled_checks=checks)
+    cu_q_lens = spec((seqs + 1,), jnp.int32)
+    for function, args, float_operands in (
+        (ragged, (spec((128, 9, 64), jnp.bfloat16), pool, pool, kv_lens, tables, cu_q_lens, scales, scales), 7),
+        (decode, (spec((seqs, 9, 64), jnp.bfloat16), pool, pool, kv_lens, tables, scales, scales), 5),
+    ):
+        try:
+            module = export(jax.jit(function))(*args).mlir_module()
+        except RuntimeError as e:  # newer jaxlibs compile the Triton module while lowering: a GPU plugin's job
+            if "Triton compilation handler" not in str(e):
+                raise
+            pytest.skip(f"lowered to Triton, not compiled: {e}")
+        targets = "|".join(re.escape(target) for target in TRITON_CALLS)
+        [operands] = re.findall(rf"custom_call @(?:{targets})\(([^)]*)\)", module)
+        assert len(operands.split(",")) == float_operands + 2 * quantized
