@@ -2,6 +2,7 @@
 
     bash scripts/bench_device.sh [OUT_DIR]     # on an NVIDIA H200: the 8B shape in bfloat16, under 8 minutes
     python scripts/bench_device.py --tiny      # anywhere: a tiny model of the same structure (checks the script)
+    python scripts/bench_device.py --kv-cache-dtype int8   # 8-bit KV pages (the roofline counts their bytes)
 
 1. Decode step time at batch 1 and 64. Each request has a 512-token random prompt; once every request decodes, 16
    steps are timed (after 3 untimed ones). The HBM roofline of a step is the bytes it must read -- every weight
@@ -130,6 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (runs anywhere)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8, fp8_e4m3, fp8_e5m2")
     args = parser.parse_args()
     import jax
 
@@ -140,11 +142,13 @@ def main() -> None:
     batches, prompt_len, num_requests = ((1, 8), 64, 8) if args.tiny else ((1, 64), 512, 64)
     prompt_lens, max_tokens = ((16, 128), (8, 32)) if args.tiny else ((128, 1025), (64, 257))
     results = {"backend": backend, "device": str(jax.devices()[0]), "model": "tiny" if args.tiny else "llama3-8b"}
+    results["kv_cache_dtype"] = args.kv_cache_dtype
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         write_config(directory, shape, dtype)
         start = time.perf_counter()
         engine_args = dict(load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_num_seqs=64)
+        engine_args |= dict(kv_cache_dtype=args.kv_cache_dtype)
         engine_args |= dict(max_model_len=2048, max_num_batched_tokens=512, enable_prefix_caching=False)
         llm = LLM(str(directory), **engine_args)
         results["engine_start_s"] = round(time.perf_counter() - start, 1)
@@ -152,7 +156,7 @@ def main() -> None:
         params = engine.runner.params
         param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         embedding_bytes = params["embed_tokens"]["embedding"].nbytes
-        kv_token_bytes = engine.model_config.kv_bytes_per_token(params["norm"]["scale"].dtype.itemsize)
+        kv_token_bytes = engine.attention_backend.kv_bytes_per_token(engine.model_config, engine.runner.dtype.itemsize)
         bandwidth = copy_bandwidth(min(2 << 30, param_bytes))
         results |= {"param_bytes": int(param_bytes), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
         log(f"engine ready in {results['engine_start_s']}s; {param_bytes / 1e9:.2f} GB of weights")

@@ -114,7 +114,7 @@ def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[s
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     if not engine.model_config.tie_word_embeddings:
         weight_bytes -= params["embed_tokens"]["embedding"].nbytes
-    kv_token_bytes = engine.model_config.kv_bytes_per_token(params["norm"]["scale"].dtype.itemsize)
+    kv_token_bytes = engine.attention_backend.kv_bytes_per_token(engine.model_config, runner.dtype.itemsize)
     if args.plot:
         from jaxpage.benchmarks.kv_plot import plot_kv_run
 

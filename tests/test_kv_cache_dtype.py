@@ -147,11 +147,28 @@ def alice_token_ids(smollm2_path):
 
 
 def test_default_model_kv_perplexity_within_one_percent(smollm2_float32, alice_token_ids):
-    # Two 512-token windows of the shipped text, each one prefill through a pool of the format (the full text:
-    # scripts/bench_quantization.py). fp8_e5m2's 2 mantissa bits cost more: it gets its own, looser bound.
+    # Two 512-token windows of the shipped text, each one prefill through a pool of the format (the full text and
+    # fp8_e5m2: scripts/bench_quantization.py).
     token_ids = alice_token_ids[:1025]
     base = perplexity(*smollm2_float32, token_ids, kv_cache_dtype="auto")
-    assert base == pytest.approx(perplexity(*smollm2_float32, token_ids), rel=1e-5)  # the paged path is the model
-    for kv_cache_dtype, bound in (("int8", 1.01), ("fp8_e4m3", 1.01), ("fp8_e5m2", 1.03)):
+    for kv_cache_dtype in ("int8", "fp8_e4m3"):
         ppl = perplexity(*smollm2_float32, token_ids, kv_cache_dtype=kv_cache_dtype)
-        assert ppl != base and ppl <= base * bound, (kv_cache_dtype, base, ppl)
+        assert ppl != base and ppl <= base * 1.01, (kv_cache_dtype, base, ppl)
+
+
+def test_default_model_greedy_agreement_with_a_float32_pool(smollm2_path, alice_token_ids):
+    # Greedy continuations of 4 windows of the shipped text through the engine: 8-bit pools follow float32's at
+    # most positions (a 135M model has near-ties, so not all; scripts/bench_quantization.py measures 32 x 64).
+    # Measured here: int8 102 of 128 positions, fp8_e4m3 76 (fp8_e5m2 59).
+    prompts = [alice_token_ids[i * 600 : i * 600 + 48] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    args = dict(dtype="float32", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=256, num_pages=32)
+
+    def continuations(kv_cache_dtype):
+        return greedy(LLM(smollm2_path, **args, kv_cache_dtype=kv_cache_dtype), prompts, params)
+
+    base = continuations("auto")
+    for kv_cache_dtype, min_agreement in (("int8", 0.6), ("fp8_e4m3", 0.45)):
+        tokens = continuations(kv_cache_dtype)
+        same = sum(a == b for x, y in zip(tokens, base, strict=True) for a, b in zip(x, y, strict=True))
+        assert same / (32 * len(prompts)) >= min_agreement, (kv_cache_dtype, tokens, base)
