@@ -13,8 +13,9 @@ weights, int8+kv-int8 (both). For each:
                at evenly spaced offsets), EOS ignored: the share of positions whose token equals float32's, and the
                mean length of the prefix that does
   decode       those --requests requests generated together (max_num_seqs = --requests): completion tokens/s from
-               the first request queued to the last token, and the median decode step; after warm-up (compile
-               seconds printed; no compilation cache)
+               the first request queued to the last token, and the median decode step; then the first request
+               alone (batch 1: each step reads every weight for one token); after warm-up (compile seconds
+               printed; no compilation cache)
 The last line is one JSON object with every figure; ratios are against float32 in this run.
 """
 
@@ -95,12 +96,19 @@ def main() -> None:
         outputs = llm.generate(prompts, greedy)
         seconds = time.perf_counter() - start
         tokens[mode] = [o.outputs[0].token_ids for o in outputs]
+        batch_steps = list(steps)
+        steps.clear()
+        start = time.perf_counter()
+        llm.generate(prompts[:1], greedy)  # one request alone: every decode step reads all the weights for a token
+        single_seconds = time.perf_counter() - start
         results[mode] = {
             "weight_bytes": weight_bytes,
             "kv_bytes_per_token": llm.engine.attention_backend.kv_bytes_per_token(config, 4),
             "perplexity": ppl,
             "tokens_per_s": args.requests * args.max_tokens / seconds,
-            "median_decode_step_s": statistics.median(steps),
+            "median_decode_step_s": statistics.median(batch_steps),
+            "tokens_per_s_one_request": args.max_tokens / single_seconds,
+            "median_decode_step_s_one_request": statistics.median(steps),
             "compile_s": sum(c.seconds for c in compiled),
             "compiled": [str(c) for c in compiled],
         }
@@ -118,14 +126,18 @@ def main() -> None:
             f32 = results["float32"]
             row["perplexity_ratio"] = row["perplexity"] / f32["perplexity"]
             row["speedup"] = row["tokens_per_s"] / f32["tokens_per_s"]
+            row["speedup_one_request"] = row["tokens_per_s_one_request"] / f32["tokens_per_s_one_request"]
     print(f"{'mode':<12} {'weights MiB':>11} {'KV B/tok':>8} {'ppl':>8} {'ppl x':>7} {'agree':>6} {'prefix':>6} "
-          f"{'tok/s':>7} {'x':>5} {'step ms':>8} {'compile s':>9}")  # fmt: skip
+          f"{'tok/s':>7} {'x':>5} {'step ms':>8} {'1 req tok/s':>11} {'x':>5} {'step ms':>8} "
+          f"{'compile s':>9}")  # fmt: skip
     for mode, row in results.items():
         print(
             f"{mode:<12} {row['weight_bytes'] / 2**20:>11.1f} {row['kv_bytes_per_token']:>8} {row['perplexity']:>8.3f} "
             f"{row.get('perplexity_ratio', 1):>7.4f} {row.get('agreement', 1):>6.3f} "
             f"{row.get('mean_agreeing_prefix', args.max_tokens):>6.1f} {row['tokens_per_s']:>7.1f} "
-            f"{row.get('speedup', 1):>5.2f} {row['median_decode_step_s'] * 1e3:>8.1f} {row['compile_s']:>9.1f}"
+            f"{row.get('speedup', 1):>5.2f} {row['median_decode_step_s'] * 1e3:>8.1f} "
+            f"{row['tokens_per_s_one_request']:>11.1f} {row.get('speedup_one_request', 1):>5.2f} "
+            f"{row['median_decode_step_s_one_request'] * 1e3:>8.1f} {row['compile_s']:>9.1f}"
         )
     print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "modes": results}))
 
