@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
-from test_llm_api import GREEDY, PROMPTS, make_llm, token_prompts
+from test_llm_api import GREEDY, PROMPTS, greedy_with_poisoned_free_pages, make_llm, token_prompts
 
 from jaxpage import parallel
 from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
@@ -88,20 +88,8 @@ def test_tensor_parallel_shards_pages_and_scales_by_kv_head(tmp_path):
 
 def test_stale_pages_are_never_read(tiny_dir):
     """Every page no sequence holds is NaN (values and scales) before every step: the same tokens."""
-    want = greedy(make_llm(tiny_dir, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False, num_pages=40))
-    engine = make_llm(tiny_dir, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False, num_pages=40).engine
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
-    finished = {}
-    while engine.has_unfinished_requests():
-        held = {page for seq in engine.scheduler.running for page in seq.block_table}
-        free = np.array([p for p in range(engine.block_manager.num_pages) if p not in held], np.int32)
-        engine.runner.kv_cache = jax.tree.map(lambda x, free=free: x.at[:, free].set(jnp.nan), engine.runner.kv_cache)
-        for output in engine.step():
-            if output.finished:
-                finished[int(output.request_id)] = output.outputs[0].token_ids
-    assert [finished[i] for i in range(len(PROMPTS))] == want
-    assert np.isnan(np.asarray(engine.runner.kv_cache.k_scales, np.float32)).any()  # the poison was really there
+    args = dict(kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False, num_pages=40)
+    assert greedy_with_poisoned_free_pages(make_llm(tiny_dir, **args)) == greedy(make_llm(tiny_dir, **args))
 
 
 def test_page_copies_copy_the_scales(tiny_dir):

@@ -70,9 +70,9 @@ def test_a_kernel_that_cannot_run_here_is_refused_up_front(tiny_dir):
         make_llm(tiny_dir, attention_impl="pallas")
 
 
-def test_poisoned_free_pages_change_no_output(tiny_dir, expected_greedy):
-    """Every page no sequence holds (the null page included) is NaN before every step."""
-    llm = make_llm(tiny_dir, enable_prefix_caching=False, num_pages=40)
+def greedy_with_poisoned_free_pages(llm: LLM) -> list[list[int]]:
+    """PROMPTS' greedy tokens, every page no sequence holds (the null page included) poisoned before every step:
+    NaN in every array of the pool (8-bit pages: NaN scales too)."""
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
@@ -80,13 +80,18 @@ def test_poisoned_free_pages_change_no_output(tiny_dir, expected_greedy):
     while engine.has_unfinished_requests():
         held = {page for seq in engine.scheduler.running for page in seq.block_table}
         free = np.array([p for p in range(engine.block_manager.num_pages) if p not in held], np.int32)
-        cache = engine.runner.kv_cache
-        engine.runner.kv_cache = KVCache(k=cache.k.at[:, free].set(jnp.nan), v=cache.v.at[:, free].set(jnp.nan))
+        engine.runner.kv_cache = jax.tree.map(lambda x, free=free: x.at[:, free].set(jnp.nan), engine.runner.kv_cache)
         for output in engine.step():
             if output.finished:
                 finished[int(output.request_id)] = output.outputs[0].token_ids
-    assert [finished[i] for i in range(len(PROMPTS))] == expected_greedy
-    assert np.isnan(np.asarray(engine.runner.kv_cache.k)).any()  # the poison was really there
+    poisoned = engine.runner.kv_cache.k if engine.runner.kv_cache.k_scales is None else engine.runner.kv_cache.k_scales
+    assert np.isnan(np.asarray(poisoned, np.float32)).any()  # the poison was really there
+    return [finished[i] for i in range(len(PROMPTS))]
+
+
+def test_poisoned_free_pages_change_no_output(tiny_dir, expected_greedy):
+    llm = make_llm(tiny_dir, enable_prefix_caching=False, num_pages=40)
+    assert greedy_with_poisoned_free_pages(llm) == expected_greedy
 
 
 def test_no_compilation_after_warmup(tiny_dir):
