@@ -38,8 +38,9 @@ from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
-# kv_cache_dtype (canonical: EngineConfig turns "fp8" into "fp8_e4m3") -> the pages' dtype; "auto": the compute dtype
+# kv_cache_dtype -> the pages' dtype ("auto": the compute dtype); vLLM's "fp8" is "fp8_e4m3"
 QUANTIZED_KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 @jax.tree_util.register_dataclass
@@ -68,8 +69,9 @@ class AttentionBackend:
 
     @classmethod
     def resolve(cls, attention_impl: str = "auto", kv_cache_dtype: str = "auto") -> AttentionBackend:
-        """The backend for the engine arguments; ValueError where it cannot run on this platform."""
-        return cls(cls._resolve_name(attention_impl), kv_cache_dtype)
+        """The backend for the engine arguments; ValueError where it cannot run on this platform (EngineConfig
+        checks kv_cache_dtype)."""
+        return cls(cls._resolve_name(attention_impl), KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype))
 
     @staticmethod
     def _resolve_name(attention_impl: str) -> str:

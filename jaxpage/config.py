@@ -278,7 +278,7 @@ class EngineConfig:
         if self.quantization is not None:
             choose("quantization", ModelConfig.QUANTIZATIONS)
         choose("kv_cache_dtype", self.KV_CACHE_DTYPES)
-        if self.kv_cache_dtype == "fp8":
+        if self.kv_cache_dtype == "fp8":  # vLLM's fp8 is e4m3
             put("kv_cache_dtype", "fp8_e4m3")
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))

@@ -47,6 +47,7 @@ def test_auto_is_xla_on_cpu_and_names_are_checked():
             with pytest.raises(ValueError, match=f"attention_impl='{impl}' cannot run on cpu"):
                 AttentionBackend.resolve(impl)
     assert AttentionBackend.resolve("pallas_tpu_interpret").name == "pallas_tpu_interpret"
+    assert AttentionBackend.resolve("xla", "fp8") == AttentionBackend("xla", "fp8_e4m3")  # vLLM's fp8
     with pytest.raises(ValueError, match="attention_impl must be"):
         AttentionBackend.resolve("reference")
 
