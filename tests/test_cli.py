@@ -65,6 +65,7 @@ USAGE_ERRORS = [
     ([], "the following arguments are required: command (see: jaxpage --help)"),
     (["frob"], "argument command: invalid choice: 'frob' (choose from "),
     (["predict", "hi", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4' (choose from "),
+    (["generate", "hi", "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4' (choose from "),
     (
         ["generate", "hi", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
         "speculative_config['method'] must be 'ngram' or 'draft_model', got 'eagle'",
@@ -81,6 +82,15 @@ def test_usage_errors_are_one_line(argv, start):
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.startswith(f"jaxpage: error: {start}")
     assert result.stderr.count("\n") == 1 and result.stderr.endswith("\n")
+
+
+def test_engine_commands_pass_kv_cache_dtype_on():
+    from jaxpage.cli import _engine_args, _parser
+
+    for command in (["batch", "in.jsonl", "out.jsonl"], ["serve"]):
+        assert _engine_args(_parser().parse_args(command))["kv_cache_dtype"] == "auto"
+        args = _parser().parse_args([*command, "--kv-cache-dtype", "fp8"])
+        assert _engine_args(args)["kv_cache_dtype"] == "fp8"  # EngineConfig makes it fp8_e4m3
 
 
 @pytest.mark.parametrize("command", ["generate", "predict"])
