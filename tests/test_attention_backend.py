@@ -183,6 +183,8 @@ def test_kernels_match_the_xla_backend_on_an_8_bit_pool(name, seqs, max_q_len):
     backend = AttentionBackend(name, "int8")
     head_dim = backend.pool_head_dim(GQA.head_dim)
     got, got_pool = attention(backend, q, k, v, batch, quantized(kv_cache, "int8", head_dim))
-    np.testing.assert_array_equal(np.asarray(got_pool.k[..., : GQA.head_dim]), np.asarray(want_pool.k))
-    np.testing.assert_array_equal(np.asarray(got_pool.v_scales), np.asarray(want_pool.v_scales))
+    # The same pool wherever it holds tokens (stale slots hold NaN: what quantizing them gives is never read).
+    live = ~np.isnan(np.asarray(kv_cache.k)).any(-1)  # [1, pages, page_size, kv_heads]
+    np.testing.assert_array_equal(np.asarray(got_pool.k[..., : GQA.head_dim])[live], np.asarray(want_pool.k)[live])
+    np.testing.assert_array_equal(np.asarray(got_pool.v_scales)[live], np.asarray(want_pool.v_scales)[live])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
