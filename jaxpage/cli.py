@@ -19,6 +19,7 @@ import time
 from typing import NoReturn
 
 import jaxpage
+from jaxpage.config import EngineConfig
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
@@ -50,7 +51,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=None,
-        choices=["float32", "bfloat16", "float16"],
+        choices=EngineConfig.DTYPES,
         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
     _add_quantization_option(parser)
@@ -69,7 +70,7 @@ def _add_kv_cache_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        choices=EngineConfig.KV_CACHE_DTYPES,
         help="the KV pages: auto (the model's dtype), or 8 bits with a scale per token per KV head, applied inside "
         "the attention kernels: int8, fp8 (= fp8_e4m3), fp8_e5m2 (default: auto)",
     )
@@ -134,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--dtype",
         default=None,
-        choices=["float32", "bfloat16", "float16"],
+        choices=EngineConfig.DTYPES,
         help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
     _add_quantization_option(convert, "store the ")
