@@ -10,8 +10,9 @@ config never branch on backends:
     "pallas_tpu_interpret"  the TPU kernels in Pallas' interpreter, on any backend (slow: for tests)
     "pallas_gpu_interpret"  the GPU kernels in Pallas' interpreter, on any backend (slow: for tests)
 
-`attention_impl` "auto" is the kernels of the platform jax runs on (TPU, GPU), else "xla"; "pallas" is the
-platform's kernels, refused where there are none.
+`attention_impl` "auto" is the kernels of the platform the programs are compiled for (TPU, GPU), else "xla";
+"pallas" is the platform's kernels, refused where there are none. That platform is jax's default backend, or a
+target's when the engine's programs are built for chips this host does not have (`jaxpage.aot`).
 
 The pool's format is the engine argument `kv_cache_dtype`, in vLLM's names: "auto" (the model's compute dtype),
 "int8", "fp8" (= "fp8_e4m3") or "fp8_e5m2": 8-bit pages with one bfloat16 scale per token per KV head beside them
@@ -62,20 +63,24 @@ class AttentionBackend:
 
     name: str
     kv_cache_dtype: str = "auto"
+    platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())  # what programs are built for
 
     def __post_init__(self):
         assert self.name in BACKENDS, self.name
         assert self.kv_cache_dtype == "auto" or self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES, self.kv_cache_dtype
 
     @classmethod
-    def resolve(cls, attention_impl: str = "auto", kv_cache_dtype: str = "auto") -> AttentionBackend:
-        """The backend for the engine arguments; ValueError where it cannot run on this platform (EngineConfig
-        checks kv_cache_dtype)."""
-        return cls(cls._resolve_name(attention_impl), KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype))
+    def resolve(
+        cls, attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None
+    ) -> AttentionBackend:
+        """The backend for the engine arguments, for programs built for `platform` (default: jax's default
+        backend); ValueError where it cannot run there (EngineConfig checks kv_cache_dtype)."""
+        platform = platform or jax.default_backend()
+        kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+        return cls(cls._resolve_name(attention_impl, platform), kv_cache_dtype, platform)
 
     @staticmethod
-    def _resolve_name(attention_impl: str) -> str:
-        platform = jax.default_backend()
+    def _resolve_name(attention_impl: str, platform: str) -> str:
         native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform)
         if attention_impl == "auto":
             return native or "xla"
@@ -101,7 +106,7 @@ class AttentionBackend:
         if self.name == "xla":
             return dict(impl="xla")
         kernel = self.name.split("_")[1]  # "tpu" or "gpu"
-        return dict(impl="pallas", interpret=self.name.endswith("_interpret"), backend=kernel)
+        return dict(impl="pallas", interpret=self.name.endswith("_interpret"), backend=kernel, platform=self.platform)
 
     def pool_head_dim(self, head_dim: int) -> int:
         """The pool's head_dim: the TPU kernels need it padded with zeros to a multiple of 128 (the lane width)."""

@@ -5,6 +5,10 @@ kernel: the Mosaic kernel on TPU, the Triton kernel on GPU. Either kernel also r
 interpreter (`interpret=True`, then `backend` says which kernel), and the TPU kernel in Pallas' TPU interpret mode
 (`interpret=pltpu.InterpretParams(...)`), which checks DMAs and can detect races. "auto" is the kernel of the
 backend jax runs on, and the XLA implementation on CPU.
+
+`platform` is the platform the program is compiled for: jax's default backend unless the caller compiles for
+another one (a TPU or GPU target's compile-only devices: `jaxpage.targets`), where a kernel is built without
+running it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ LANES = 128  # TPU vector lanes: the TPU kernels need the pool's head_dim padded
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def resolve_impl(impl: str, interpret=False, backend: str | None = None) -> str:
-    """ "xla", "tpu" or "gpu" (which implementation) for the arguments; ValueError where they cannot run."""
+def resolve_impl(impl: str, interpret=False, backend: str | None = None, platform: str | None = None) -> str:
+    """ "xla", "tpu" or "gpu" (which implementation) for the arguments, in a program compiled for `platform`
+    (default: jax's default backend); ValueError where they cannot run there."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend is not None and backend not in KERNEL_BACKENDS:
@@ -33,7 +38,7 @@ def resolve_impl(impl: str, interpret=False, backend: str | None = None) -> str:
         if backend == "gpu":
             raise ValueError("TPU interpret mode (interpret=pltpu.InterpretParams()) runs the TPU kernel, not 'gpu'")
         backend = "tpu"
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     native = platform if platform in KERNEL_BACKENDS else None
     if impl == "xla" or (impl == "auto" and native is None):
         return "xla"

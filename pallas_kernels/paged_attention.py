@@ -1,8 +1,8 @@
 """Decode paged attention: one query token per sequence, the common serving step. The public entry point.
 
-`impl` ("auto", "xla", "pallas"), `interpret` and `backend` pick the implementation as `pallas_kernels.impl` says:
-the XLA implementation (`xla_ragged_attention` with `max_q_len=1`: no prefill loop is compiled) or a Pallas
-kernel (`tpu_decode_attention`, `gpu_decode_attention`).
+`impl` ("auto", "xla", "pallas"), `interpret`, `backend` and `platform` pick the implementation as
+`pallas_kernels.impl` says: the XLA implementation (`xla_ragged_attention` with `max_q_len=1`: no prefill loop is
+compiled) or a Pallas kernel (`tpu_decode_attention`, `gpu_decode_attention`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def paged_attention(
     impl: str = "auto",
     interpret=False,
     backend: str | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """Attention of each sequence's one query token (at position kv_len - 1) to its cached keys.
 
@@ -43,7 +44,7 @@ def paged_attention(
     Returns [S, num_heads, head_dim] in q's dtype. Raises ValueError for inconsistent shapes or dtypes or an
     unknown impl.
     """
-    kernel = resolve_impl(impl, interpret, backend)
+    kernel = resolve_impl(impl, interpret, backend, platform)
     num_seqs = q.shape[0] if q.ndim == 3 else -1
     if q.ndim != 3 or kv_lens.shape != (num_seqs,):
         raise ValueError(f"q must be [S, num_heads, head_dim] and kv_lens [S], got {q.shape} and {kv_lens.shape}")

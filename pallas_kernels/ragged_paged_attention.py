@@ -18,7 +18,8 @@ from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "max_q_len", "impl", "interpret", "backend")
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "max_q_len", "impl", "interpret", "backend", "platform"),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]  query tokens of all sequences, back to back (padding at the end)
@@ -39,11 +40,13 @@ def ragged_paged_attention(
     impl: str = "xla",
     interpret=False,
     backend: str | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """Causal attention of each sequence's query rows to its cached keys, through the block tables.
 
     `impl`, `interpret` and `backend` pick the implementation as `pallas_kernels.impl` says ("xla" by default
-    here; the Pallas kernels are `tpu_ragged_attention` and `gpu_ragged_attention`).
+    here; the Pallas kernels are `tpu_ragged_attention` and `gpu_ragged_attention`); `platform` is the one the
+    program is compiled for (default: jax's default backend).
 
     The pool's head_dim is q's, or q's padded with zeros to a multiple of 128: the layout the TPU kernels need
     (given an unpadded pool they pad it, a copy per call). The result has q's head_dim.
@@ -75,7 +78,7 @@ def ragged_paged_attention(
     """
     check_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, soft_cap, sliding_window, layer)
     check_scales(k_pages, v_pages, k_scales, v_scales)
-    kernel = resolve_impl(impl, interpret, backend)
+    kernel = resolve_impl(impl, interpret, backend, platform)
     head_dim = q.shape[-1]
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)

@@ -1,0 +1,43 @@
+"""Copies of large arrays in a compiled program, read from its optimized HLO text (`jax.stages.Compiled.as_text()`).
+
+A KV pool must never be copied: a step reads and updates it in place (donated). A chip's compiler can still insert
+a copy where a kernel asks for a layout the pool does not have (a relayout of the whole pool on every call).
+`large_copies` finds the instructions that copy or transpose at least `min_bytes`: give it the bytes of the smallest
+pool array and it lists every copy of a pool, whatever its shape after reshapes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# Bytes of HLO's element types (those a pool or its scales can have, and the usual others).
+ELEMENT_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+COPY_OPS = ("copy", "copy-start", "transpose")
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+
+
+def array_bytes(shape_text: str) -> int:
+    """Bytes of the largest array in an HLO shape ("bf16[2,3]{1,0}", or a tuple of them)."""
+    largest = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype in ELEMENT_BYTES:
+            count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            largest = max(largest, count * ELEMENT_BYTES[dtype])
+    return largest
+
+
+def large_copies(hlo: str, min_bytes: int) -> list[str]:
+    """The instructions of `hlo` (every computation) that copy or transpose an array of at least min_bytes, as
+    their HLO lines (stripped)."""
+    found = []
+    for line in hlo.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match and match.group(2) in COPY_OPS and array_bytes(match.group(1)) >= min_bytes:
+            found.append(line.strip())
+    return found
