@@ -42,23 +42,35 @@ from jaxpage.validation import INT32_MAX, ArgumentTypeError, check_number, check
 logger = logging.getLogger("jaxpage")
 
 
-def kv_pool_pages(engine: EngineConfig, token_bytes: int, max_model_len: int) -> int:
+def kv_pool_pages(
+    engine: EngineConfig, token_bytes: int, max_model_len: int, device_memory: tuple[int, int] | None = None
+) -> int:
     """Pages in the pool (the null page included), from the engine's size arguments (see EngineConfig) and the
-    bytes of K and V one token takes in the pool. Raises ValueError for a pool the memory cannot hold."""
+    bytes of K and V one token takes in the pool. Raises ValueError for a pool the memory cannot hold.
+
+    device_memory: (bytes the device has, bytes in use) of the device the pool is for: a target chip's when the
+    engine is built for one (jaxpage.aot); None: this host's first device (on CPU, the host's memory)."""
     page_bytes = engine.page_size * token_bytes
-    available = available_memory_bytes()
+    on_cpu = device_memory is None and jax.default_backend() == "cpu"
+    if device_memory is None and not on_cpu:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        device_memory = (stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0))
+    if on_cpu:
+        available = available_memory_bytes()
+    else:
+        limit, in_use = device_memory
+        available = limit - in_use if limit else None
     if engine.num_pages is not None:
         pages = engine.num_pages
     else:
         if engine.kv_cache_memory_bytes is not None:
             budget = engine.kv_cache_memory_bytes
-        elif jax.default_backend() == "cpu":
+        elif on_cpu:
             budget = EngineConfig.CPU_KV_CACHE_BYTES
             if available is not None and available < 2 * budget:  # a small machine: half of what is left
                 budget = available // 2
         else:
-            stats = jax.local_devices()[0].memory_stats() or {}
-            budget = int(stats.get("bytes_limit", 0) * engine.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+            budget = int(limit * engine.gpu_memory_utilization) - in_use
         useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
         pages = min(budget // page_bytes, useful, INT32_MAX // engine.page_size)
         if pages < 2:
@@ -72,11 +84,7 @@ def kv_pool_pages(engine: EngineConfig, token_bytes: int, max_model_len: int) ->
 
 
 def available_memory_bytes() -> int | None:
-    """Memory the KV pool can still take: the device's free memory on GPU/TPU, the host's available memory on CPU
-    (None where it cannot be told)."""
-    if jax.default_backend() != "cpu":
-        stats = jax.local_devices()[0].memory_stats() or {}
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
+    """The host's available memory (None where it cannot be told): what a KV pool on CPU can still take."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -146,8 +147,12 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         channel: StepBroadcast | None = None,
         channel_runner: int = 0,
+        compile_only: bool = False,
     ):
         self.config = config  # the whole model's (with_replicated_kv_heads under tensor parallelism)
+        # Programs built for chips this host lacks (jaxpage.aot): params are ShapeDtypeStructs placed on compile-only
+        # devices, the pool is one too, and nothing runs.
+        self.compile_only = compile_only
         self.compilation_cache = compilation_cache
         self.params = params
         self.backend = backend
@@ -172,7 +177,7 @@ class ModelRunner:
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
         self._pool_layout = backend.pool_layout(config, num_pages * self.data_parallel_size, page_size, dtype)
         self._fill_pool = None  # the program that makes a zeroed pool
-        self.kv_cache = self._allocate_pool()
+        self.kv_cache = self._pool_shapes() if compile_only else self._allocate_pool()
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, max_verify_rows)
@@ -184,6 +189,7 @@ class ModelRunner:
                 PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, q_len or None),
                 dtype,
                 tp_axis,
+                backend.platform,
             )
             for q_len in {0, 1} | {s.max_q_len for s in self.shapes}
         }
@@ -321,7 +327,7 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
         step, _ = self._padding_input(shape)
-        args = (self.params, self.kv_cache, step)
+        args = (self.params, self.kv_cache, self._abstract(step))
         executable = self._load_or_compile(
             CompiledShape("forward", shape), args, lambda: self._forward.lower(*args, shape.max_q_len).compile()
         )
@@ -336,8 +342,11 @@ class ModelRunner:
         hidden_shape = (rows * (k + 1), self.config.hidden_size)
         if self.mesh is not None:
             hidden_shape = (self.data_parallel_size, *hidden_shape)
-        hidden = jax.ShapeDtypeStruct(hidden_shape, self.dtype)
-        args = (self.params, hidden, inputs)
+        where = None
+        if self.compile_only:  # where the forward pass leaves it
+            where = self._replicated if self.mesh is None else NamedSharding(self.mesh, REPLICAS)
+        hidden = jax.ShapeDtypeStruct(hidden_shape, self.dtype, sharding=where)
+        args = (self.params, hidden, self._abstract(inputs))
         what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
         self.samplers[rows, k] = executable
@@ -345,7 +354,7 @@ class ModelRunner:
 
     def compile_proposer(self, shape: StepShape) -> jax.stages.Compiled:
         """A draft model's proposal for `shape`'s rows and k, as `compile` gets the forward pass."""
-        args = (self.params, self.kv_cache, self._stacked([self._propose_input([], shape)]))
+        args = (self.params, self.kv_cache, self._abstract(self._stacked([self._propose_input([], shape)])))
         k = shape.num_draft_positions
         executable = self._load_or_compile(
             CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile()
@@ -385,7 +394,7 @@ class ModelRunner:
 
     def _run_propose(self, shape: StepShape, inputs: ProposeInput) -> tuple[jax.Array, jax.Array]:
         self._send(Message.PROPOSE, shape, inputs)
-        proposer = self.proposers.get(shape) or self.compile_proposer(shape)
+        proposer = self._proposer_program(shape)
         tokens, probs, self.kv_cache = proposer(self.params, self.kv_cache, inputs)
         return tokens, probs
 
@@ -420,8 +429,7 @@ class ModelRunner:
 
     def _run_forward(self, shape: StepShape, step: StepInput) -> None:
         self._send(Message.FORWARD, shape, step)
-        forward = self.executables.get(shape) or self.compile(shape)
-        _, self.kv_cache = forward(self.params, self.kv_cache, step)
+        _, self.kv_cache = self._forward_program(shape)(self.params, self.kv_cache, step)
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
         """The program `what` from the compilation cache, else compile_it() (kept in the cache). Its key: `static`
@@ -452,25 +460,49 @@ class ModelRunner:
     def warmup(self) -> list[CompiledShape]:
         """Compiles every step shape and sampler shape not compiled yet (and the page copy); returns what it
         compiled."""
-        start = len(self.compile_log)
-        for shape in self.shapes:
-            if shape not in self.executables:
-                self.compile(shape)
-            if (shape.sample_rows, shape.num_draft_positions) not in self.samplers:
-                self.compile_sampler(shape)
-        self.copy_pages([(0, 0)])
-        return self.compile_log[start:]
+        return self._compile_all(self.warmup_programs())
 
     def warmup_draft(self) -> list[CompiledShape]:
         """A draft model's warm-up: the forward pass of every step shape and the proposal of every verify shape (a
         draft model samples only in its proposals)."""
+        return self._compile_all(self.warmup_programs(draft=True))
+
+    def _compile_all(self, programs: list) -> list[CompiledShape]:
         start = len(self.compile_log)
-        for shape in self.shapes:
-            if shape not in self.executables:
-                self.compile(shape)
-            if shape.kind == "verify" and shape not in self.proposers:
-                self.compile_proposer(shape)
+        for _, get in programs:
+            get()
         return self.compile_log[start:]
+
+    def warmup_programs(self, draft: bool = False) -> list[tuple[CompiledShape, Callable[[], jax.stages.Compiled]]]:
+        """Every program warm-up compiles, as (what it is, a function that returns it compiled: at its first call
+        compiled or loaded, later the same program), in warm-up's order: the pool's fill (compiled when the runner
+        is built, unless compile_only), the forward pass of each step shape with its sampler (each sampler shape
+        once), the page copy. A draft model's (`draft`): the forward passes and the proposal of each verify
+        shape."""
+        programs = [(CompiledShape("pool", self._pool_layout.k.shape), self._pool_program)]
+        samplers = set()
+        for shape in self.shapes:
+            programs.append((CompiledShape("forward", shape), functools.partial(self._forward_program, shape)))
+            rows, k = shape.sample_rows, shape.num_draft_positions
+            if draft and shape.kind == "verify":
+                what = CompiledShape("propose", (shape.num_rows, k))
+                programs.append((what, functools.partial(self._proposer_program, shape)))
+            elif not draft and (rows, k) not in samplers:
+                samplers.add((rows, k))
+                what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
+                programs.append((what, functools.partial(self._sampler_program, shape)))
+        if not draft:
+            programs.append((CompiledShape("copy", COPY_CHUNK), self._copy_program))
+        return programs
+
+    def _forward_program(self, shape: StepShape) -> jax.stages.Compiled:
+        return self.executables.get(shape) or self.compile(shape)
+
+    def _sampler_program(self, shape: StepShape) -> jax.stages.Compiled:
+        return self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
+
+    def _proposer_program(self, shape: StepShape) -> jax.stages.Compiled:
+        return self.proposers.get(shape) or self.compile_proposer(shape)
 
     # ----- host side -----
 
@@ -603,8 +635,7 @@ class ModelRunner:
 
     def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput) -> tuple:
         """The step's forward pass and sampler, launched (see _sample_on_shard for what they return)."""
-        forward = self.executables.get(shape) or self.compile(shape)
-        sampler = self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
+        forward, sampler = self._forward_program(shape), self._sampler_program(shape)
         hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
         return sampler(self.params, hidden, sample_input)
 
@@ -664,30 +695,70 @@ class ModelRunner:
     def _allocate_pool(self) -> KVCache:
         """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's (got
         once: a reset after a failed step reuses it)."""
+        return self._pool_program()()
+
+    def _pool_shardings(self) -> KVCache | None:
+        """Where the pool's arrays live: sharded over the mesh, on the parameters' device when compiling only for
+        one, else None (jax's default device)."""
+        if self.mesh is not None:
+            specs = dataclasses.astuple(self._pool_specs)
+            return KVCache(*(None if spec is None else NamedSharding(self.mesh, spec) for spec in specs))
+        if self.compile_only:
+            return jax.tree.map(lambda _: self._replicated, self._pool_layout)
+        return None
+
+    def _pool_shapes(self) -> KVCache:
+        """The pool as ShapeDtypeStructs placed where it would live (compile_only: the pool no program fills)."""
+        where = self._pool_shardings()
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._pool_layout, where)
+
+    def _pool_program(self) -> jax.stages.Compiled:
+        """The program that makes a zeroed pool (its output bytes: the pool's as the chip lays it out)."""
         if self._fill_pool is None:
             layout = self._pool_layout
-            where = None
-            if self.mesh is not None:
-                specs = dataclasses.astuple(self._pool_specs)
-                where = KVCache(*(None if spec is None else NamedSharding(self.mesh, spec) for spec in specs))
-            zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout), out_shardings=where)
+            zeros = jax.jit(
+                lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout),
+                out_shardings=self._pool_shardings(),
+            )
             arrays = tuple((x.shape, x.dtype.name) for x in jax.tree.leaves(layout))
             self._fill_pool = self._load_or_compile(
                 CompiledShape("pool", layout.k.shape), (), lambda: zeros.lower().compile(), static=arrays
             )
-        return self._fill_pool()
+        return self._fill_pool
+
+    @property
+    def _replicated(self):
+        """The sharding of an argument every device holds whole: the mesh's, or the (compile-only) parameters'
+        device."""
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, P())
+        return jax.tree.leaves(self.params)[0].sharding
+
+    def _abstract(self, tree):
+        """Host-made step arrays as compile_only lowers them: ShapeDtypeStructs every device holds whole (jit would
+        otherwise place numpy arguments on this host's default device); unchanged otherwise."""
+        if not self.compile_only:
+            return tree
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated), tree
+        )
 
     def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         self._send(Message.COPY, len(src), (src, dst))
         if len(src) != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
             self.kv_cache = self._copy_pages_jit(self.kv_cache, src, dst)
             return
+        self.kv_cache = self._copy_program()(self.kv_cache, src, dst)
+
+    def _copy_program(self) -> jax.stages.Compiled:
+        """The copy of COPY_CHUNK pages (compiled at its first use or at warm-up)."""
         if self._copy_chunk is None:
-            args = (self.kv_cache, src, dst)
+            ids = np.zeros(COPY_CHUNK, np.int32)
+            args = (self.kv_cache, *self._abstract((ids, ids)))
             self._copy_chunk = self._load_or_compile(
                 CompiledShape("copy", COPY_CHUNK), args, lambda: self._copy_pages_jit.lower(*args).compile()
             )
-        self.kv_cache = self._copy_chunk(self.kv_cache, src, dst)
+        return self._copy_chunk
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """The copy-on-write copies (src, dst) of a step, applied as if all at once (every source read before any

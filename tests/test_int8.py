@@ -69,7 +69,7 @@ def dequantized(config, params):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_the_model_equals_its_dequantized_float_twin(tiny_model_path, monkeypatch, method):
-    monkeypatch.setattr("jaxpage.models.llama.lm_head_method", lambda: method)
+    monkeypatch.setattr("jaxpage.models.llama.lm_head_method", lambda platform=None: method)
     jax.clear_caches()  # forward's compiled program would keep the method it was traced with
     config, params = load_model(tiny_model_path(FAMILY), quantization="int8")
     assert config.quantization == "int8"

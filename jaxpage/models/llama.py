@@ -33,11 +33,11 @@ from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
 from jaxpage.models.rope import apply_rope, rope_tables
 
 
-def linear(config: ModelConfig, features, use_bias: bool, dtype, name: str, axis=-1) -> nn.Module:
-    """A projection of the model: nn.DenseGeneral, or its int8 form for a quantized model (same parameter names)."""
+def linear(config: ModelConfig, features, use_bias: bool, dtype, name: str, axis=-1, int8_method="dequantize"):
+    """A projection of the model: nn.DenseGeneral, or its int8 form for a quantized model (same parameter names),
+    multiplied by `int8_method` (jaxpage.models.int8.int8_matmul)."""
     if config.quantization == "int8":
-        method = lm_head_method() if name == "lm_head" else "dequantize"
-        return Int8DenseGeneral(features, axis, use_bias, dtype, method, name=name)
+        return Int8DenseGeneral(features, axis, use_bias, dtype, int8_method, name=name)
     return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
@@ -129,17 +129,21 @@ class Llama(nn.Module):
     With `tp_axis` (tensor parallelism, see jaxpage.parallel) it is one shard's model, run under shard_map over that
     mesh axis: `config` is the shard's (jaxpage.parallel.shard_config), the partial results of the o and down
     projections and of the embedding are summed over the shards, and the logits are gathered whole.
+
+    `platform` is the one the model is compiled for (None: jax's default backend): int8 weights' LM head is
+    multiplied the way that platform does it fastest (jaxpage.models.int8.lm_head_method).
     """
 
     config: ModelConfig
     attention: Attention
     dtype: jnp.dtype = jnp.float32
     tp_axis: str | None = None
+    platform: str | None = None
 
     def setup(self):
         c = self.config
         if c.quantization == "int8":
-            self.embed_tokens = Int8Embed(c.vocab_size, c.hidden_size, self.dtype, lm_head_method())
+            self.embed_tokens = Int8Embed(c.vocab_size, c.hidden_size, self.dtype, lm_head_method(self.platform))
         else:
             self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
         self.layers = nn.scan(
@@ -151,7 +155,9 @@ class Llama(nn.Module):
         )(c, self.attention, self.dtype, self.tp_axis)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = linear(c, c.vocab_size, False, self.dtype, "lm_head")
+            self.lm_head = linear(
+                c, c.vocab_size, False, self.dtype, "lm_head", int8_method=lm_head_method(self.platform)
+            )
 
     def __call__(self, token_ids, positions, batch, kv_cache=None):
         """Returns (hidden [..., hidden_size] after the final norm, kv_cache after every layer)."""
@@ -178,8 +184,10 @@ class Llama(nn.Module):
         return logits
 
 
-def build(config: ModelConfig, attention: Attention, dtype, tp_axis: str | None = None) -> Llama:
-    return Llama(config, attention, jnp.dtype(dtype), tp_axis)
+def build(
+    config: ModelConfig, attention: Attention, dtype, tp_axis: str | None = None, platform: str | None = None
+) -> Llama:
+    return Llama(config, attention, jnp.dtype(dtype), tp_axis, platform)
 
 
 def dense_model(config: ModelConfig, dtype) -> Llama:

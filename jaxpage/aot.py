@@ -1,0 +1,267 @@
+"""The engine's programs built ahead of time for a chip this host does not have (jaxpage.targets).
+
+`build(target, engine_config, model)` does what LLMEngine does at start -- the attention backend for the target's
+platform, the mesh over its (compile-only) devices, the model's parameters placed shard by shard, the KV pool sized
+from the chip's memory with the engine's own arithmetic (LLMEngine's kv_pool_pages), the runner(s) -- with
+ShapeDtypeStructs instead of arrays: no weights are read and nothing runs. `compile_all` then compiles every program
+the engine's warm-up compiles (ModelRunner.warmup_programs: the pool's fill, each forward step shape, each sampler
+or verification, the page copy, a draft model's forward passes and proposals), each with the chip's real compiler,
+and reports on each (`ProgramReport`): compiled or the compiler's error, seconds, memory, the compiler's cost
+analysis, collectives executed, and any copy of a KV pool.
+
+Estimates, not measurements: `decode_roofline` gives a decode step's time as max(bytes / HBM bandwidth, FLOPs /
+peak) of the chip's published figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from jaxpage.attention_backend import AttentionBackend
+from jaxpage.benchmarks.hlo_collectives import executed
+from jaxpage.benchmarks.hlo_copies import large_copies
+from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.llm_engine import fit_max_model_len, kv_pool_pages
+from jaxpage.model_runner import ModelRunner
+from jaxpage.models.llama import param_shapes
+from jaxpage.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
+from jaxpage.targets import Target
+
+# Model shapes compile_for knows by name, besides the default model and model directories.
+LLAMA3_8B = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128009),
+)
+MODEL_SHAPES = {"llama3-8b": LLAMA3_8B}
+
+
+def model_shape(name: str) -> ModelConfig:
+    """The config of a model by name ("default": the default model's, read from its GGUF; "llama3-8b"), or of a
+    model source (an HF directory, a .gguf file, a jaxpage checkpoint): its shapes, no weights."""
+    if name in MODEL_SHAPES:
+        return MODEL_SHAPES[name]
+    from jaxpage.models import gguf_loader, hf_loader, orbax_checkpoint
+    from jaxpage.models.loader import resolve_source, source_format
+
+    path = resolve_source(None if name == "default" else name)
+    fmt = source_format(path)
+    if fmt == "gguf":
+        return gguf_loader.config_from_gguf(gguf_loader.open_gguf(path), path)
+    if fmt == "orbax":
+        return orbax_checkpoint.read_checkpoint_config(path)[0]
+    return hf_loader.read_hf_config(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """One program built for the target: what the chip's compiler made of it (bytes per device)."""
+
+    program: str  # "forward decode(T=4, S=4, R=8)", "sample rows=8", "pool (...)", ...
+    kind: str  # CompiledShape.program: "pool", "forward", "sample", "verify", "propose", "copy"
+    seconds: float  # lowering and compiling
+    error: str | None = None  # the compiler's error; None: compiled
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs that reuse a donated argument's memory (the pool)
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    flops: float | None = None  # the compiler's cost analysis (None where it gives none: XLA GPU)
+    bytes_accessed: float | None = None
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> executed per run (hlo_collectives)
+    pool_copies: tuple[str, ...] = ()  # HLO instructions that copy or transpose a pool-sized array
+
+    @property
+    def compiled(self) -> bool:
+        return self.error is None
+
+
+@dataclasses.dataclass
+class TargetBuild:
+    """The engine as it would start on the target: its sizes, its runner(s), and (after compile_all) its programs."""
+
+    target: Target
+    model: ModelConfig  # as it runs (KV heads copied where fewer than the tensor-parallel shards)
+    engine: EngineConfig
+    dtype: jnp.dtype
+    backend: AttentionBackend
+    max_model_len: int
+    num_pages: int  # per data-parallel replica, the null page included
+    weight_bytes: int  # per device
+    kv_token_bytes: int  # per device, per token (the backend's arithmetic; a draft model's pool included)
+    runners: list[ModelRunner]  # the target model's, then a draft model's
+    programs: list[ProgramReport] = dataclasses.field(default_factory=list)
+
+    @property
+    def pool_bytes(self) -> int:
+        """The pool's bytes per device by the engine's budget arithmetic (pages * page_size * bytes per token)."""
+        return self.num_pages * self.engine.page_size * self.kv_token_bytes
+
+    @property
+    def compiled_pool_bytes(self) -> int | None:
+        """The pool's bytes per device as the compiler lays it out (the fill programs' outputs), None if one did not
+        compile."""
+        pools = [p for p in self.programs if p.kind == "pool"]
+        if not pools or not all(p.compiled for p in pools):
+            return None
+        return sum(p.output_bytes for p in pools)
+
+
+def build(
+    target: Target,
+    engine: EngineConfig,
+    model: ModelConfig,
+    draft: ModelConfig | None = None,
+    num_speculative_tokens: int = 0,
+) -> TargetBuild:
+    """The engine's runner(s) for `target`, sized as LLMEngine sizes them, with placed ShapeDtypeStructs for
+    weights. `num_speculative_tokens` > 0 adds the verify steps (n-gram drafts, or `draft`'s). ValueError for
+    arguments the target cannot take (too many devices, a model tensor parallelism does not divide, a pool that
+    does not fit)."""
+    tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
+    dtype = jnp.dtype(engine.dtype or ("float32" if target.platform == "cpu" else "bfloat16"))
+    backend = AttentionBackend.resolve(engine.attention_impl, engine.kv_cache_dtype, platform=target.platform)
+    mesh = make_mesh(tp, dp, devices=target.devices(tp * dp)) if tp * dp > 1 else None
+    device = None if mesh is not None else target.devices(1)[0]
+    models = [model] + ([draft] if draft is not None else [])
+    placed = []
+    for config in models:
+        config = dataclasses.replace(config, quantization=engine.quantization)
+        check_divisible(config, tp)
+        config = with_replicated_kv_heads(config, tp)
+        placed.append((config, _placed_params(config, dtype, mesh, device)))
+    weight_bytes = sum(_device_bytes(params) for _, params in placed)
+    token_bytes = sum(backend.kv_bytes_per_token(config, dtype.itemsize) for config, _ in placed) // tp
+    max_model_len = engine.max_model_len or model.max_position_embeddings
+    num_pages = kv_pool_pages(engine, token_bytes, max_model_len, device_memory=(target.hbm_bytes, weight_bytes))
+    pool_tokens = (num_pages - 1) * engine.page_size
+    max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
+    runner_args = dict(
+        num_pages=num_pages,
+        page_size=engine.page_size,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        num_speculative_tokens=num_speculative_tokens,
+        max_verify_rows=engine.max_num_seqs if num_speculative_tokens else 0,
+        mesh=mesh,
+        compile_only=True,
+    )
+    runners = [ModelRunner(*placed[0], backend, **runner_args, draft_probs=draft is not None)]
+    if draft is not None:
+        runners.append(ModelRunner(*placed[1], backend, **runner_args))
+    return TargetBuild(
+        target, placed[0][0], engine, dtype, backend, max_model_len, num_pages, weight_bytes, token_bytes, runners
+    )
+
+
+def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:
+    """The parameters as ShapeDtypeStructs, each placed as the engine places it (split over "model" on a mesh)."""
+    shapes = param_shapes(config, dtype)
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(device), shapes)
+    else:
+        shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(shapes))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of the placed ShapeDtypeStructs in `tree` (the most any device holds)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def compile_all(build: TargetBuild, on_program=None) -> list[ProgramReport]:
+    """Compiles every program of `build`'s runners (a failure is reported, and the others still compile); calls
+    on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order."""
+    for index, runner in enumerate(build.runners):
+        pool_array_bytes = _device_bytes(runner.kv_cache.k) // runner.config.num_layers  # one layer of K
+        for what, get in runner.warmup_programs(draft=index > 0):
+            label = str(what).split(":")[0] + (" (draft model)" if index else "")
+            start = time.perf_counter()
+            try:
+                compiled = get()
+            except Exception as e:  # the compiler's refusal, reported with the program it refused
+                error = f"{type(e).__name__}: {e}"
+                report = ProgramReport(label, what.program, time.perf_counter() - start, error=error)
+            else:
+                report = describe(label, what.program, time.perf_counter() - start, compiled, pool_array_bytes)
+            build.programs.append(report)
+            if on_program is not None:
+                on_program(report)
+    return build.programs
+
+
+def describe(label: str, kind: str, seconds: float, compiled, pool_array_bytes: int) -> ProgramReport:
+    """The report of one compiled program; pool_array_bytes: the bytes per device of one layer of one pool array
+    (a copy that large is a copy of the pool)."""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    hlo = compiled.as_text()
+    return ProgramReport(
+        label,
+        kind,
+        seconds,
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        code_bytes=memory.generated_code_size_in_bytes,
+        flops=None if not cost else cost.get("flops"),
+        bytes_accessed=None if not cost else cost.get("bytes accessed"),
+        collectives={k: n for k, n in executed(hlo).items() if n},
+        pool_copies=() if kind == "pool" else tuple(large_copies(hlo, pool_array_bytes)),  # "pool" writes it
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A decode step's time on the target by the chip's published figures: an estimate, not a measurement."""
+
+    rows: int  # sequences, one new token each
+    context: int  # tokens each sequence has in the cache
+    flops: float  # per device
+    bytes: float  # per device: every weight once, and each sequence's K/V
+    hbm_seconds: float  # bytes / HBM bandwidth
+    compute_seconds: float  # flops / peak bfloat16 FLOP/s
+
+    @property
+    def seconds(self) -> float:
+        return max(self.hbm_seconds, self.compute_seconds)
+
+
+def decode_roofline(build: TargetBuild, rows: int, context: int) -> Roofline:
+    """The roofline estimate of one decode step of `rows` sequences of `context` tokens each on one device of the
+    target: it reads every weight once (its shard) and each sequence's K/V, and does 2 FLOPs per weight per row
+    plus 4 * context * head_dim per query head per layer of attention."""
+    config, tp = build.model, build.engine.tensor_parallel_size
+    kv_bytes = rows * context * build.kv_token_bytes
+    attention_flops = 4 * rows * context * config.head_dim * config.num_heads * config.num_layers / tp
+    matmul_params = build.weight_bytes / (1 if config.quantization == "int8" else build.dtype.itemsize)
+    flops = 2 * matmul_params * rows + attention_flops
+    total_bytes = build.weight_bytes + kv_bytes
+    return Roofline(
+        rows,
+        context,
+        flops,
+        total_bytes,
+        total_bytes / build.target.hbm_bandwidth,
+        flops / build.target.peak_flops,
+    )
