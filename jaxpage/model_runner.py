@@ -32,7 +32,7 @@ from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build, params_dtype
-from jaxpage.parallel import DATA_AXIS, POOL_SPEC, SCALE_SPEC, TP_AXIS, local_params, param_specs, shard_config
+from jaxpage.parallel import DATA_AXIS, TP_AXIS, local_params, param_specs, shard_config
 from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
@@ -169,13 +169,14 @@ class ModelRunner:
         self.channel_runner = channel_runner
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
         self._param_specs = param_specs(params)
-        scale_spec = SCALE_SPEC if backend.quantized else None
-        self._pool_specs = KVCache(POOL_SPEC, POOL_SPEC, scale_spec, scale_spec)
+        self._pool_specs = backend.pool_specs()
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
         shard = shard_config(config, self.tensor_parallel_size) if split else config
         tp_axis = TP_AXIS if split else None
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
-        self._pool_layout = backend.pool_layout(config, num_pages * self.data_parallel_size, page_size, dtype)
+        self._pool_layout = backend.pool_layout(
+            config, num_pages * self.data_parallel_size, page_size, dtype, self.tensor_parallel_size
+        )
         self._fill_pool = None  # the program that makes a zeroed pool
         self.kv_cache = self._pool_shapes() if compile_only else self._allocate_pool()
         self.page_size = page_size

@@ -55,6 +55,13 @@ def resolve_impl(impl: str, interpret=False, backend: str | None = None, platfor
     return kernel
 
 
+def triton_misaddresses(nbytes: int, itemsize: int) -> bool:
+    """Whether the GPU kernels' Triton lowering addresses an array of nbytes bytes of itemsize-byte elements
+    wrongly: it computes element offsets in int32 unless the array takes more than 4 GiB, and Triton adds them
+    signed, so a 1-byte array of (2, 4] GiB has offsets past 2**31 that wrap negative."""
+    return itemsize == 1 and 2**31 < nbytes <= 2**32
+
+
 def padded_head_dim(head_dim: int) -> int:
     return -(-head_dim // LANES) * LANES
 
@@ -80,7 +87,7 @@ def kernel_operands(q, k_pages, v_pages, kernel: str):
 
 def kernel_pool_view(pools: tuple, block_tables, layer, pages_per_kv_tile: int):
     """(pools, block_tables) as a kernel reads them: pools (k, v, and any 8-bit pages' k_scales, v_scales; None
-    stays None) each [total_pages, page_size, ...].
+    stays None) each [total_pages, ...] (the page axis first, whatever the layout after it).
 
     With `layer`, one layer of a stacked pool [L, num_pages, ...] is read without a copy: (layer, page) is
     flattened into one page axis and the ids are offset. The tables get null-page columns up to a multiple of
@@ -92,6 +99,49 @@ def kernel_pool_view(pools: tuple, block_tables, layer, pages_per_kv_tile: int):
     pages_per_seq = block_tables.shape[1]
     padded = -(-pages_per_seq // pages_per_kv_tile) * pages_per_kv_tile
     return pools, jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
+
+
+def tpu_scale_rows(page_size: int, num_kv_heads: int) -> int:
+    """Rows of 128 lanes that hold one page's scales (page_size * num_kv_heads of them) in the TPU pool layout.
+
+    A page's scales are one block [rows, 128] that its own DMA brings: Mosaic slices HBM only at whole tiles of the
+    two minor dimensions, and the tiles that XLA's default layout and Mosaic agree on (measured on v5e, v6e, v5p:
+    no relayout copy) are (2, 128), (4, 128) and multiples of 8 rows; one row (1, 128) of bfloat16 is relaid out."""
+    rows = -(-page_size * num_kv_heads // LANES)
+    return 2 if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
+
+
+def tpu_scale_positions(offsets: jax.Array, num_kv_heads: int, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(rows, lanes) [T, num_kv_heads] of the scales of tokens at page offsets [T] in a page's [rows, 128] scale
+    block of the TPU pool layout: kv head h's scales are entries [h * page_size, (h + 1) * page_size) of the block
+    read row after row (head-major: a head's scales of one page are consecutive lanes)."""
+    entry = jnp.arange(num_kv_heads)[None, :] * page_size + offsets[:, None]
+    return entry // LANES, entry % LANES
+
+
+def tpu_pool_operands(pools: tuple, head_dim: int) -> tuple:
+    """`pools` (k_pages, v_pages, k_scales, v_scales; None stays None) in the TPU kernels' layout: pages
+    [total_pages, page_size, num_kv_heads * head_dim] (kv head h at lanes [h * head_dim, (h + 1) * head_dim)),
+    scales [total_pages, tpu_scale_rows, 128] (`tpu_scale_positions`).
+
+    Pools already in that layout (3-D pages: what jaxpage's TPU backend allocates) are returned as they are. Pools
+    in the public functions' view (pages [total_pages, page_size, num_kv_heads, head_dim], scales [total_pages,
+    page_size, num_kv_heads]) are reshaped and relaid out: a copy of the whole pool on every call where it is a
+    program's argument (XLA's default layout of such pages puts page_size below num_kv_heads; measured on v5e),
+    which is why jaxpage's TPU backend allocates the TPU layout and calls the kernels with it."""
+    k_pages, v_pages, k_scales, v_scales = pools
+    if k_pages.ndim == 3:
+        return pools
+    total_pages, page_size, num_kv_heads, _ = k_pages.shape
+    rows = tpu_scale_rows(page_size, num_kv_heads)
+
+    def scales_layout(x):  # [total_pages, page_size, num_kv_heads] -> [total_pages, rows, 128]
+        x = x.transpose(0, 2, 1).reshape(total_pages, num_kv_heads * page_size)
+        return jnp.pad(x, ((0, 0), (0, rows * LANES - x.shape[1]))).reshape(total_pages, rows, LANES)
+
+    pages = (x.reshape(total_pages, page_size, num_kv_heads * head_dim) for x in (k_pages, v_pages))
+    scales = (None if x is None else scales_layout(x) for x in (k_scales, v_scales))
+    return (*pages, *scales)
 
 
 def _is_tpu_interpret_params(interpret) -> bool:

@@ -10,12 +10,12 @@ pipeline therefore runs across programs: while a program computes its last kv ti
 sequence's first kv tile into the other slot, and records in SMEM scratch which sequence that tile belongs to and
 which slot is current. This needs the grid to run in order ("arbitrary" dimension semantics).
 
-Block tables (flattened) and kv lengths are scalar-prefetch operands in SMEM. The pool's head_dim must be a
-multiple of 128 (the TPU lane width).
+Block tables (flattened) and kv lengths are scalar-prefetch operands in SMEM. The pool is in the TPU layout
+(`tpu_page_pipeline`); its head_dim must be a multiple of 128 (the TPU lane width).
 
 8-bit pages (int8, fp8) come with their per-token scales, fetched beside each page (the next sequence's first kv
-tile's too) and applied to each kv head's tile in VMEM (`tpu_page_pipeline`): the products then take q's dtype.
-Float pages take theirs (q is cast to it).
+tile's too) and applied to each kv head's logits and probabilities (`tpu_page_pipeline`): the products then take
+q's dtype. Float pages take theirs (q is cast to it).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_page_pipeline as pipeline
+from pallas_kernels.impl import tpu_pool_operands
 
 _SLOT, _PREFETCHED = 0, 1  # entries of the SMEM pipeline state
 
@@ -39,8 +40,8 @@ def _decode_kernel(
     tables_ref,  # [S * pages_per_seq] int32: block tables, row after row
     # operands
     q_ref,  # [num_heads, head_dim] (VMEM): this sequence's query
-    pool_hbm,  # (k, v, k_scales, v_scales) (HBM): pages [total_pages, page_size, num_kv_heads, head_dim]; scales
-    # [total_pages, page_size, num_kv_heads] for 8-bit pages, None for float pages
+    pool_hbm,  # (k, v, k_scales, v_scales) (HBM): pages [total_pages, page_size, num_kv_heads * head_dim]; scales
+    # [total_pages, rows, 128] for 8-bit pages, None for float pages
     o_ref,  # [num_heads, head_dim] (VMEM)
     # scratch
     pool_slots,  # their slots [2, pages_per_kv_tile, ...] (VMEM)
@@ -54,7 +55,8 @@ def _decode_kernel(
 ):
     num_heads, head_dim = q_ref.shape
     k_slots, v_slots, k_scale_slots, v_scale_slots = pool_slots
-    pages_per_kv_tile, page_size, num_kv_heads = k_slots.shape[1:4]
+    pages_per_kv_tile, page_size = k_slots.shape[1:3]
+    num_kv_heads = k_slots.shape[3] // head_dim
     group = num_heads // num_kv_heads
     kv_tile = pages_per_kv_tile * page_size  # keys
     num_seqs = kv_lens_ref.shape[0]
@@ -107,13 +109,20 @@ def _decode_kernel(
             visible &= key_pos >= kv_len - sliding_window
         visible = jnp.broadcast_to(visible, (group, kv_tile))
         key_col = key_pos.reshape(kv_tile)
+        first_key = (first_kv_tile + j) * kv_tile
         new_state = []
         for h in range(num_kv_heads):
-            keys = pipeline.head_kv_tile(k_slots, k_scale_slots, slot, h, key_col, kv_len, q.dtype)
-            values = pipeline.head_kv_tile(v_slots, v_scale_slots, slot, h, key_col, kv_len, q.dtype)
+            keys = pipeline.head_kv_tile(k_slots, slot, h, head_dim, key_col, kv_len, q.dtype)
+            values = pipeline.head_kv_tile(v_slots, slot, h, head_dim, key_col, kv_len, q.dtype)
+            scales = tuple(
+                None if x is None else pipeline.head_scales(x, slot, h, first_key, kv_len, page_size)
+                for x in (k_scale_slots, v_scale_slots)
+            )
             q_heads = q[h * group : (h + 1) * group]
             new_state.append(
-                pipeline.attend(q_heads, keys, values, visible, state[h], sm_scale=sm_scale, soft_cap=soft_cap)
+                pipeline.attend(
+                    q_heads, keys, values, visible, state[h], sm_scale=sm_scale, soft_cap=soft_cap, scales=scales
+                )
             )
         return tuple(new_state)
 
@@ -128,12 +137,12 @@ def _decode_kernel(
 )
 def tpu_decode_attention(
     q: jax.Array,  # [S, num_heads, head_dim]
-    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128; float or 8-bit
-    v_pages: jax.Array,
+    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads * head_dim] (or the public view, see below)
+    v_pages: jax.Array,  # like k_pages; head_dim a multiple of 128; float or 8-bit
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
     block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
     *,
-    k_scales: jax.Array | None = None,  # [total_pages, page_size, num_kv_heads] with 8-bit pages
+    k_scales: jax.Array | None = None,  # [total_pages, rows, 128] with 8-bit pages (or the public view)
     v_scales: jax.Array | None = None,
     sm_scale: float,
     soft_cap: float | None,
@@ -141,8 +150,10 @@ def tpu_decode_attention(
     pages_per_kv_tile: int,
     interpret,
 ) -> jax.Array:  # [S, num_heads, head_dim] in q's dtype; rows with kv_len 0 are 0
-    """The kernel call. Arguments are checked by the public `paged_attention(impl="pallas")`."""
+    """The kernel call. Arguments are checked by the public `paged_attention(impl="pallas")`, which passes the pool
+    in its own view (pages [total_pages, page_size, num_kv_heads, head_dim]): `impl.tpu_pool_operands`."""
     num_seqs, num_heads, head_dim = q.shape
+    pools = tpu_pool_operands((k_pages, v_pages, k_scales, v_scales), head_dim)
     pages_per_seq = block_tables.shape[1]
     kernel = functools.partial(
         _decode_kernel,
@@ -152,7 +163,9 @@ def tpu_decode_attention(
         pages_per_seq=pages_per_seq,
     )
     rows_spec = pl.BlockSpec((None, num_heads, head_dim), lambda s, *_: (s, 0, 0))
-    pools = (k_pages, v_pages, k_scales, v_scales)
+    # Every sequence over all the pages of its block table row: an upper bound (keys past kv_len are counted too).
+    keys = pages_per_seq * pools[0].shape[1]
+    cost = pipeline.cost_estimate(q, pools, pairs=num_seqs, rows=1, keys=keys)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -164,6 +177,7 @@ def tpu_decode_attention(
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=cost,
         interpret=interpret,
         name="jaxpage_tpu_decode_attention",
     )(kv_lens, block_tables.reshape(-1), q, pools)

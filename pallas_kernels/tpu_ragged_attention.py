@@ -11,10 +11,12 @@ in VMEM scratch), so each row ends up with exactly its own sequence's attention.
 
 Block tables (flattened), kv lengths, cu_q_lens and each program's first sequence are scalar-prefetch operands
 in SMEM. Causal inside each chunk: row i of a sequence with q_len rows and kv_len keys sits at position
-kv_len - q_len + i. The pool's head_dim must be a multiple of 128 (the TPU lane width).
+kv_len - q_len + i. The pool is in the TPU layout (`tpu_page_pipeline`); its head_dim must be a multiple of 128
+(the TPU lane width).
 
 8-bit pages (int8, fp8) come with their per-token scales, fetched beside each page and applied to each kv head's
-tile in VMEM (`tpu_page_pipeline`): the products then take q's dtype. Float pages take theirs (q is cast to it).
+logits and probabilities (`tpu_page_pipeline`): the products then take q's dtype. Float pages take theirs (q is
+cast to it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_page_pipeline as pipeline
-from pallas_kernels.impl import MASK_VALUE
+from pallas_kernels.impl import MASK_VALUE, tpu_pool_operands
 
 TPU_Q_TILE = 32  # query rows of one program (times the query heads of a kv head)
 
@@ -41,8 +43,8 @@ def _ragged_kernel(
     first_seq_ref,  # [num_q_tiles] int32: the first sequence with rows in each query tile
     # operands
     q_ref,  # [num_kv_heads, group, q_tile, head_dim] (VMEM): this query tile's rows, in the compute dtype
-    pool_hbm,  # (k, v, k_scales, v_scales) (HBM): pages [total_pages, page_size, num_kv_heads, head_dim]; scales
-    # [total_pages, page_size, num_kv_heads] for 8-bit pages, None for float pages
+    pool_hbm,  # (k, v, k_scales, v_scales) (HBM): pages [total_pages, page_size, num_kv_heads * head_dim]; scales
+    # [total_pages, rows, 128] for 8-bit pages, None for float pages
     o_ref,  # [num_kv_heads, group, q_tile, head_dim] (VMEM)
     # scratch
     pool_slots,  # their slots [2, pages_per_kv_tile, ...] (VMEM)
@@ -103,13 +105,18 @@ def _ragged_kernel(
                 visible &= key_pos > row_pos - sliding_window
             visible = jnp.broadcast_to(visible[None], (group, q_tile, kv_tile)).reshape(rows, kv_tile)
             key_col = key_pos.reshape(kv_tile)
+            first_key = (first_kv_tile + j) * kv_tile
             for h in range(num_kv_heads):
-                keys = pipeline.head_kv_tile(k_slots, k_scale_slots, slot, h, key_col, kv_len, q_ref.dtype)
-                values = pipeline.head_kv_tile(v_slots, v_scale_slots, slot, h, key_col, kv_len, q_ref.dtype)
+                keys = pipeline.head_kv_tile(k_slots, slot, h, head_dim, key_col, kv_len, q_ref.dtype)
+                values = pipeline.head_kv_tile(v_slots, slot, h, head_dim, key_col, kv_len, q_ref.dtype)
+                scales = tuple(
+                    None if x is None else pipeline.head_scales(x, slot, h, first_key, kv_len, page_size)
+                    for x in (k_scale_slots, v_scale_slots)
+                )
                 q = q_ref[h].reshape(rows, head_dim)
                 state = (acc_ref[h], max_ref[h], sum_ref[h])
                 acc_ref[h], max_ref[h], sum_ref[h] = pipeline.attend(
-                    q, keys, values, visible, state, sm_scale=sm_scale, soft_cap=soft_cap
+                    q, keys, values, visible, state, sm_scale=sm_scale, soft_cap=soft_cap, scales=scales
                 )
             return carry
 
@@ -133,13 +140,13 @@ def _ragged_kernel(
 )
 def tpu_ragged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads, head_dim]; head_dim a multiple of 128; float or 8-bit
-    v_pages: jax.Array,
+    k_pages: jax.Array,  # [total_pages, page_size, num_kv_heads * head_dim] (or the public view, see below)
+    v_pages: jax.Array,  # like k_pages; head_dim a multiple of 128; float or 8-bit
     kv_lens: jax.Array,  # [S] int32 (0 for padding rows)
     block_tables: jax.Array,  # [S, pages_per_seq] int32; pages_per_seq a multiple of pages_per_kv_tile
     cu_q_lens: jax.Array,  # [S + 1] int32 (padding rows: q_len 0)
     *,
-    k_scales: jax.Array | None = None,  # [total_pages, page_size, num_kv_heads] with 8-bit pages
+    k_scales: jax.Array | None = None,  # [total_pages, rows, 128] with 8-bit pages (or the public view)
     v_scales: jax.Array | None = None,
     sm_scale: float,
     soft_cap: float | None,
@@ -148,9 +155,11 @@ def tpu_ragged_attention(
     pages_per_kv_tile: int,
     interpret,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype; rows of no sequence are 0
-    """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`."""
+    """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`, which passes
+    the pool in its own view (pages [total_pages, page_size, num_kv_heads, head_dim]): `impl.tpu_pool_operands`."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[2]
+    pools = tpu_pool_operands((k_pages, v_pages, k_scales, v_scales), head_dim)
+    num_kv_heads = pools[0].shape[2] // head_dim
     num_seq_rows, pages_per_seq = block_tables.shape
     group = num_heads // num_kv_heads
     num_q_tiles = pl.cdiv(num_tokens, q_tile)
@@ -158,7 +167,7 @@ def tpu_ragged_attention(
     # [num_kv_heads, group, tokens, head_dim]: a query tile's rows of one kv head are one [group * q_tile, d] matrix
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_tokens - num_tokens), (0, 0)))
-    q_rows = q_rows.astype(pipeline.compute_dtype(q.dtype, k_pages.dtype))
+    q_rows = q_rows.astype(pipeline.compute_dtype(q.dtype, pools[0].dtype))
     q_tile_starts = jnp.arange(num_q_tiles, dtype=jnp.int32) * q_tile
     first_seq = jnp.searchsorted(cu_q_lens[1:], q_tile_starts, side="right").astype(jnp.int32)
 
@@ -171,7 +180,11 @@ def tpu_ragged_attention(
     )
     rows_spec = pl.BlockSpec((num_kv_heads, group, q_tile, head_dim), lambda t, *_: (0, 0, t, 0))
     state_rows = group * q_tile
-    pools = (k_pages, v_pages, k_scales, v_scales)
+    # Every (query tile, sequence) pair a program can take -- at most num_q_tiles + S - 1 -- over all the pages of
+    # a block table row: an upper bound (rows of other sequences and keys past kv_len are counted too).
+    pairs = num_q_tiles + num_seq_rows - 1
+    page_size = pools[0].shape[1]
+    cost = pipeline.cost_estimate(q, pools, pairs=pairs, rows=q_tile, keys=pages_per_seq * page_size)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -188,6 +201,7 @@ def tpu_ragged_attention(
         ),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        cost_estimate=cost,
         interpret=interpret,
         name="jaxpage_tpu_ragged_attention",
     )(kv_lens, block_tables.reshape(-1), cu_q_lens, first_seq, q_rows, pools)

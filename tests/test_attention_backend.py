@@ -4,6 +4,8 @@ decode kernels), verify steps (a few query rows per sequence, max_q_len) and mix
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from test_ragged_paged_attention import CASES, GQA, make_batch
 from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBatch
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
-from pallas_kernels.impl import pad_head_dim
+from pallas_kernels.impl import LANES, pad_head_dim, tpu_pool_operands
 from pallas_kernels.kv_quantization import dequantize, quantize
 
 DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 100)]
@@ -52,14 +54,42 @@ def test_auto_is_xla_on_cpu_and_names_are_checked():
         AttentionBackend.resolve("reference")
 
 
+def backend_pool(backend: AttentionBackend, kv_cache: KVCache) -> KVCache:
+    """kv_cache (the XLA backend's layout, head_dim already the backend's) in the backend's pool layout."""
+    if not backend.tpu_layout:
+        return kv_cache
+    layers, num_pages = kv_cache.k.shape[:2]
+    flat = (None if x is None else x.reshape(-1, *x.shape[2:]) for x in dataclasses.astuple(kv_cache))
+    pools = tpu_pool_operands(tuple(flat), kv_cache.k.shape[-1])
+    return KVCache(*(None if x is None else x.reshape(layers, num_pages, *x.shape[1:]) for x in pools))
+
+
+def xla_pool(kv_cache: KVCache, num_kv_heads: int) -> KVCache:
+    """A pool in the TPU layout back in the XLA backend's (the inverse of backend_pool)."""
+    layers, num_pages, page_size, width = kv_cache.k.shape
+    pages = (
+        x.reshape(layers, num_pages, page_size, num_kv_heads, width // num_kv_heads) for x in (kv_cache.k, kv_cache.v)
+    )
+
+    def scales(x):  # [L, pages, rows, 128] -> [L, pages, page_size, kv_heads]
+        x = x.reshape(layers, num_pages, -1)[..., : num_kv_heads * page_size]
+        return x.reshape(layers, num_pages, num_kv_heads, page_size).transpose(0, 1, 3, 2)
+
+    return KVCache(*pages, *(None if x is None else scales(x) for x in (kv_cache.k_scales, kv_cache.v_scales)))
+
+
 def test_the_backend_owns_the_pool_layout():
     config = ModelConfig("llama", 96, 64, 96, 3, 4, 2, 16, 1e-6, 1e4, 256)
+    pages = {"xla": (3, 5, 8, 2, 16), "pallas_gpu_interpret": (3, 5, 8, 2, 16), "pallas_tpu_interpret": (3, 5, 8, 256)}
+    # The TPU layout: kv heads side by side (head_dim padded to 128); a page's 2 * 8 scales in a [2, 128] block.
+    scales = {"xla": (3, 5, 8, 2), "pallas_gpu_interpret": (3, 5, 8, 2), "pallas_tpu_interpret": (3, 5, 2, LANES)}
     for name, head_dim in (("xla", 16), ("pallas_gpu_interpret", 16), ("pallas_tpu_interpret", 128)):
         backend = AttentionBackend(name)
         layout = backend.pool_layout(config, num_pages=5, page_size=8, compute_dtype=jnp.bfloat16)
-        assert layout.k.shape == layout.v.shape == (3, 5, 8, 2, head_dim) and layout.k.dtype == jnp.bfloat16
+        assert layout.k.shape == layout.v.shape == pages[name] and layout.k.dtype == jnp.bfloat16
         assert layout.k_scales is None and layout.v_scales is None
         assert backend.kv_bytes_per_token(config, 4) == 2 * 3 * 2 * head_dim * 4
+        assert backend.pool_specs().k_scales is None
         for kv_cache_dtype, dtype in (
             ("int8", jnp.int8),
             ("fp8_e4m3", jnp.float8_e4m3fn),
@@ -67,12 +97,16 @@ def test_the_backend_owns_the_pool_layout():
         ):
             backend = AttentionBackend(name, kv_cache_dtype)
             layout = backend.pool_layout(config, num_pages=5, page_size=8, compute_dtype=jnp.float32)
-            assert layout.k.shape == (3, 5, 8, 2, head_dim) and layout.k.dtype == dtype
-            assert layout.k_scales.shape == layout.v_scales.shape == (3, 5, 8, 2)
+            assert layout.k.shape == pages[name] and layout.k.dtype == dtype
+            assert layout.k_scales.shape == layout.v_scales.shape == scales[name]
             assert layout.k_scales.dtype == jnp.bfloat16
+            specs = backend.pool_specs()
+            assert len(specs.k) == len(pages[name]) and len(specs.k_scales) == len(scales[name])
             # what the sizing and the log use: every byte of the layout, per token
             pool_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(layout))
-            assert backend.kv_bytes_per_token(config, 4) == pool_bytes // (5 * 8) == 2 * 3 * 2 * (head_dim + 2)
+            assert backend.kv_bytes_per_token(config, 4, page_size=8) == pool_bytes // (5 * 8)
+            scale_bytes = 2 * 128 * 2 // 8 if backend.tpu_layout else 2 * 2  # per token, a [2, 128] block a page
+            assert pool_bytes // (5 * 8) == 2 * 3 * (2 * head_dim + scale_bytes)
     assert config.kv_bytes_per_token(4) == 2 * 3 * 2 * 16 * 4  # the model's own formula: no padding
 
 
@@ -93,7 +127,8 @@ def test_kernels_match_the_xla_backend(name, seqs, max_q_len):
     backend = AttentionBackend(name)
     head_dim = backend.pool_head_dim(GQA.head_dim)  # 128 for the TPU kernels: the engine allocates the pool padded
     padded = KVCache(k=pad_head_dim(kv_cache.k, head_dim), v=pad_head_dim(kv_cache.v, head_dim))
-    got, got_cache = attention(backend, q, k, v, batch, padded)
+    got, got_cache = attention(backend, q, k, v, batch, backend_pool(backend, padded))
+    got_cache = xla_pool(got_cache, GQA.num_kv_heads) if backend.tpu_layout else got_cache
     assert got_cache.k.shape[-1] == head_dim
     for got_pool, want_pool in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
         np.testing.assert_array_equal(np.asarray(got_pool[..., : GQA.head_dim]), np.asarray(want_pool))
@@ -182,7 +217,8 @@ def test_kernels_match_the_xla_backend_on_an_8_bit_pool(name, seqs, max_q_len):
     )
     backend = AttentionBackend(name, "int8")
     head_dim = backend.pool_head_dim(GQA.head_dim)
-    got, got_pool = attention(backend, q, k, v, batch, quantized(kv_cache, "int8", head_dim))
+    got, got_pool = attention(backend, q, k, v, batch, backend_pool(backend, quantized(kv_cache, "int8", head_dim)))
+    got_pool = xla_pool(got_pool, GQA.num_kv_heads) if backend.tpu_layout else got_pool
     # The same pool wherever it holds tokens (stale slots hold NaN: what quantizing them gives is never read).
     live = ~np.isnan(np.asarray(kv_cache.k)).any(-1)  # [1, pages, page_size, kv_heads]
     np.testing.assert_array_equal(np.asarray(got_pool.k[..., : GQA.head_dim])[live], np.asarray(want_pool.k)[live])

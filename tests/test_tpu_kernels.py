@@ -4,8 +4,9 @@
   spaces: an out-of-bounds DMA raises there (the generic interpreter silently clamps it), and with race detection
   it reports a read of a buffer a DMA is still writing;
 - lowering to Mosaic for a TPU from this machine, which runs every Pallas lowering rule the kernels need;
-- the pool layout they need: head_dim padded to a multiple of 128;
-- both of the above for 8-bit pages (int8, fp8) with their scales, dequantized in the kernels.
+- the pool layout they need: head_dim padded to a multiple of 128, and both the public functions' view of the pool
+  and the TPU layout jaxpage allocates (kv heads side by side, a [rows, 128] block of scales per page);
+- both of the above for 8-bit pages (int8, fp8) with their scales, applied in the kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from test_ragged_paged_attention import (
     sm_scale,
 )
 
-from pallas_kernels.impl import pad_head_dim, padded_head_dim
+from pallas_kernels.impl import pad_head_dim, padded_head_dim, tpu_scale_rows
 from pallas_kernels.kv_quantization import SCALE_DTYPE, is_quantized
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -146,7 +147,8 @@ def test_tpu_interpret_mode_catches_a_page_id_out_of_the_pool():
     "pool_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name
 )
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(None, None), (32, 30.0)])
-def test_kernels_lower_to_mosaic(pool_dtype, sliding_window, soft_cap):
+@pytest.mark.parametrize("layout", ["public", "tpu"])
+def test_kernels_lower_to_mosaic(pool_dtype, sliding_window, soft_cap, layout):
     # Exporting for a TPU runs the Pallas-to-Mosaic lowering of every operation in the kernels (Mosaic's own
     # compiler passes run on the TPU host, not here). SmolLM2's shapes: 9 heads over 3 kv heads, head_dim 64 padded.
     # 8-bit pages come with a bfloat16 q and add the two scale operands; float pages take q in their dtype.
@@ -154,8 +156,9 @@ def test_kernels_lower_to_mosaic(pool_dtype, sliding_window, soft_cap):
     spec = jax.ShapeDtypeStruct
     quantized = is_quantized(pool_dtype)
     q_dtype = jnp.bfloat16 if quantized else pool_dtype
-    pool = spec((100, 16, 3, 128), pool_dtype)
-    scales = spec(pool.shape[:-1], SCALE_DTYPE) if quantized else None
+    pool = spec((100, 16, 3, 128) if layout == "public" else (100, 16, 3 * 128), pool_dtype)
+    scale_shape = (100, 16, 3) if layout == "public" else (100, tpu_scale_rows(16, 3), 128)
+    scales = spec(scale_shape, SCALE_DTYPE) if quantized else None
     options = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_kv_tile=8)
     tables, kv_lens = spec((seqs, pages_per_seq), jnp.int32), spec((seqs,), jnp.int32)
 
