@@ -9,10 +9,11 @@ against the reference. (jax marks the Triton lowering deprecated; moving to Mosa
 
 Grid (sequence, kv head, split). A program takes the query heads of one kv head (GQA: padded to at least 16
 rows, the smallest Triton dot) and one of `num_splits` equal slices of the sequence's block table; it walks its
-pages one kv tile of `pages_per_kv_tile` pages at a time -- gathering their rows through the block table, which the
-Triton lowering has no scalar prefetch for, so the table is an ordinary operand -- with an online softmax in
-float32. Each split writes its normalized partial output with its row max and row sum; the splits are merged
-outside the kernel with a log-sum-exp weighting. Splits keep the GPU busy when the batch is small and sequences long.
+pages one kv tile of `pages_per_kv_tile` pages at a time (fewer where such tiles would not fit in shared memory) --
+gathering their rows through the block table, which the Triton lowering has no scalar prefetch for, so the table is
+an ordinary operand -- with an online softmax in float32. Each split writes its normalized partial output with its
+row max and row sum; the splits are merged outside the kernel with a log-sum-exp weighting. Splits keep the GPU busy
+when the batch is small and sequences long.
 
 8-bit pages (int8, fp8; `pallas_kernels.kv_quantization`) come with per-token scales, one more pair of operands
 blocked by kv head like the pages: each kv tile is read in 8 bits and multiplied by its scales in the kernel (float
@@ -23,6 +24,7 @@ hold NaN, in 8-bit pages also their scales.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
+from pallas_kernels.gpu_online_softmax import (
+    MIN_DOT_ROWS,
+    attend_pages,
+    check_pool_offsets,
+    cost_estimate,
+    initial_state,
+    kv_step_pages,
+    normalized,
+)
 
 PAGES_PER_KV_TILE = 8  # pages a program reads per step, at most (128 keys at page size 16)
 MAX_SPLITS = 8
@@ -118,7 +128,9 @@ def gpu_decode_attention(
 ) -> jax.Array:  # [S, num_heads, head_dim] in q's dtype
     """The kernel call and the split merge. Shapes are checked by the public `paged_attention`.
 
-    pages_per_seq must be a multiple of num_splits, and pages_per_seq // num_splits of pages_per_kv_tile."""
+    pages_per_seq must be a multiple of num_splits, and pages_per_seq // num_splits of pages_per_kv_tile. A program
+    reads that many pages per step, fewer where their tile would not fit in shared memory (`kv_step_pages`)."""
+    check_pool_offsets(k_pages)
     num_seqs, num_heads, head_dim = q.shape
     total_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -131,12 +143,24 @@ def gpu_decode_attention(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        pages_per_kv_tile=pages_per_kv_tile,
+        pages_per_kv_tile=kv_step_pages(pages_per_kv_tile, page_size, head_dim, k_pages.dtype.itemsize),
     )
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, k, split: (0, 0, k, 0))
     scales = () if k_scales is None else (k_scales, v_scales)
     scale_spec = pl.BlockSpec((total_pages, page_size, None), lambda s, k, split: (0, 0, k))
     partial_shape = (num_seqs, num_kv_heads, num_splits, rows)
+    # An upper bound: every row of every program against every key of the (padded) block tables.
+    keys = num_seqs * num_kv_heads * pages_per_seq * page_size
+    partials = math.prod(partial_shape)  # rows of partial outputs
+    cost = cost_estimate(
+        pairs=keys * rows,
+        keys_read=keys,
+        head_dim=head_dim,
+        kv_itemsize=k_pages.dtype.itemsize,
+        scale_itemsize=0 if k_scales is None else k_scales.dtype.itemsize,
+        soft_cap=soft_cap,
+        other_bytes=q_rows.nbytes + block_tables.nbytes + kv_lens.nbytes + partials * 4 * (head_dim + 2),  # 3 outputs
+    )
     out, row_max, row_sum = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
@@ -160,6 +184,7 @@ def gpu_decode_attention(
         ],
         # Triton, explicitly: without compiler_params jax lowers to Mosaic GPU (jax_pallas_use_mosaic_gpu's default).
         compiler_params=plgpu.CompilerParams(),
+        cost_estimate=cost,
         interpret=interpret,
         name="jaxpage_gpu_decode_attention",
     )(kv_lens, block_tables, q_rows, k_pages, v_pages, scales)

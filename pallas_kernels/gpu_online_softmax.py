@@ -7,11 +7,52 @@ read in 8 bits and never dequantized as a whole."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.impl import MASK_VALUE
+from pallas_kernels.impl import MASK_VALUE, triton_misaddresses
 
 MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows
+# Bytes of one K (or V) tile as the pool stores it, at most. Triton pipelines the loop's loads over 3 stages (the
+# Triton lowering's default), 2 tiles of K and 2 of V in flight in shared memory: 128 KiB of the 227 KiB an
+# H100 / H200 block may use. Llama-3-8B's float32 tile of 128 keys x 128 dims (64 KiB) asked for 264 KiB.
+MAX_KV_TILE_BYTES = 32 << 10
+
+
+def kv_step_pages(pages_per_kv_tile: int, page_size: int, head_dim: int, itemsize: int) -> int:
+    """Pages a kernel reads per step: pages_per_kv_tile, halved (while even: a divisor of it, so the tables' padding
+    holds whole steps) while a tile of the pool's values would take more than MAX_KV_TILE_BYTES."""
+    pages = pages_per_kv_tile
+    while pages % 2 == 0 and pages * page_size * head_dim * itemsize > MAX_KV_TILE_BYTES:
+        pages //= 2
+    return pages
+
+
+def check_pool_offsets(k_pages) -> None:
+    """ValueError for a pool the Triton lowering would address wrongly. It computes element offsets in int32 unless
+    the array takes more than 4 GiB, and Triton adds int32 offsets signed: a 1-byte pool of (2, 4] GiB has offsets
+    past 2**31 that wrap negative (2- and 4-byte pools stay below 2**31 elements there)."""
+    nbytes = k_pages.size * k_pages.dtype.itemsize
+    if triton_misaddresses(nbytes, k_pages.dtype.itemsize):
+        raise ValueError(
+            f"the GPU kernels cannot address an 8-bit KV pool of {nbytes} bytes per K / V array ({k_pages.dtype}"
+            f"{list(k_pages.shape)}): between 2 GiB and 4 GiB the Triton lowering's int32 offsets overflow; take "
+            "fewer pages (at most 2 GiB) or more (over 4 GiB)"
+        )
+
+
+def cost_estimate(
+    *, pairs: int, keys_read: int, head_dim: int, kv_itemsize: int, scale_itemsize: int, soft_cap, other_bytes: int
+) -> pl.CostEstimate:
+    """An upper bound of a kernel call's work: `pairs` (query row, key) products of head_dim -- two matmuls, the
+    exponential (and the soft cap's tanh) of each logit -- and `keys_read` keys of K and V read (with their scales:
+    scale_itemsize 0 without), plus other_bytes (queries, tables, outputs)."""
+    key_bytes = 2 * (head_dim * kv_itemsize + scale_itemsize)  # K and V
+    return pl.CostEstimate(
+        flops=4 * pairs * head_dim,
+        transcendentals=pairs * (1 if soft_cap is None else 2),
+        bytes_accessed=keys_read * key_bytes + other_bytes,
+    )
 
 
 def initial_state(rows: int, head_dim: int):

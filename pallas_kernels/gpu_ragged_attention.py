@@ -3,10 +3,11 @@
 One batch mixes prompt chunks and decodes, their query rows back to back (`cu_q_lens`). Grid (sequence, query
 tile, kv head): a program takes a query tile -- up to `q_tile` query rows of one sequence -- and the query heads of
 one kv head (GQA: rows x heads form the rows of its products, padded to a power of two), and walks that sequence's
-pages one kv tile of `pages_per_kv_tile` pages at a time, up to the last key its rows see, gathering them through
-the block table (an ordinary operand: the Triton lowering has no scalar prefetch) with an online softmax in
-float32. Programs past a sequence's rows do nothing. Rows are stored under a mask, so a query tile never writes a
-neighbour's rows; the query and output arrays carry `q_tile` rows of padding so that every tile's rows exist.
+pages one kv tile of `pages_per_kv_tile` pages at a time (fewer where such tiles would not fit in shared memory), up
+to the last key its rows see, gathering them through the block table (an ordinary operand: the Triton lowering has
+no scalar prefetch) with an online softmax in float32. Programs past a sequence's rows do nothing. Rows are stored
+under a mask, so a query tile never writes a neighbour's rows; the query and output arrays carry `q_tile` rows of
+padding so that every tile's rows exist.
 
 Causal inside each chunk: row i of a sequence with q_len rows and kv_len keys sits at position kv_len - q_len + i.
 8-bit pages (int8, fp8; `pallas_kernels.kv_quantization`) come with per-token scales, one more pair of operands
@@ -25,7 +26,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_online_softmax import MIN_DOT_ROWS, attend_pages, initial_state, normalized
+from pallas_kernels.gpu_online_softmax import (
+    MIN_DOT_ROWS,
+    attend_pages,
+    check_pool_offsets,
+    cost_estimate,
+    initial_state,
+    kv_step_pages,
+    normalized,
+)
 
 GPU_Q_TILE = 16  # query rows of one program
 GPU_PAGES_PER_KV_TILE = 8  # pages it reads per step
@@ -111,7 +120,11 @@ def gpu_ragged_attention(
     pages_per_kv_tile: int,
     interpret: bool,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype; rows of no sequence are 0
-    """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`."""
+    """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`.
+
+    A program reads pages_per_kv_tile pages per step, fewer where their tile would not fit in shared memory
+    (`kv_step_pages`)."""
+    check_pool_offsets(k_pages)
     num_tokens, num_heads, head_dim = q.shape
     total_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seq_rows, pages_per_seq = block_tables.shape
@@ -126,12 +139,25 @@ def gpu_ragged_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         q_tile=q_tile,
-        pages_per_kv_tile=pages_per_kv_tile,
+        pages_per_kv_tile=kv_step_pages(pages_per_kv_tile, page_size, head_dim, k_pages.dtype.itemsize),
     )
     rows_spec = pl.BlockSpec((num_tokens + q_tile, None, padded_group, head_dim), lambda s, t, k: (0, k, 0, 0))
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, t, k: (0, 0, k, 0))
     scales = () if k_scales is None else (k_scales, v_scales)
     scale_spec = pl.BlockSpec((total_pages, page_size, None), lambda s, t, k: (0, 0, k))
+    # An upper bound: the query tiles that hold rows (at most one per q_tile rows, plus one more per sequence where
+    # its rows start mid-tile), each against every key of its (padded) block table, per kv head.
+    q_tiles = pl.cdiv(num_tokens, q_tile)
+    keys = min(num_seq_rows * q_tiles, q_tiles + num_seq_rows) * num_kv_heads * pages_per_seq * page_size
+    cost = cost_estimate(
+        pairs=keys * q_tile * padded_group,
+        keys_read=keys,
+        head_dim=head_dim,
+        kv_itemsize=k_pages.dtype.itemsize,
+        scale_itemsize=0 if k_scales is None else k_scales.dtype.itemsize,
+        soft_cap=soft_cap,
+        other_bytes=3 * q_rows.nbytes + block_tables.nbytes + kv_lens.nbytes + cu_q_lens.nbytes,  # q, zeros, out
+    )
     out = pl.pallas_call(
         kernel,
         grid=(num_seq_rows, pl.cdiv(num_tokens, q_tile), num_kv_heads),
@@ -150,6 +176,7 @@ def gpu_ragged_attention(
         input_output_aliases={6 + len(scales): 0},  # the zeros
         # Triton, explicitly: without compiler_params jax lowers to Mosaic GPU (jax_pallas_use_mosaic_gpu's default).
         compiler_params=plgpu.CompilerParams(),
+        cost_estimate=cost,
         interpret=interpret,
         name="jaxpage_gpu_ragged_attention",
     )(kv_lens, cu_q_lens, block_tables, q_rows, k_pages, v_pages, scales, jnp.zeros_like(q_rows))
