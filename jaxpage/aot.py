@@ -27,7 +27,7 @@ from jaxpage.attention_backend import AttentionBackend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import EngineConfig, ModelConfig
-from jaxpage.llm_engine import fit_max_model_len, kv_pool_pages
+from jaxpage.llm_engine import addressable_pages, fit_max_model_len, kv_pool_pages
 from jaxpage.model_runner import ModelRunner
 from jaxpage.models.llama import param_shapes
 from jaxpage.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
@@ -114,6 +114,11 @@ class TargetBuild:
         return self.num_pages * self.engine.page_size * self.kv_token_bytes
 
     @property
+    def pool_array_bytes(self) -> int:
+        """The bytes per device of the target model's K pool (one array of the pool)."""
+        return placed_bytes(self.runners[0].kv_cache.k)
+
+    @property
     def compiled_pool_bytes(self) -> int | None:
         """The pool's bytes per device as the compiler lays it out (the fill programs' outputs), None if one did not
         compile."""
@@ -146,10 +151,12 @@ def build(
         check_divisible(config, tp)
         config = with_replicated_kv_heads(config, tp)
         placed.append((config, _placed_params(config, dtype, mesh, device)))
-    weight_bytes = sum(_device_bytes(params) for _, params in placed)
-    token_bytes = sum(backend.kv_bytes_per_token(config, dtype.itemsize) for config, _ in placed) // tp
+    weight_bytes = sum(placed_bytes(params) for _, params in placed)
+    layout = dict(page_size=engine.page_size, tensor_parallel_size=tp)
+    token_bytes = sum(backend.kv_bytes_per_token(config, dtype.itemsize, **layout) for config, _ in placed) // tp
     max_model_len = engine.max_model_len or model.max_position_embeddings
     num_pages = kv_pool_pages(engine, token_bytes, max_model_len, device_memory=(target.hbm_bytes, weight_bytes))
+    num_pages = addressable_pages(backend, placed[0][0], num_pages, engine)
     pool_tokens = (num_pages - 1) * engine.page_size
     max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
     runner_args = dict(
@@ -181,8 +188,8 @@ def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def _device_bytes(tree) -> int:
-    """Bytes one device holds of the placed ShapeDtypeStructs in `tree` (the most any device holds)."""
+def placed_bytes(tree) -> int:
+    """Bytes one device holds of the placed arrays or ShapeDtypeStructs in `tree` (the most any device holds)."""
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
@@ -190,7 +197,7 @@ def compile_all(build: TargetBuild, on_program=None) -> list[ProgramReport]:
     """Compiles every program of `build`'s runners (a failure is reported, and the others still compile); calls
     on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order."""
     for index, runner in enumerate(build.runners):
-        pool_array_bytes = _device_bytes(runner.kv_cache.k) // runner.config.num_layers  # one layer of K
+        pool_array_bytes = placed_bytes(runner.kv_cache.k) // runner.config.num_layers  # one layer of K
         for what, get in runner.warmup_programs(draft=index > 0):
             label = str(what).split(":")[0] + (" (draft model)" if index else "")
             start = time.perf_counter()
@@ -247,21 +254,31 @@ class Roofline:
         return max(self.hbm_seconds, self.compute_seconds)
 
 
-def decode_roofline(build: TargetBuild, rows: int, context: int) -> Roofline:
-    """The roofline estimate of one decode step of `rows` sequences of `context` tokens each on one device of the
-    target: it reads every weight once (its shard) and each sequence's K/V, and does 2 FLOPs per weight per row
-    plus 4 * context * head_dim per query head per layer of attention."""
-    config, tp = build.model, build.engine.tensor_parallel_size
-    kv_bytes = rows * context * build.kv_token_bytes
-    attention_flops = 4 * rows * context * config.head_dim * config.num_heads * config.num_layers / tp
-    matmul_params = build.weight_bytes / (1 if config.quantization == "int8" else build.dtype.itemsize)
+def decode_roofline(
+    target: Target,
+    model: ModelConfig,
+    weight_bytes: int,
+    kv_token_bytes: int,
+    dtype,
+    rows: int,
+    context: int,
+    tensor_parallel_size: int = 1,
+) -> Roofline:
+    """The roofline estimate of one decode step of `rows` sequences of `context` tokens each on one device of
+    `target`: it reads every weight it holds once (weight_bytes) and each sequence's K/V (kv_token_bytes per token),
+    and does 2 FLOPs per weight per row (the embedding table counted as a matmul: an upper bound) plus 4 * context *
+    head_dim per query head per layer of attention. All figures per device."""
+    kv_bytes = rows * context * kv_token_bytes
+    attention_flops = 4 * rows * context * model.head_dim * model.num_heads * model.num_layers / tensor_parallel_size
+    matmul_params = weight_bytes / (1 if model.quantization == "int8" else jnp.dtype(dtype).itemsize)
     flops = 2 * matmul_params * rows + attention_flops
-    total_bytes = build.weight_bytes + kv_bytes
-    return Roofline(
-        rows,
-        context,
-        flops,
-        total_bytes,
-        total_bytes / build.target.hbm_bandwidth,
-        flops / build.target.peak_flops,
+    total_bytes = weight_bytes + kv_bytes
+    return Roofline(rows, context, flops, total_bytes, total_bytes / target.hbm_bandwidth, flops / target.peak_flops)
+
+
+def build_roofline(build: TargetBuild, rows: int, context: int) -> Roofline:
+    """decode_roofline for the engine `build` describes."""
+    tp = build.engine.tensor_parallel_size
+    return decode_roofline(
+        build.target, build.model, build.weight_bytes, build.kv_token_bytes, build.dtype, rows, context, tp
     )

@@ -22,7 +22,7 @@ from jaxpage import distributed, parallel
 from jaxpage.attention_backend import AttentionBackend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
-from jaxpage.config import EngineConfig
+from jaxpage.config import EngineConfig, ModelConfig
 from jaxpage.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.drafter import Draft, Drafter
 from jaxpage.model_runner import CompiledShape, ModelRunner
@@ -74,7 +74,14 @@ def kv_pool_pages(
         useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
         pages = min(budget // page_bytes, useful, INT32_MAX // engine.page_size)
         if pages < 2:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)")
+            why = f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)"
+            if device_memory is not None and engine.kv_cache_memory_bytes is None:
+                why += (
+                    f": {limit} bytes of device memory x gpu_memory_utilization {engine.gpu_memory_utilization}, less "
+                    f"{in_use} in use (the weights); raise gpu_memory_utilization or split the model over more devices "
+                    "(tensor_parallel_size)"
+                )
+            raise ValueError(why)
     if available is not None and pages * page_bytes > available:
         raise ValueError(
             f"a KV pool of {pages} pages ({pages * page_bytes} bytes, {page_bytes} per page) does not fit in the "
@@ -96,6 +103,22 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def addressable_pages(backend: AttentionBackend, model: ModelConfig, num_pages: int, engine: EngineConfig) -> int:
+    """num_pages, or fewer where the attention kernels cannot address that pool (AttentionBackend.addressable_pages):
+    then with a warning, or ValueError for an explicit num_pages."""
+    usable = backend.addressable_pages(model, num_pages, engine.page_size, engine.tensor_parallel_size)
+    if usable < num_pages:
+        if engine.num_pages is not None:
+            raise ValueError(
+                f"engine argument num_pages {num_pages}: the {backend.name} kernels cannot address an "
+                f"{backend.kv_cache_dtype} pool of that size; take at most {usable} pages, or more pages"
+            )
+        logger.warning(
+            "the KV pool takes %d pages, not %d: the %s kernels cannot address it", usable, num_pages, backend.name
+        )
+    return usable
 
 
 def fit_max_model_len(max_model_len: int, pool_tokens: int, explicit: bool) -> int:
@@ -236,10 +259,11 @@ class LLMEngine:
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = params_dtype(params).itemsize
-        token_bytes = self.attention_backend.kv_bytes_per_token(target_config, dtype_bytes)
-        if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
-            token_bytes += self.attention_backend.kv_bytes_per_token(draft[0], dtype_bytes)
         tp = config.tensor_parallel_size
+        layout = dict(page_size=config.page_size, tensor_parallel_size=tp)
+        token_bytes = self.attention_backend.kv_bytes_per_token(target_config, dtype_bytes, **layout)
+        if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
+            token_bytes += self.attention_backend.kv_bytes_per_token(draft[0], dtype_bytes, **layout)
         device_token_bytes = token_bytes // tp  # each device holds its shard's KV heads
         # A device's budget and memory are its own, but simulated CPU devices share the host's: every shard of every
         # data-parallel replica (each replica has num_pages pages).
@@ -257,6 +281,7 @@ class LLMEngine:
                 raise refused
             if num_pages == 0:
                 raise ValueError("another process's memory cannot hold the KV pool (see its log)")
+        num_pages = addressable_pages(self.attention_backend, target_config, num_pages, config)
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         copies = target_config.num_kv_heads // self.model_config.num_kv_heads

@@ -7,7 +7,11 @@
 1. Decode step time at batch 1 and 64. Each request has a 512-token random prompt; once every request decodes, 16
    steps are timed (after 3 untimed ones). The HBM roofline of a step is the bytes it must read -- every weight
    except the embedding table, plus K and V of every cached token of every layer -- over the device's bandwidth:
-   the copy bandwidth measured in this run, and for an H200 also its 4.8 TB/s specification.
+   the copy bandwidth measured in this run, and for an H200 also its 4.8 TB/s specification. Beside each measured
+   step, what the compiler said of the step's two programs (forward pass and sampler: temporaries, and where XLA
+   reports them FLOPs and bytes accessed) and the estimate scripts/compile_for.py gives for that chip
+   (jaxpage.aot.decode_roofline: every weight and the K/V read once at the chip's published bandwidth, FLOPs at its
+   peak), so that a first device run compares the estimate with the measurement.
 2. Throughput: 64 requests, random prompts of 128..1024 tokens, 64..256 output tokens each (EOS ignored), greedy.
    jaxpage runs the workload once to compile its shapes, then once timed; then HF transformers' continuous
    batching runs it on the same device with the same token budget, row limit and KV capacity (its model built
@@ -26,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxpage.benchmarks.hf_baselines import run_hf_continuous
@@ -86,6 +91,33 @@ def decode_step_times(llm, batch: int, prompt_len: int, rng) -> dict:
     return {"wall_s": float(np.median(walls)), "device_s": float(np.median(devices)), "kv_len": kv_len}
 
 
+def compiler_estimate(engine, batch: int, kv_len: int, param_bytes: int, kv_token_bytes: int) -> dict:
+    """What the compiler made of the decode step of `batch` rows (its forward pass and sampler, as compiled on this
+    device), and compile_for's roofline estimate of it on this chip (when jaxpage.targets has its figures)."""
+    from jaxpage import aot
+    from jaxpage.targets import target_of
+
+    runner = engine.runner
+    shape = runner.smallest_shape("decode", batch)
+    programs = (runner.executables[shape], runner.samplers[shape.sample_rows, shape.num_draft_positions])
+    layer_bytes = aot.placed_bytes(runner.kv_cache.k) // engine.model_config.num_layers  # a copy this large: the pool
+    reports = [aot.describe(str(shape), "forward", 0.0, program, layer_bytes) for program in programs]
+    flops = [r.flops for r in reports]
+    accessed = [r.bytes_accessed for r in reports]
+    out = {
+        "compiler_temp_bytes": sum(r.temp_bytes for r in reports),
+        "compiler_flops": None if None in flops else sum(flops),  # XLA's GPU compiler gives no cost analysis
+        "compiler_bytes_accessed": None if None in accessed else sum(accessed),
+        "compiler_pool_copies": sum(len(r.pool_copies) for r in reports),
+    }
+    target = target_of(jax.devices()[0])
+    if target is not None:
+        dtype = runner.dtype
+        roof = aot.decode_roofline(target, engine.model_config, param_bytes, kv_token_bytes, dtype, batch, kv_len)
+        out |= {"estimate_target": target.name, "estimate_ms_compile_for_roofline": round(1e3 * roof.seconds, 3)}
+    return out
+
+
 def workload(vocab: int, num_requests: int, prompt_lens, max_tokens, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [
@@ -133,8 +165,6 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8, fp8_e4m3, fp8_e5m2")
     args = parser.parse_args()
-    import jax
-
     from jaxpage.llm import LLM
 
     backend = jax.default_backend()
@@ -175,6 +205,7 @@ def main() -> None:
             }
             if not args.tiny:
                 entry["roofline_ms_h200_spec"] = round(1e3 * read_bytes / H200_HBM_BYTES_PER_S, 2)
+            entry |= compiler_estimate(engine, batch, step["kv_len"], int(param_bytes), kv_token_bytes)
             results[f"decode_batch_{batch}"] = entry
             log(f"decode batch {batch}: {entry}")
 

@@ -22,4 +22,9 @@ python3 -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py te
 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kv_attention.py 2>&1 \
     | tee "$out/gpu_check_quantized_kv.log" || status=1
 python3 scripts/bench_decode_kernel.py 2>&1 | tee "$out/gpu_check_bench.log" || status=1
+# Beside those measurements, what XLA's GPU compiler makes of every engine program for this chip (deviceless, as
+# on a CPU host; jaxpage.aot): memory per program, pool copies, and the decode step's roofline ESTIMATE at batch 1
+# and 64, for the Llama-3-8B shape scripts/bench_device.py measures (a built-in shape: no model file, no network).
+python3 scripts/compile_for.py --target gpu-h200 --model llama3-8b --max-model-len 2048 --context 512 2>&1 \
+    | tee "$out/gpu_check_compile_for.log" || status=1
 exit "$status"

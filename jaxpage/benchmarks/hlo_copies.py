@@ -3,7 +3,9 @@
 A KV pool must never be copied: a step reads and updates it in place (donated). A chip's compiler can still insert
 a copy where a kernel asks for a layout the pool does not have (a relayout of the whole pool on every call).
 `large_copies` finds the instructions that copy or transpose at least `min_bytes`: give it the bytes of the smallest
-pool array and it lists every copy of a pool, whatever its shape after reshapes.
+pool array and it lists every copy of a pool, whatever its shape after reshapes. Moves into or out of a TPU's on-chip
+memory (memory space 1, `S(1)` in a layout) are not counted: XLA prefetches an array that fits there (a small test
+pool), which no pool of a real size does.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def large_copies(hlo: str, min_bytes: int) -> list[str]:
     found = []
     for line in hlo.splitlines():
         match = _INSTRUCTION.match(line)
-        if match and match.group(2) in COPY_OPS and array_bytes(match.group(1)) >= min_bytes:
+        on_chip = "S(1)" in match.group(1) if match else False
+        if match and match.group(2) in COPY_OPS and not on_chip and array_bytes(match.group(1)) >= min_bytes:
             found.append(line.strip())
     return found

@@ -1,0 +1,224 @@
+"""Every program jaxpage's warm-up compiles, built for a chip this host does not have, with a report on each.
+
+    python scripts/compile_for.py --target tpu-v5e --model default
+    python scripts/compile_for.py --target gpu-h200 --model llama3-8b --kv-cache-dtype int8
+    python scripts/compile_for.py --target tpu-v6e:2x4 --model llama3-8b --tensor-parallel-size 8
+    python scripts/compile_for.py --target gpu-h100 --model default --num-speculative-tokens 3 --draft-model default
+
+Targets (jaxpage.targets): tpu-v5e, tpu-v6e, tpu-v5p (needs libtpu: pip install 'jaxpage[tpu]'), gpu-h100, gpu-h200
+(needs jax's CUDA plugin: pip install 'jaxpage[cuda]'); ":TOPOLOGY" picks the compile-only topology whose first
+devices are used (default: the smallest that holds the mesh). The model is a shape, not weights: "default" (the
+default model's config, read from its GGUF), "llama3-8b", or a model source's config. The KV pool is sized as the
+engine sizes it on that chip: gpu_memory_utilization of the chip's HBM less the weights a device holds.
+
+For each program (the pool's fill, each forward step shape, each sampler or verification, the page copy, a draft
+model's forward passes and proposals): compiled or the compiler's error, compile seconds, the compiler's memory
+analysis per device (arguments, outputs, temporaries, code), its cost analysis (FLOPs and bytes accessed; XLA's GPU
+compiler gives none), the collectives one run executes, and any copy of a KV pool in the optimized HLO. Then the
+checks: every program compiled; no KV pool copied; no temporary as large as a pool; the pool's compiled bytes
+within 2% of the engine's budget arithmetic; with tensor parallelism, the collectives Megatron needs (2 all-reduces
+per layer and 1 for the embedding in a forward pass, the logits' all-gather in a sampler); per-device memory
+(weights + pool + the largest temporary) within the chip's HBM. And the decode step's roofline ESTIMATE at batch 1
+and 64 (max(bytes / HBM bandwidth, FLOPs / peak), the chip's published figures; a compiler estimate, not a
+measurement). Exits 1 when a check fails. --json writes the whole report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host runs nothing: the targets' compilers need no backend
+
+MIB = 1 << 20
+POOL_TOLERANCE = 0.02
+
+
+def parse_args(argv=None):
+    from jaxpage.config import EngineConfig
+    from jaxpage.targets import TARGETS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help=f"one of {', '.join(TARGETS)}, optionally :TOPOLOGY")
+    parser.add_argument("--model", default="default", help="default, llama3-8b, or a model source's path")
+    parser.add_argument("--dtype", choices=EngineConfig.DTYPES, default=None, help="default bfloat16")
+    parser.add_argument("--quantization", choices=(None, "int8"), default=None)
+    parser.add_argument("--kv-cache-dtype", choices=EngineConfig.KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    parser.add_argument("--num-pages", type=int, default=None, help="default: sized from the chip's memory")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, help="adds the verify steps")
+    parser.add_argument("--draft-model", default=None, help="a draft model's shape (with --num-speculative-tokens)")
+    parser.add_argument("--context", type=int, default=1024, help="tokens per sequence in the roofline estimate")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    if args.draft_model and not args.num_speculative_tokens:
+        parser.error("--draft-model needs --num-speculative-tokens")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from jaxpage import aot
+    from jaxpage.config import EngineConfig
+    from jaxpage.targets import get_target
+
+    name, _, topology = args.target.partition(":")
+    try:
+        target = get_target(name)
+        engine = EngineConfig(
+            dtype=args.dtype,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            compilation_cache_dir=None,
+        )
+        model = aot.model_shape(args.model)
+        draft = aot.model_shape(args.draft_model) if args.draft_model else None
+        if topology:
+            target = dataclasses.replace(target, fixed_topology=topology)
+        start = time.perf_counter()
+        build = aot.build(target, engine, model, draft, args.num_speculative_tokens)
+    except (ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a compiler that cannot start
+        print(f"compile_for.py: error: {e}", file=sys.stderr)
+        return 2
+    print_header(build, args)
+    print(f"{'program':<44} {'s':>6} {'args MiB':>9} {'out MiB':>8} {'temp MiB':>9} {'GFLOP':>9} {'GB read':>8}")
+    aot.compile_all(build, on_program=print_program)
+    total_s = time.perf_counter() - start
+    checks = run_checks(build)
+    roofs = [aot.build_roofline(build, rows, args.context) for rows in (1, 64)]
+    print_summary(build, checks, roofs, total_s)
+    if args.json:
+        write_json(args.json, build, checks, roofs, total_s)
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def print_header(build, args) -> None:
+    m, e = build.model, build.engine
+    print(
+        f"target {build.target.name} ({build.runners[0].mesh.devices.size if build.runners[0].mesh else 1} device(s) "
+        f"of {build.target.devices(1)[0].device_kind}), {build.backend.name} attention, {build.dtype.name} weights"
+        f"{' int8' if e.quantization else ''}, KV {e.kv_cache_dtype}, TP {e.tensor_parallel_size} x DP "
+        f"{e.data_parallel_size}"
+    )
+    print(
+        f"model {args.model}: {m.num_layers} layers, {m.num_heads} heads / {m.num_kv_heads} KV heads x {m.head_dim}, "
+        f"vocab {m.vocab_size}; max_model_len {build.max_model_len}, max_num_seqs {e.max_num_seqs}, "
+        f"max_num_batched_tokens {e.max_num_batched_tokens}"
+    )
+    print(
+        f"per device: weights {build.weight_bytes / MIB:,.0f} MiB; KV {build.kv_token_bytes} bytes/token, "
+        f"{build.num_pages:,} pages of {e.page_size} = {build.pool_bytes / MIB:,.0f} MiB by the budget arithmetic "
+        f"(HBM {build.target.hbm_bytes / MIB:,.0f} MiB x {e.gpu_memory_utilization})"
+    )
+
+
+def print_program(report) -> None:
+    if not report.compiled:
+        print(f"{report.program:<44} {report.seconds:6.1f}  FAILED: {report.error.splitlines()[0][:300]}")
+        return
+    flops = "-" if report.flops is None else f"{report.flops / 1e9:.2f}"
+    read = "-" if report.bytes_accessed is None else f"{report.bytes_accessed / 1e9:.3f}"
+    args, out, temp = (report.argument_bytes / MIB, report.output_bytes / MIB, report.temp_bytes / MIB)
+    line = f"{report.program:<44} {report.seconds:6.1f} {args:9.1f} {out:8.1f} {temp:9.1f} {flops:>9} {read:>8}"
+    if report.collectives:
+        line += "  " + ", ".join(f"{n} {kind}" for kind, n in report.collectives.items())
+    print(line, flush=True)
+    for copy in report.pool_copies:
+        print(f"    POOL COPY: {copy[:200]}")
+
+
+def run_checks(build) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for each of the script's checks (see the module docstring)."""
+    programs = build.programs
+    failed = [p.program for p in programs if not p.compiled]
+    copies = [p.program for p in programs if p.pool_copies]
+    big_temps = [
+        f"{p.program} ({p.temp_bytes / MIB:,.0f} MiB)" for p in programs if p.temp_bytes >= build.pool_array_bytes
+    ]
+    compiled_pool = build.compiled_pool_bytes
+    checks = [
+        ("every program compiled", not failed, ", ".join(failed) or f"{len(programs)} programs"),
+        ("no KV pool copied", not copies, ", ".join(copies) or "no copy or transpose of a pool-sized array"),
+        ("no temporary as large as a pool", not big_temps, ", ".join(big_temps) or "none"),
+    ]
+    if compiled_pool is not None:
+        ratio = compiled_pool / build.pool_bytes
+        detail = f"{compiled_pool / MIB:,.1f} MiB compiled / {build.pool_bytes / MIB:,.1f} MiB arithmetic = {ratio:.4f}"
+        checks.append(("pool bytes within 2% of the budget arithmetic", abs(ratio - 1) <= POOL_TOLERANCE, detail))
+    peak = build.weight_bytes + (compiled_pool or build.pool_bytes) + max((p.temp_bytes for p in programs), default=0)
+    detail = f"{peak / MIB:,.0f} MiB of {build.target.hbm_bytes / MIB:,.0f} MiB"
+    checks.append(("weights + pool + largest temporary fit the chip", peak <= build.target.hbm_bytes, detail))
+    if build.engine.tensor_parallel_size > 1:
+        checks.append(collectives_check(build))
+    return checks
+
+
+def collectives_check(build) -> tuple[str, bool, str]:
+    """Megatron's collectives: 2 all-reduces per layer + 1 for the embedding in every forward pass of the target
+    model, and an all-gather of the logits in every sampler."""
+    layers = build.model.num_layers
+    wrong = []
+    for p in build.programs:
+        if not p.compiled or "draft" in p.program:
+            continue
+        if p.kind == "forward" and p.collectives.get("all-reduce") != 2 * layers + 1:
+            wrong.append(f"{p.program}: {p.collectives}")
+        if p.kind in ("sample", "verify") and p.collectives.get("all-gather", 0) < 1:
+            wrong.append(f"{p.program}: {p.collectives}")
+    detail = "; ".join(wrong) or f"forward: {2 * layers + 1} all-reduces, samplers: the logits' all-gather"
+    return ("tensor-parallel collectives as designed", not wrong, detail)
+
+
+def print_summary(build, checks, roofs, total_s) -> None:
+    compiled = [p for p in build.programs if p.compiled]
+    print(f"\n{len(compiled)}/{len(build.programs)} programs compiled in {total_s:.1f}s")
+    for name, ok, detail in checks:
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}: {detail}")
+    for roof in roofs:
+        print(
+            f"  decode step ESTIMATE (roofline, not measured), batch {roof.rows} at {roof.context} tokens each: "
+            f"{roof.seconds * 1e3:.3f} ms ({roof.bytes / 1e9:.2f} GB / {build.target.hbm_bandwidth / 1e12:.2f} TB/s "
+            f"= {roof.hbm_seconds * 1e3:.3f} ms; {roof.flops / 1e12:.3f} TFLOP / {build.target.peak_flops / 1e12:.0f} "
+            f"TFLOP/s = {roof.compute_seconds * 1e3:.3f} ms)"
+        )
+
+
+def write_json(path, build, checks, roofs, total_s) -> None:
+    report = {
+        "target": build.target.name,
+        "engine": {k: v for k, v in dataclasses.asdict(build.engine).items() if k != "speculative_config"},
+        "model": dataclasses.asdict(build.model),
+        "weight_bytes_per_device": build.weight_bytes,
+        "kv_bytes_per_token_per_device": build.kv_token_bytes,
+        "num_pages": build.num_pages,
+        "pool_bytes_arithmetic": build.pool_bytes,
+        "pool_bytes_compiled": build.compiled_pool_bytes,
+        "compile_seconds": total_s,
+        "programs": [dataclasses.asdict(p) for p in build.programs],
+        "checks": [{"check": c, "passed": ok, "detail": d} for c, ok, d in checks],
+        "decode_roofline_estimates": [dataclasses.asdict(r) | {"seconds": r.seconds} for r in roofs],
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

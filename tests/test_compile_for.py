@@ -1,0 +1,205 @@
+"""The engine's programs built for chips this host lacks (jaxpage.targets, jaxpage.aot, scripts/compile_for.py).
+
+The tests that compile need the chips' compilers: libtpu (`pip install 'jaxpage[tpu]'`) and jax's CUDA plugin
+(`pip install 'jaxpage[cuda]'`), which .ci/run installs; where they are missing those tests are skipped with that
+reason. The others (targets, the pool arithmetic for a chip's memory, finding copies in HLO) always run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from jaxpage import aot
+from jaxpage.attention_backend import AttentionBackend
+from jaxpage.benchmarks.hlo_collectives import executed
+from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
+from jaxpage.benchmarks.tiny_models import TINY_FAMILIES
+from jaxpage.config import EngineConfig
+from jaxpage.llm_engine import addressable_pages, kv_pool_pages
+from jaxpage.targets import TARGETS, available, get_target
+
+TPU, GPU = TARGETS["tpu-v5e"], TARGETS["gpu-h200"]
+needs_tpu = pytest.mark.skipif(not available(TPU), reason="libtpu is not installed (pip install 'jaxpage[compile]')")
+needs_gpu = pytest.mark.skipif(not available(GPU), reason="jax's CUDA plugin is not installed ('jaxpage[compile]')")
+TINY_GQA = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")  # 4 heads, 2 KV heads
+# A small engine: programs pool, forward decode(T=4), sample rows=4, forward mixed(T=128), copy. A pool of 16384
+# pages (hundreds of MiB: nothing is allocated): larger than a TPU's VMEM, which XLA may otherwise prefetch a small
+# array into (a copy that is not a relayout), and than any step's temporaries.
+NUM_PAGES = 16384
+TINY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, num_pages=NUM_PAGES, compilation_cache_dir=None)
+
+
+def test_targets_name_their_topologies_and_refuse_what_they_cannot_hold():
+    assert TARGETS["tpu-v5e"].topology_name(1) == "v5e:2x2"
+    assert TARGETS["tpu-v6e"].topology_name(8) == "v6e:2x4"
+    assert TARGETS["tpu-v5p"].topology_name(8) == "v5p:2x2x2"
+    assert TARGETS["gpu-h100"].topology_name(8) == "1x1x8"
+    with pytest.raises(ValueError, match="at most 8 devices, not 16"):
+        TARGETS["tpu-v5e"].topology_name(16)
+    with pytest.raises(ValueError, match="unknown target 'tpu-v4'.*tpu-v5e, tpu-v6e, tpu-v5p, gpu-h100, gpu-h200"):
+        get_target("tpu-v4")
+
+
+@pytest.mark.parametrize("name", ["gpu-h100", "gpu-h200"])
+def test_gpu_target_configs_agree_with_the_figures_the_budget_uses(name):
+    target = TARGETS[name]
+    config = target.gpu_target_config()
+    fields = dict(re.findall(r"^\s*(\w+): (\S+)$", config, re.MULTILINE))
+    assert int(fields["device_memory_size"]) == target.hbm_bytes
+    assert float(fields["memory_bandwidth"]) == target.hbm_bandwidth
+    assert int(fields["shared_memory_per_block_optin"]) == 232448  # compute capability 9.0
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in config
+
+
+def test_the_pool_is_sized_from_a_chips_memory_less_its_weights():
+    engine = EngineConfig(max_num_seqs=64, gpu_memory_utilization=0.9, compilation_cache_dir=None)
+    token_bytes, page_bytes = 1000, 16 * 1000
+    limit, weights = 16 << 30, 3 << 30
+    # (limit * utilization - weights) / page bytes, as LLMEngine sizes a GPU's or TPU's pool
+    assert kv_pool_pages(engine, token_bytes, 1_000_000, device_memory=(limit, weights)) == int(
+        (int(limit * 0.9) - weights) // page_bytes
+    )
+    # no more pages than max_num_seqs sequences of max_model_len can use
+    assert kv_pool_pages(engine, token_bytes, 1024, device_memory=(limit, weights)) == 64 * 1024 // 16 + 1
+    with pytest.raises(ValueError, match=r"holds no page .* less 16106127360 in use \(the weights\); .* more devices"):
+        kv_pool_pages(engine, token_bytes, 1024, device_memory=(limit, 15 << 30))  # an 8B model on a 16 GiB chip
+    too_many = EngineConfig(num_pages=(limit - weights) // page_bytes + 1, compilation_cache_dir=None)
+    with pytest.raises(ValueError, match="does not fit in the .* bytes of memory available"):
+        kv_pool_pages(too_many, token_bytes, 1024, device_memory=(limit, weights))
+
+
+def test_large_copies_finds_copies_of_pool_sized_arrays_in_hlo():
+    hlo = """
+HloModule m
+ENTRY %main (k: bf16[4,2048,16,3,128]) -> bf16[4,2048,16,3,128] {
+  %k = bf16[4,2048,16,3,128]{4,3,2,1,0} parameter(0)
+  %copy.5 = bf16[4,2048,16,3,128]{4,3,2,1,0:T(4,128)(2,1)} copy(%k), metadata={op_name="k"}
+  %copy-start = (bf16[4,2048,16,3,128]{4,3,2,1,0:S(1)}, bf16[4,2048,16,3,128]{4,3,2,1,0}, u32[]) copy-start(%k)
+  %small = f32[8,64]{1,0} copy(%x)
+  %t = s8[2048,16,384]{0,1,2} transpose(%y), dimensions={2,1,0}
+  ROOT %custom-call = bf16[4,2048,16,3,128]{4,3,2,1,0} custom-call(%copy.5), custom_call_target="tpu_custom_call"
+}"""
+    pool_bytes = 4 * 2048 * 16 * 3 * 128 * 2
+    assert array_bytes("(bf16[2,3]{1,0}, f8e4m3fn[10], u32[])") == 12
+    # %copy-start moves the pool into on-chip memory (S(1)): a prefetch, not a relayout
+    assert [line.split(" = ")[0] for line in large_copies(hlo, pool_bytes)] == ["%copy.5"]
+    assert [line.split(" = ")[0] for line in large_copies(hlo, 2048 * 16 * 384)] == ["%copy.5", "%t"]
+
+
+def _checked(build: aot.TargetBuild) -> None:
+    """Every program compiled, none copies the pool or holds a temporary as large as it, and the pool's compiled
+    bytes are within 2% of the budget arithmetic."""
+    failed = {p.program: p.error for p in build.programs if not p.compiled}
+    assert not failed, failed
+    assert not [p.pool_copies for p in build.programs if p.pool_copies]
+    assert max(p.temp_bytes for p in build.programs) < build.pool_array_bytes
+    assert abs(build.compiled_pool_bytes / build.pool_bytes - 1) <= 0.02, (build.compiled_pool_bytes, build.pool_bytes)
+
+
+@needs_tpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_tiny_models_programs_compile_for_a_tpu(tiny_model_path, kv_cache_dtype):
+    engine = EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE)
+    build = aot.build(TPU, engine, aot.model_shape(str(tiny_model_path(TINY_GQA))), num_speculative_tokens=2)
+    aot.compile_all(build)
+    assert build.backend.name == "pallas_tpu" and build.dtype.name == "bfloat16"
+    kinds = [p.kind for p in build.programs]
+    assert kinds == ["pool", "forward", "sample", "forward", "forward", "verify", "forward", "verify", "forward",
+                     "verify", "copy"]  # fmt: skip
+    _checked(build)
+
+
+@needs_tpu
+def test_tensor_parallel_programs_compile_for_a_tpu_slice_with_megatrons_collectives(tiny_model_path):
+    engine = EngineConfig(tensor_parallel_size=2, **TINY_ENGINE)
+    build = aot.build(TPU, engine, aot.model_shape(str(tiny_model_path(TINY_GQA))))
+    aot.compile_all(build)
+    _checked(build)
+    layers = build.model.num_layers
+    for p in build.programs:
+        if p.kind == "forward":  # 2 per layer (after the o and down projections) + 1 for the embedding
+            assert p.collectives == {"all-reduce": 2 * layers + 1}, (p.program, p.collectives)
+        if p.kind == "sample":  # the logits gathered whole
+            assert p.collectives == {"all-gather": 1}, (p.program, p.collectives)
+    assert build.weight_bytes < aot.placed_bytes(aot._placed_params(build.model, build.dtype, None, TPU.devices()[0]))
+
+
+def _compile_for_script():
+    path = Path(__file__).parents[1] / "scripts" / "compile_for.py"
+    spec = importlib.util.spec_from_file_location("compile_for", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_gpu
+def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    argv = ["--target", "gpu-h200", "--model", str(tiny_model_path(TINY_GQA)), "--kv-cache-dtype", "int8"]
+    argv += [
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "128",
+        "--num-pages",
+        str(NUM_PAGES),
+        "--json",
+        str(out),
+    ]
+    assert _compile_for_script().main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "pallas_gpu attention" in printed and "5/5 programs compiled" in printed
+    assert "decode step ESTIMATE (roofline, not measured), batch 1" in printed
+    report = json.loads(out.read_text())
+    assert [p["kind"] for p in report["programs"]] == ["pool", "forward", "sample", "forward", "copy"]
+    assert all(c["passed"] for c in report["checks"]), report["checks"]
+    assert report["pool_bytes_compiled"] == pytest.approx(report["pool_bytes_arithmetic"], rel=0.02)
+    roofline = report["decode_roofline_estimates"][0]
+    assert roofline["seconds"] == pytest.approx(roofline["bytes"] / GPU.hbm_bandwidth)  # batch 1: bandwidth-bound
+
+
+def test_compile_for_refuses_bad_arguments_in_one_line(capsys):
+    assert _compile_for_script().main(["--target", "tpu-v4", "--model", "llama3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compile_for.py: error: unknown target 'tpu-v4'") and err.count("\n") == 1
+
+
+def test_collectives_are_counted_through_a_loop_whose_bound_is_in_its_condition():
+    # The TPU compiler's scan loop has no known_trip_count: its condition compares the counter with a constant.
+    hlo = """
+HloModule m
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %ar.2 = f32[8]{0} all-reduce(%ar), replica_groups={{0,1}}, to_apply=%add
+}
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %constant.1 = s32[]{:T(128)} constant(30)
+  %gte = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%gte, %constant.1), direction=LT
+}
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %e = f32[8]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body
+  ROOT %g = f32[8,2]{1,0} all-gather(%y), dimensions={1}
+}"""
+    assert {k: n for k, n in executed(hlo).items() if n} == {"all-reduce": 2 * 30 + 1, "all-gather": 1}
+
+
+def test_an_8bit_pool_the_gpu_kernels_cannot_address_is_cut_or_refused():
+    model = aot.LLAMA3_8B  # 32 layers x 16 tokens x 8 KV heads x 128 dims = 512 KiB per page of an 8-bit K array
+    page = 32 * 16 * 8 * 128
+    gpu = AttentionBackend("pallas_gpu", "int8", platform="gpu")
+    assert gpu.addressable_pages(model, 3 * 2**30 // page, 16) == 2**31 // page  # 3 GiB: cut to 2 GiB
+    assert gpu.addressable_pages(model, 5 * 2**30 // page, 16) == 5 * 2**30 // page  # over 4 GiB: 64-bit offsets
+    assert gpu.addressable_pages(model, 3 * 2**30 // page, 16, tensor_parallel_size=2) == 3 * 2**30 // page
+    for backend in (AttentionBackend("pallas_gpu", "auto", platform="gpu"), AttentionBackend("xla", "int8")):
+        assert backend.addressable_pages(model, 3 * 2**30 // page, 16) == 3 * 2**30 // page
+    explicit = EngineConfig(num_pages=3 * 2**30 // page, kv_cache_dtype="int8", compilation_cache_dir=None)
+    with pytest.raises(ValueError, match=r"num_pages 6144: the pallas_gpu kernels cannot address an int8 pool"):
+        addressable_pages(gpu, model, explicit.num_pages, explicit)
+    assert addressable_pages(gpu, model, 6144, EngineConfig(compilation_cache_dir=None)) == 4096
