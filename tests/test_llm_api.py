@@ -56,10 +56,15 @@ def test_greedy_equals_the_dense_forward(tiny_dir, expected_greedy):
 @pytest.mark.parametrize("attention_impl", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
 def test_pallas_kernels_give_the_same_greedy_outputs(tiny_dir, expected_greedy, attention_impl):
     # The engine with a Pallas kernel run in Pallas' interpreter, through one chunked prompt and decodes. The TPU
-    # kernel reads a pool whose head_dim is padded to 128.
+    # kernel reads pages of [page_size, kv_heads * head_dim], head_dim padded to 128; the GPU kernel's are
+    # [page_size, kv_heads, head_dim].
     llm = make_llm(tiny_dir, attention_impl=attention_impl, max_num_batched_tokens=32)
-    head_dim = llm.engine.model_config.head_dim
-    assert llm.engine.runner.kv_cache.k.shape[-1] == (128 if attention_impl == "pallas_tpu_interpret" else head_dim)
+    config = llm.engine.model_config
+    pages = llm.engine.runner.kv_cache.k.shape[2:]
+    if attention_impl == "pallas_tpu_interpret":
+        assert pages == (llm.engine.config.page_size, config.num_kv_heads * 128)
+    else:
+        assert pages == (llm.engine.config.page_size, config.num_kv_heads, config.head_dim)
     outputs = llm.generate(token_prompts(PROMPTS), GREEDY)
     assert [out.outputs[0].token_ids for out in outputs] == expected_greedy
 
