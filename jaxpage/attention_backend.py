@@ -47,8 +47,8 @@ from pallas_kernels.impl import (
     kernel_pool_view,
     pad_head_dim,
     padded_head_dim,
-    tpu_scale_positions,
     tpu_scale_rows,
+    tpu_write_scales,
     triton_misaddresses,
 )
 from pallas_kernels.paged_attention import paged_attention
@@ -227,14 +227,19 @@ class AttentionBackend:
             scales = k_scales, v_scales  # [T, kv_heads] each
         if self.tpu_layout:  # kv heads side by side in a token's row; scales at their places in each page's block
             k, v = k.reshape(num_tokens, num_kv_heads * head_dim), v.reshape(num_tokens, num_kv_heads * head_dim)
-            scale_index = (layer, pages[:, None], *tpu_scale_positions(offsets, num_kv_heads, page_size))
+
+            def write_scales(pool_scales, values):
+                return tpu_write_scales(pool_scales, layer, pages, offsets, values, page_size)
         else:
-            scale_index = (layer, pages, offsets)
+
+            def write_scales(pool_scales, values):
+                return pool_scales.at[layer, pages, offsets].set(values)
+
         return KVCache(
             k=kv_cache.k.at[layer, pages, offsets].set(k.astype(kv_cache.k.dtype)),
             v=kv_cache.v.at[layer, pages, offsets].set(v.astype(kv_cache.v.dtype)),
-            k_scales=None if scales[0] is None else kv_cache.k_scales.at[scale_index].set(scales[0]),
-            v_scales=None if scales[1] is None else kv_cache.v_scales.at[scale_index].set(scales[1]),
+            k_scales=None if scales[0] is None else write_scales(kv_cache.k_scales, scales[0]),
+            v_scales=None if scales[1] is None else write_scales(kv_cache.v_scales, scales[1]),
         )
 
     def attend(

@@ -119,6 +119,26 @@ def tpu_scale_positions(offsets: jax.Array, num_kv_heads: int, page_size: int) -
     return entry // LANES, entry % LANES
 
 
+def tpu_write_scales(
+    scales: jax.Array, layer, pages: jax.Array, offsets: jax.Array, values: jax.Array, page_size: int
+) -> jax.Array:
+    """scales [L, num_pages, rows, 128] (the TPU pool layout's 8-bit scales) with values [T, num_kv_heads] written
+    for the step's tokens at (pages, offsets) [T] of layer `layer`, as whole [rows, 128] page blocks.
+
+    Tokens that write into one page must be consecutive in the step: a sequence's new tokens are, and no two
+    sequences write into one page (the null page aside, which nothing reads). Each page's block is read once,
+    updated with its tokens' scales, and written back whole. A scatter of the scalars instead makes XLA's TPU
+    layout assignment relay out the whole scale array ([L, P, 2, 128] -> layers second-minor, for (8, 128) tiles)
+    on every step when there are few of them (<= 64 tokens of 8 kv heads, 32 layers: measured on v5e, v6e, v5p)."""
+    num_kv_heads = values.shape[1]
+    token = jnp.arange(pages.shape[0])
+    first = jnp.concatenate([jnp.ones(1, bool), pages[1:] != pages[:-1]])
+    run_start = jax.lax.cummax(jnp.where(first, token, 0))  # the first token writing into each token's page
+    rows, lanes = tpu_scale_positions(offsets, num_kv_heads, page_size)
+    blocks = scales[layer, pages].at[run_start[:, None], rows, lanes].set(values.astype(scales.dtype))
+    return scales.at[layer, pages].set(blocks[run_start])
+
+
 def tpu_pool_operands(pools: tuple, head_dim: int) -> tuple:
     """`pools` (k_pages, v_pages, k_scales, v_scales; None stays None) in the TPU kernels' layout: pages
     [total_pages, page_size, num_kv_heads * head_dim] (kv head h at lanes [h * head_dim, (h + 1) * head_dim)),

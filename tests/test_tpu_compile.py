@@ -5,6 +5,8 @@ bytes are what the backend's budget arithmetic says. Needs libtpu (`pip install 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -57,3 +59,25 @@ def test_the_pool_is_read_in_place(kv_cache_dtype, max_q_len):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert cost["flops"] >= 4 * tokens * CONFIG.num_heads * CONFIG.head_dim  # the kernel's estimate is counted
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_the_step_s_writes_update_an_8_bit_pool_in_place(tokens):
+    # The shape where a scatter of the scales' scalars got the whole scale arrays relaid out on every step (a
+    # Llama-3-8B's 32 layers and 8 kv heads, a pool of 8192 pages, a decode step of <= 64 tokens), written the
+    # way the model does: one layer after another in a loop. The scales are written as whole page blocks.
+    config = dataclasses.replace(CONFIG, num_layers=32, num_kv_heads=8, num_heads=32)
+    backend = AttentionBackend.resolve("pallas", "int8", platform="tpu")
+    sharding = SingleDeviceSharding(TARGET.devices(1)[0])
+    layout = backend.pool_layout(config, 8192, PAGE_SIZE, jnp.bfloat16)
+    pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), layout)
+    k = jax.ShapeDtypeStruct((tokens, config.num_kv_heads, config.head_dim), jnp.bfloat16, sharding=sharding)
+    slots = jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=sharding)
+
+    def write_every_layer(pool, k, slots):
+        return jax.lax.fori_loop(0, config.num_layers, lambda i, p: backend.write_kv(p, k, k, slots, i), pool)
+
+    compiled = jax.jit(write_every_layer, donate_argnums=0).lower(pool, k, slots).compile()
+    smallest = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout))
+    assert large_copies(compiled.as_text(), smallest) == []
+    assert compiled.memory_analysis().temp_size_in_bytes < smallest
