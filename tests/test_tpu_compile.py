@@ -15,6 +15,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxpage.attention_backend import AttentionBackend, PagedBatch
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import ModelConfig
+from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.targets import TARGETS, available
 
 TARGET = TARGETS["tpu-v5e"]
@@ -81,3 +82,16 @@ def test_the_step_s_writes_update_an_8_bit_pool_in_place(tokens):
     smallest = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout))
     assert large_copies(compiled.as_text(), smallest) == []
     assert compiled.memory_analysis().temp_size_in_bytes < smallest
+
+
+def test_page_copies_update_the_pool_in_place_on_v5p():
+    # A Llama-3-8B pool's shape per page (32 layers, 8 kv heads x 128): there the v5p compiler split a gather of the
+    # source pages into halves of the whole pool, each materialized (a temporary as large as the pool array).
+    target = TARGETS["tpu-v5p"]
+    sharding = SingleDeviceSharding(target.devices(1)[0])
+    pages = jax.ShapeDtypeStruct((32, 1024, PAGE_SIZE, 8 * 128), jnp.bfloat16, sharding=sharding)
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=sharding)
+    compiled = jax.jit(copy_pages, donate_argnums=0).lower(KVCache(pages, pages), ids, ids).compile()
+    page_bytes = 32 * PAGE_SIZE * 8 * 128 * 2
+    assert large_copies(compiled.as_text(), pages.size * 2) == []
+    assert compiled.memory_analysis().temp_size_in_bytes <= 2 * 8 * page_bytes  # the copied pages, K and V
