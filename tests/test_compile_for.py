@@ -91,6 +91,40 @@ ENTRY %main (k: bf16[4,2048,16,3,128]) -> bf16[4,2048,16,3,128] {
     assert [line.split(" = ")[0] for line in large_copies(hlo, 2048 * 16 * 384)] == ["%copy.5", "%t"]
 
 
+def test_large_copies_counts_fusions_by_what_they_materialize():
+    # The TPU compiler's int8 weights, retiled as one layer is sliced out in a loop (what it does with a
+    # Llama-3-8B's s8 kernels): the whole-array copy is fused into the slice's fusion, which writes one layer.
+    # A top-level fusion whose fused computation is a copy writes the whole array.
+    hlo = """
+HloModule m
+
+%copy_fusion (input: s8[32,4096,14336]) -> s8[32,4096,14336] {
+  %input = s8[32,4096,14336]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %copy.77 = s8[32,4096,14336]{2,1,0:T(8,128)(4,1)} copy(%input)
+}
+
+%sliced (p: s8[32,4096,14336], i: s32[]) -> s8[1,4096,14336] {
+  %p = s8[32,4096,14336]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %i = s32[]{:T(128)} parameter(1)
+  %fusion.1 = s8[32,4096,14336]{2,1,0:T(8,128)(4,1)} fusion(%p), kind=kLoop, calls=%copy_fusion
+  ROOT %ds = s8[1,4096,14336]{2,1,0:T(8,128)(4,1)} dynamic-slice(%fusion.1, %i, %i, %i), dynamic_slice_sizes={1,4096,14336}
+}
+
+%copy_fusion.2 (input.2: s8[32,4096,14336]) -> s8[32,4096,14336] {
+  %input.2 = s8[32,4096,14336]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %copy.78 = s8[32,4096,14336]{2,1,0:T(8,128)(4,1)} copy(%input.2)
+}
+
+ENTRY %main (w: s8[32,4096,14336], i: s32[]) -> (s8[1,4096,14336], s8[32,4096,14336]) {
+  %w = s8[32,4096,14336]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %i = s32[]{:T(128)} parameter(1)
+  %layer = s8[1,4096,14336]{2,1,0:T(8,128)(4,1)} fusion(%w, %i), kind=kLoop, calls=%sliced
+  %whole = s8[32,4096,14336]{2,1,0:T(8,128)(4,1)} fusion(%w), kind=kLoop, calls=%copy_fusion.2
+  ROOT %t = (s8[1,4096,14336], s8[32,4096,14336]) tuple(%layer, %whole)
+}"""
+    assert [line.split(" = ")[0] for line in large_copies(hlo, 4096 * 14336)] == ["%whole"]
+
+
 def _checked(build: aot.TargetBuild) -> None:
     """Every program compiled, none copies the pool or holds a temporary as large as it, and the pool's compiled
     bytes are within 2% of the budget arithmetic."""

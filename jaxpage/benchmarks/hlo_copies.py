@@ -35,12 +35,57 @@ def array_bytes(shape_text: str) -> int:
 
 
 def large_copies(hlo: str, min_bytes: int) -> list[str]:
-    """The instructions of `hlo` (every computation) that copy or transpose an array of at least min_bytes, as
-    their HLO lines (stripped)."""
+    """The instructions of `hlo` that materialize a copy or transpose of an array of at least min_bytes, as their
+    HLO lines (stripped): such ops in every computation that runs as it is written (the entry, loop bodies,
+    called computations), and fusions there whose fused computation is a copy or transpose. Not the ops inside a
+    fused computation: a fusion materializes only its own output (a relayout fused with a dynamic slice of one
+    layer's weights reads that slice, not the whole array)."""
+    computations = _computations(hlo)
+    fused = {callee for lines in computations.values() for line in lines for callee in _fusion_callees(line)}
     found = []
-    for line in hlo.splitlines():
-        match = _INSTRUCTION.match(line)
-        on_chip = "S(1)" in match.group(1) if match else False
-        if match and match.group(2) in COPY_OPS and not on_chip and array_bytes(match.group(1)) >= min_bytes:
-            found.append(line.strip())
+    for name, lines in computations.items():
+        if name in fused:
+            continue
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            if not match or "S(1)" in match.group(1) or array_bytes(match.group(1)) < min_bytes:
+                continue
+            op = match.group(2)
+            if op in COPY_OPS or (
+                op == "fusion" and any(_root_op(computations, c) in COPY_OPS for c in _fusion_callees(line))
+            ):
+                found.append(line.strip())
     return found
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """Each computation's instruction lines, by name (text outside any computation under "")."""
+    computations: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            computations[current] = []
+        elif line.startswith("}"):
+            current = ""
+        else:
+            computations[current].append(line)
+    return computations
+
+
+def _fusion_callees(line: str) -> list[str]:
+    match = _INSTRUCTION.match(line)
+    return _CALLS.findall(line) if match and match.group(2) == "fusion" else []
+
+
+def _root_op(computations: dict[str, list[str]], name: str) -> str | None:
+    for line in computations.get(name, ()):
+        if line.lstrip().startswith("ROOT"):
+            match = _INSTRUCTION.match(line)
+            return match.group(2) if match else None
+    return None
