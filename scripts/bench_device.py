@@ -33,23 +33,30 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxpage import aot
 from jaxpage.benchmarks.hf_baselines import run_hf_continuous
 from jaxpage.benchmarks.measure import copy_bandwidth
 from jaxpage.benchmarks.progress import log
 
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+
+def hf_shape(model) -> dict:
+    """A model shape (jaxpage.config.ModelConfig) as the fields of a Hugging Face Llama config.json."""
+    return dict(
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_position_embeddings,
+        rope_theta=model.rope_theta,
+        rms_norm_eps=model.rms_norm_eps,
+        tie_word_embeddings=model.tie_word_embeddings,
+    )
+
+
+LLAMA3_8B = hf_shape(aot.LLAMA3_8B)  # the shape compile_for builds as "llama3-8b"
 TINY = (
     LLAMA3_8B
     | dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -94,7 +101,6 @@ def decode_step_times(llm, batch: int, prompt_len: int, rng) -> dict:
 def compiler_estimate(engine, batch: int, kv_len: int, param_bytes: int, kv_token_bytes: int) -> dict:
     """What the compiler made of the decode step of `batch` rows (its forward pass and sampler, as compiled on this
     device), and compile_for's roofline estimate of it on this chip (when jaxpage.targets has its figures)."""
-    from jaxpage import aot
     from jaxpage.targets import target_of
 
     runner = engine.runner
