@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jaxpage.attention_backend import AttentionBackend
+from jaxpage.attention import AttentionBackend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import EngineConfig, ModelConfig

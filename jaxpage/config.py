@@ -182,7 +182,7 @@ class EngineConfig:
     quantization: str | None = None
     # The KV pool's format, in vLLM's names: "auto" (the compute dtype), "int8", "fp8" (same as "fp8_e4m3") or
     # "fp8_e5m2": 8-bit pages with a bfloat16 scale per token per KV head, applied inside the attention kernels
-    # (jaxpage.attention_backend). Kept canonical: "fp8" becomes "fp8_e4m3".
+    # (jaxpage.attention). Kept canonical: "fp8" becomes "fp8_e4m3".
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16  # tokens per page, 1 to MAX_PAGE_SIZE
@@ -193,7 +193,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # 1 to MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the requests that bring none; >= 0
-    # The attention backend (jaxpage.attention_backend): "auto" (the Pallas kernels on TPU and GPU, the XLA
+    # The attention backend (jaxpage.attention): "auto" (the Pallas kernels on TPU and GPU, the XLA
     # implementation elsewhere), "xla", "pallas" (this platform's kernels), "pallas_tpu", "pallas_gpu", or
     # "pallas_tpu_interpret" / "pallas_gpu_interpret" (those kernels in Pallas' interpreter, any platform: for tests).
     attention_impl: str = "auto"

@@ -5,7 +5,7 @@
 
 Token-major pages: all heads of one token are contiguous, so writing a step's new K/V is one row scatter per
 layer, and a page of one layer is a contiguous [page_size, num_kv_heads, head_dim] block that a kernel can fetch
-with one DMA. The attention backend (jaxpage.attention_backend) decides head_dim (padded for the TPU kernels) and
+with one DMA. The attention backend (jaxpage.attention) decides head_dim (padded for the TPU kernels) and
 reads and writes the pool. Page 0 is the null page: padding tokens write there and padding block-table entries
 point there; nothing ever reads it as data (reads stop at each sequence's kv length). 8-bit pages (engine argument
 kv_cache_dtype) carry one scale per token per KV head beside them, in the same token-major order

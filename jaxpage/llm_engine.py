@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxpage import distributed, parallel
-from jaxpage.attention_backend import AttentionBackend
+from jaxpage.attention import AttentionBackend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
 from jaxpage.config import EngineConfig, ModelConfig

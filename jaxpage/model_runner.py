@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpage.attention_backend import AttentionBackend, PagedAttention, PagedBatch
+from jaxpage.attention import AttentionBackend, PagedAttention, PagedBatch
 from jaxpage.compilation_cache import CompilationCache, program_key
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages

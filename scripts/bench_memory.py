@@ -112,7 +112,7 @@ def run(args, rows: list[dict], config, kv_format: str, budget_bytes: int, sever
     """One format's run of the workload in the budget's bytes: what it samples after every step, summarized."""
     import jax
 
-    from jaxpage.attention_backend import AttentionBackend
+    from jaxpage.attention import AttentionBackend
     from jaxpage.llm import LLM
     from jaxpage.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.attention_backend import AttentionBackend, PagedBatch
+from jaxpage.attention import AttentionBackend, PagedBatch
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages

@@ -42,9 +42,9 @@ def perplexity(
 
 def _paged_logits(config: ModelConfig, params: dict, token_ids: np.ndarray, kv_cache_dtype: str):
     """float32 logits [n, vocab] of one sequence's prefill of token_ids [n] into a fresh pool."""
-    from jaxpage.attention_backend import AttentionBackend
+    from jaxpage.attention import AttentionBackend
 
-    return _paged_prefill()(config, params, token_ids, AttentionBackend("xla", kv_cache_dtype))
+    return _paged_prefill()(config, params, token_ids, AttentionBackend.resolve("xla", kv_cache_dtype))
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def _paged_prefill(page_size: int = 16):
     import jax
     import jax.numpy as jnp
 
-    from jaxpage.attention_backend import PagedAttention, PagedBatch
+    from jaxpage.attention import PagedAttention, PagedBatch
     from jaxpage.models.llama import Llama, build, params_dtype
 
     @functools.partial(jax.jit, static_argnums=(0, 3))

@@ -1,0 +1,70 @@
+"""The one place that maps the engine argument `attention_impl` to an attention backend class:
+
+    "auto"                  the kernels of the platform the programs are compiled for (TPU, GPU), else "xla"
+    "pallas"                the platform's kernels, refused where there are none
+    "xla"                   XlaAttention: the XLA implementation (pure JAX), any platform
+    "pallas_tpu"            PallasTpuAttention: the Mosaic kernels (TPU)
+    "pallas_gpu"            PallasGpuAttention: the Triton kernels (GPU)
+    "pallas_tpu_interpret"  the TPU kernels in Pallas' interpreter, on any platform (slow: for tests)
+    "pallas_gpu_interpret"  the GPU kernels in Pallas' interpreter, on any platform (slow: for tests)
+
+The platform is jax's default backend, or a target's when the engine's programs are built for chips this host does
+not have (`jaxpage.aot`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxpage.attention.backend import KV_CACHE_DTYPE_ALIASES, AttentionBackend
+from jaxpage.attention.pallas_gpu import PallasGpuAttention
+from jaxpage.attention.pallas_tpu import PallasTpuAttention
+from jaxpage.attention.xla import XlaAttention
+from jaxpage.config import EngineConfig
+
+# attention_impl -> (class, interpret) of the named backends
+BACKENDS = {
+    "xla": (XlaAttention, None),
+    "pallas_tpu": (PallasTpuAttention, False),
+    "pallas_gpu": (PallasGpuAttention, False),
+    "pallas_tpu_interpret": (PallasTpuAttention, True),
+    "pallas_gpu_interpret": (PallasGpuAttention, True),
+}
+NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # each platform's own kernels
+assert set(EngineConfig.ATTENTION_IMPLS) == {"auto", "pallas", *BACKENDS}, "the engine argument's choices"
+
+
+def make_backend(attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None):
+    """The backend for the engine arguments, for programs built for `platform` (default: jax's default backend);
+    ValueError where it cannot run there."""
+    platform = platform or jax.default_backend()
+    kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    cls, interpret = BACKENDS[backend_name(attention_impl, platform)]
+    if interpret is None:
+        return cls(kv_cache_dtype, platform)
+    return cls(kv_cache_dtype, platform, interpret)
+
+
+def backend_name(attention_impl: str, platform: str) -> str:
+    """The backend `attention_impl` names on `platform` (one of BACKENDS); ValueError where it cannot run there."""
+    native = NATIVE.get(platform)
+    if attention_impl == "auto":
+        return native or "xla"
+    if attention_impl == "pallas":
+        if native is None:
+            raise ValueError(
+                f"engine argument attention_impl='pallas' cannot run on {platform}: there are no Pallas kernels "
+                "for it (use 'auto', 'xla', or 'pallas_tpu_interpret' / 'pallas_gpu_interpret' for tests)"
+            )
+        return native
+    if attention_impl in NATIVE.values() and attention_impl != native:
+        raise ValueError(
+            f"engine argument attention_impl={attention_impl!r} cannot run on {platform} "
+            f"(use {attention_impl}_interpret for Pallas' interpreter)"
+        )
+    if attention_impl not in BACKENDS:
+        raise ValueError(f"engine argument attention_impl must be 'auto', 'pallas' or one of {tuple(BACKENDS)}")
+    return attention_impl
+
+
+__all__ = ["AttentionBackend", "make_backend", "backend_name", "BACKENDS"]

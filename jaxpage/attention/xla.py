@@ -1,0 +1,31 @@
+"""The XLA attention backend: `pallas_kernels.xla_ragged_attention` in plain JAX, on the pool as `jaxpage.kv_cache`
+lays it out. The CPU path, and any platform's fallback."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxpage.attention.backend import AttentionBackend, PagedBatch
+from jaxpage.kv_cache import KVCache
+from pallas_kernels.xla_ragged_attention import xla_ragged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaAttention(AttentionBackend):
+    @property
+    def name(self) -> str:
+        return "xla"
+
+    def attend(self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len):
+        pools = (kv_cache.k, kv_cache.v)
+        scales = dict(k_scales=kv_cache.k_scales, v_scales=kv_cache.v_scales)
+        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=max_q_len)
+        if max_q_len == 1:  # one query token per row: sequence s's is token s (the decode form, no prefill loop)
+            assert q.shape[0] == batch.kv_lens.shape[0], (q.shape, batch.kv_lens.shape)
+            rows = q.shape[0]
+            metadata = (batch.live_kv_lens(), batch.block_tables, jnp.arange(rows + 1, dtype=jnp.int32))
+            return xla_ragged_attention(q, *pools, *metadata, jnp.int32(rows), layer, **scales, **options)
+        metadata = (batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs)
+        return xla_ragged_attention(q, *pools, *metadata, layer, **scales, **options)
