@@ -1,6 +1,7 @@
 """AsyncEngine: one LLMEngine stepped by one background thread, for asyncio callers (the HTTP server).
 
-The engine loop (thread "jaxpage-engine") steps while any request is unfinished and sleeps otherwise. Each request
+The engine loop (thread "jaxpage-engine") steps while any request is unfinished and otherwise sleeps until a request,
+an abort or the shutdown wakes it. Each request
 streams into an asyncio.Queue on its caller's event loop: the loop thread hands every RequestOutput over with
 `loop.call_soon_threadsafe`, so a handler never waits on the engine and the engine never waits on a handler.
 
@@ -34,8 +35,6 @@ from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpage")
-
-IDLE_WAIT_S = 0.5  # how long the idle loop sleeps before looking again (a new request wakes it at once)
 
 
 class EngineDeadError(RuntimeError):
@@ -110,6 +109,19 @@ class AsyncEngine:
             self._work.set()
 
     @property
+    def tokenizer(self):
+        """The engine's tokenizer (None without one: skip_tokenizer_init)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
     def num_waiting(self) -> int:
         """Requests waiting: sequences not yet admitted and requests still in the loop's inbox."""
         with self._lock:
@@ -170,8 +182,8 @@ class AsyncEngine:
                 idle = not self.engine.has_unfinished_requests()
                 self._deliver(self.engine.step())  # idle, it hands over the final outputs of requests aborted meanwhile
                 self._last_progress = time.monotonic()
-                if idle:
-                    self._work.wait(IDLE_WAIT_S)
+                if idle:  # until a request, an abort or the shutdown comes (each sets _work)
+                    self._work.wait()
                     self._work.clear()
             ended: BaseException = EngineDeadError("the engine has shut down")
         except BaseException as e:  # noqa: BLE001 -- every stream must hear of it

@@ -102,7 +102,7 @@ class LLM:
         return [request.request_id for request in requests]
 
     def _next_id(self) -> str:
-        while (request_id := str(next(self._ids))) in self.engine._requests:  # ids an engine user added
+        while self.engine.has_request(request_id := str(next(self._ids))):  # ids an engine user added
             pass
         return request_id
 

@@ -490,6 +490,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether request_id is an unfinished request of this engine (an id add_request would refuse)."""
+        return request_id in self._requests
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 

@@ -103,7 +103,7 @@ def create_app(
             "id": model_name,
             "object": "model",
             "owned_by": "jaxpage",
-            "max_model_len": engine.engine.max_model_len,
+            "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [model]}
 
@@ -131,7 +131,7 @@ def create_app(
             if model is not None and model != model_name:
                 message = f"model {model!r} does not exist (this server has {model_name!r})"
                 return error_response(404, message, "not_found_error")
-            prompt = engine_prompt(parsed, engine.engine.tokenizer)
+            prompt = engine_prompt(parsed, engine.tokenizer)
         except ValueError as e:  # RequestError, or a chat template that refuses the messages
             return error_response(400, str(e))
         if max_waiting_requests is not None and engine.num_waiting > max_waiting_requests:
@@ -159,7 +159,7 @@ def create_app(
         body, error = await read_body(request)
         if error is not None:
             return error
-        tokenizer = engine.engine.tokenizer
+        tokenizer = engine.tokenizer
         try:
             if tokenizer is None:
                 raise ValueError("this server runs without a tokenizer (skip_tokenizer_init)")
@@ -173,20 +173,20 @@ def create_app(
                 tokens = list(tokenizer(text, add_special_tokens=add_special).input_ids)
         except ValueError as e:
             return error_response(400, str(e))
-        return {"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body, error = await read_body(request)
         if error is not None:
             return error
-        if engine.engine.tokenizer is None:
+        if engine.tokenizer is None:
             return error_response(400, "this server runs without a tokenizer (skip_tokenizer_init)")
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.vocab_size
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
             return error_response(400, f"tokens must be a list of token ids in [0, {vocab}), got {describe(tokens)}")
-        return {"prompt": engine.engine.tokenizer.decode(tokens)}
+        return {"prompt": engine.tokenizer.decode(tokens)}
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):

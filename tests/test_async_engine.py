@@ -262,3 +262,18 @@ def test_an_id_is_free_again_once_its_stream_has_left(engine):
 
     again = asyncio.run(main())
     assert again[-1].outputs[0].finish_reason == "length" and len(again[-1].outputs[0].token_ids) == 8
+
+
+def test_an_idle_loop_sleeps_until_a_request_comes(llm, monkeypatch):
+    steps = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: steps.append(time.monotonic()) or step())
+    engine = AsyncEngine(llm.engine).start()
+    try:
+        time.sleep(1.5)
+        assert len(steps) <= 1  # the first turn's; no polling while nothing is asked
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        stream = asyncio.run(collect(engine, "wakes", prompt(0), params))
+        assert stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown(timeout_s=5)
