@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from test_llm_api import GREEDY, PROMPTS, greedy_with_poisoned_free_pages, make_llm, token_prompts
 
 from jaxpage import parallel
-from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
+from jaxpage.benchmarks.perplexity import TEXT_PATH, teacher_forced
 from jaxpage.config import EngineConfig
 from jaxpage.kv_cache import KVCache
 from jaxpage.llm import LLM
@@ -134,32 +134,16 @@ def alice_token_ids(smollm2_path):
     return list(load_tokenizer(smollm2_path)(TEXT_PATH.read_text()).input_ids)
 
 
-def test_default_model_kv_perplexity_within_one_percent(smollm2_float32, alice_token_ids):
+def test_default_model_8_bit_pools_keep_perplexity_and_greedy_tokens(smollm2_float32, alice_token_ids):
     # Two 512-token windows of the shipped text, each one prefill through a pool of the format (the full text and
-    # fp8_e5m2: scripts/bench_quantization.py).
+    # fp8_e5m2: scripts/bench_quantization.py): perplexity within 1% of the float32 pool's, and at every position
+    # the same greedy next token given the text so far (teacher forcing) at >= 93% of the 1024 positions.
+    # Measured here: int8 +0.36%, 1001 of 1024; fp8_e4m3 +0.10%, 977 (fp8_e5m2 +2.4%, 941). Free-running
+    # continuations compare worse than the formats are: after one near-tie a continuation diverges for good.
     token_ids = alice_token_ids[:1025]
-    base = perplexity(*smollm2_float32, token_ids, kv_cache_dtype="auto")
+    base, base_greedy = teacher_forced(*smollm2_float32, token_ids, kv_cache_dtype="auto")
     for kv_cache_dtype in ("int8", "fp8_e4m3"):
-        ppl = perplexity(*smollm2_float32, token_ids, kv_cache_dtype=kv_cache_dtype)
+        ppl, greedy = teacher_forced(*smollm2_float32, token_ids, kv_cache_dtype=kv_cache_dtype)
         assert ppl != base and ppl <= base * 1.01, (kv_cache_dtype, base, ppl)
-
-
-def test_default_model_greedy_agreement_with_a_float32_pool(smollm2_path, alice_token_ids):
-    # Through the engine: the float32 pool's greedy continuations of 4 windows of the shipped text (32 tokens each),
-    # then, for every position of them, the next token an 8-bit pool picks given the float32 continuation so far
-    # (teacher forcing: 128 one-token requests, whose shared prefixes the prefix cache computes once). Free-running
-    # continuations compare worse than the formats are: after one near-tie a continuation diverges for good (on this
-    # CPU int8's 4th window flipped at its first token: 70 of 128 positions). Measured here under teacher forcing:
-    # int8 124 of 128, fp8_e4m3 125, fp8_e5m2 120; a float32 pool 128.
-    prompts = [alice_token_ids[i * 600 : i * 600 + 48] for i in range(4)]
-    args = dict(dtype="float32", max_model_len=96, max_num_seqs=32, max_num_batched_tokens=512, num_pages=256)
-    base_llm = LLM(smollm2_path, **args)
-    base = greedy(base_llm, prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    forced = [prompt + continuation[:j] for prompt, continuation in zip(prompts, base, strict=True) for j in range(32)]
-    want = [token for continuation in base for token in continuation]
-    next_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    assert [t for (t,) in greedy(base_llm, forced, next_token)] == want  # the engine's own consistency
-    for kv_cache_dtype in ("int8", "fp8_e4m3"):
-        got = [t for (t,) in greedy(LLM(smollm2_path, **args, kv_cache_dtype=kv_cache_dtype), forced, next_token)]
-        same = sum(a == b for a, b in zip(got, want, strict=True))
-        assert same >= 0.9 * len(want), (kv_cache_dtype, same, got, want)
+        same = sum(a == b for a, b in zip(greedy, base_greedy, strict=True))
+        assert same >= 0.93 * len(base_greedy), (kv_cache_dtype, same)

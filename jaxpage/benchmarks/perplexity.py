@@ -23,9 +23,17 @@ def perplexity(
     kv_cache_dtype None: the cache-free forward pass. Else ("auto", "int8", "fp8_e4m3", "fp8_e5m2"): each window is
     one prefill through a KV page pool of that format, the engine's path (AttentionBackend "xla"): every token's K/V
     is written into the pool, then read back from it by the attention."""
+    return teacher_forced(config, params, token_ids, window, kv_cache_dtype)[0]
+
+
+def teacher_forced(
+    config: ModelConfig, params: dict, token_ids: list[int], window: int = 512, kv_cache_dtype: str | None = None
+) -> tuple[float, list[int]]:
+    """(perplexity, greedy) of `perplexity`'s passes: greedy[i] is the most likely token after token_ids[: i + 1]
+    within its window (the model's greedy choice given the text so far: teacher forcing)."""
     from jaxpage.models import forward  # jax: not at import (the benchmark helpers import without it)
 
-    nll, count = 0.0, 0
+    nll, count, greedy = 0.0, 0, []
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start : start + window + 1]
         if kv_cache_dtype is None:
@@ -33,11 +41,12 @@ def perplexity(
         else:
             logits = np.asarray(_paged_logits(config, params, np.asarray(chunk[:-1], np.int32), kv_cache_dtype))
         logits = logits.astype(np.float64)
+        greedy += logits.argmax(-1).tolist()
         top = logits.max(-1, keepdims=True)
         logprobs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
         nll -= logprobs[np.arange(len(chunk) - 1), chunk[1:]].sum()
         count += len(chunk) - 1
-    return float(np.exp(nll / count))
+    return float(np.exp(nll / count)), greedy
 
 
 def _paged_logits(config: ModelConfig, params: dict, token_ids: np.ndarray, kv_cache_dtype: str):
