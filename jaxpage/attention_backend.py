@@ -3,9 +3,9 @@ keep working."""
 
 from jaxpage.attention import (  # noqa: F401
     BACKENDS,
-    KV_CACHE_DTYPE_ALIASES,
     QUANTIZED_KV_CACHE_DTYPES,
     AttentionBackend,
     PagedAttention,
     PagedBatch,
 )
+from jaxpage.config import KV_CACHE_DTYPE_ALIASES  # noqa: F401

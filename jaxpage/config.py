@@ -16,6 +16,12 @@ from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, c
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's fp8 is e4m3
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """kv_cache_dtype in its one name per format ("fp8" -> "fp8_e4m3")."""
+    return KV_CACHE_DTYPE_ALIASES.get(name, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +284,7 @@ class EngineConfig:
         if self.quantization is not None:
             choose("quantization", ModelConfig.QUANTIZATIONS)
         choose("kv_cache_dtype", self.KV_CACHE_DTYPES)
-        if self.kv_cache_dtype == "fp8":  # vLLM's fp8 is e4m3
-            put("kv_cache_dtype", "fp8_e4m3")
+        put("kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))

@@ -2,7 +2,6 @@
 `pallas_tpu`, `pallas_gpu`) and the factory that picks one from the engine argument `attention_impl` (`factory`)."""
 
 from jaxpage.attention.backend import (
-    KV_CACHE_DTYPE_ALIASES,
     QUANTIZED_KV_CACHE_DTYPES,
     AttentionBackend,
     PagedAttention,
@@ -15,7 +14,6 @@ from jaxpage.attention.xla import XlaAttention
 
 __all__ = [
     "BACKENDS",
-    "KV_CACHE_DTYPE_ALIASES",
     "QUANTIZED_KV_CACHE_DTYPES",
     "AttentionBackend",
     "PagedAttention",

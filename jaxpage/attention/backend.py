@@ -33,9 +33,8 @@ from jaxpage.parallel import POOL_SPEC, SCALE_SPEC
 from pallas_kernels import kv_quantization
 from pallas_kernels.impl import pad_head_dim
 
-# kv_cache_dtype -> the pages' dtype ("auto": the compute dtype); vLLM's "fp8" is "fp8_e4m3"
+# kv_cache_dtype (canonical: jaxpage.config.canonical_kv_cache_dtype) -> the pages' dtype ("auto": the compute dtype)
 QUANTIZED_KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 @jax.tree_util.register_dataclass

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import jax
 
-from jaxpage.attention.backend import KV_CACHE_DTYPE_ALIASES, AttentionBackend
+from jaxpage.attention.backend import AttentionBackend
 from jaxpage.attention.pallas_gpu import PallasGpuAttention
 from jaxpage.attention.pallas_tpu import PallasTpuAttention
 from jaxpage.attention.xla import XlaAttention
-from jaxpage.config import EngineConfig
+from jaxpage.config import EngineConfig, canonical_kv_cache_dtype
 
 # attention_impl -> (class, interpret) of the named backends
 BACKENDS = {
@@ -38,7 +38,7 @@ def make_backend(attention_impl: str = "auto", kv_cache_dtype: str = "auto", pla
     """The backend for the engine arguments, for programs built for `platform` (default: jax's default backend);
     ValueError where it cannot run there."""
     platform = platform or jax.default_backend()
-    kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
     cls, interpret = BACKENDS[backend_name(attention_impl, platform)]
     if interpret is None:
         return cls(kv_cache_dtype, platform)
