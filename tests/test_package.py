@@ -158,3 +158,38 @@ def test_tests_that_do_not_compare_with_transformers_import_no_torch(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = ast.literal_eval(result.stdout.splitlines()[-1])
     assert report == {"collected": 0, "ran": 0, "torch": [False, False]}, result.stdout[-3000:]
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    # What jaxpage/ and pallas_kernels/ import, at the top of a module or inside a function, is the standard library,
+    # the project itself, or a distribution pyproject.toml's dependencies name. Not jaxpage/benchmarks/, whose
+    # helpers import the test and bench extras (torch, matplotlib) when a script or a test calls them.
+    import importlib.metadata
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+
+    def normalized(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    declared = {normalized(re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0]) for d in pyproject["project"]["dependencies"]}
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = {}
+    for path in [*root.glob("jaxpage/**/*.py"), *root.glob("pallas_kernels/**/*.py")]:
+        if "benchmarks" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("jaxpage", "pallas_kernels", "__future__"):
+                    continue
+                if not {normalized(d) for d in distributions.get(top, [top])} & declared:
+                    undeclared.setdefault(top, str(path.relative_to(root)))
+    assert undeclared == {}
