@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jaxpage.attention import AttentionBackend
+from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import EngineConfig, ModelConfig
@@ -141,7 +141,7 @@ def build(
     does not fit)."""
     tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
     dtype = jnp.dtype(engine.dtype or ("float32" if target.platform == "cpu" else "bfloat16"))
-    backend = AttentionBackend.resolve(engine.attention_impl, engine.kv_cache_dtype, platform=target.platform)
+    backend = resolve_backend(engine.attention_impl, engine.kv_cache_dtype, platform=target.platform)
     mesh = make_mesh(tp, dp, devices=target.devices(tp * dp)) if tp * dp > 1 else None
     device = None if mesh is not None else target.devices(1)[0]
     models = [model] + ([draft] if draft is not None else [])

@@ -29,7 +29,6 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-import jaxpage
 from jaxpage.models.default_model import cache_dir
 
 logger = logging.getLogger("jaxpage")
@@ -49,8 +48,7 @@ def source_hash() -> str:
     import pallas_kernels
 
     digest = hashlib.sha256()
-    for package in (jaxpage, pallas_kernels):
-        root = Path(package.__file__).parent
+    for root in (Path(__file__).resolve().parent, Path(pallas_kernels.__file__).resolve().parent):  # jaxpage's, then
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())

@@ -13,44 +13,14 @@ processes JAX joined already (a TPU pod's runtime, or a caller of jax.distribute
 
 from __future__ import annotations
 
-import os
+from jaxpage.config import EngineConfig
+from jaxpage.llm_engine import LLMEngine
+from jaxpage.process_group import COORDINATOR_ENV, initialize, is_leader
 
-import jax
-
-COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"  # read by jax.distributed.initialize itself
-
-
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None):
-    """Joins this process to the others (see the module's docstring); ValueError saying why it cannot."""
-    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
-    if all(v is None for v in given.values()) and not os.environ.get(COORDINATOR_ENV):
-        return
-    if jax.distributed.is_initialized():
-        if num_processes is not None and num_processes != jax.process_count():
-            raise ValueError(
-                f"engine argument num_processes {num_processes}: this process already runs with "
-                f"{jax.process_count()} (jax.distributed was initialized before)"
-            )
-        return
-    # Collectives between processes on CPU (tests, and hosts without accelerators) go over gloo; GPU and TPU
-    # backends have their own and ignore this.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    except (RuntimeError, ValueError) as e:
-        described = ", ".join(f"{k} {v}" for k, v in given.items() if v is not None) or f"${COORDINATOR_ENV}"
-        raise ValueError(f"cannot join the other processes ({described}): {' '.join(str(e).split())}") from None
-
-
-def is_leader() -> bool:
-    """True on process 0 (and in a process on its own): the one that takes requests and schedules."""
-    return jax.process_index() == 0
+__all__ = ["COORDINATOR_ENV", "follow", "initialize", "is_leader"]
 
 
 def follow(**distributed_args) -> None:
     """On a process other than 0: joins the others (initialize's arguments), builds process 0's engine as it
     tells (its engine arguments, its model from this host's disk), and runs its steps until it shuts down."""
-    from jaxpage.config import EngineConfig
-    from jaxpage.llm_engine import LLMEngine
-
     LLMEngine(EngineConfig(**distributed_args)).follow()

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
-from jaxpage import distributed, parallel
-from jaxpage.attention import AttentionBackend
+from jaxpage import parallel, process_group
+from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
 from jaxpage.config import EngineConfig, ModelConfig
@@ -198,15 +198,15 @@ class LLMEngine:
     """The serving engine: `add_request`, then `step` until `has_unfinished_requests` is False."""
 
     def __init__(self, config: EngineConfig):
-        # Several hosts (jaxpage.distributed): every process builds process 0's engine; the others then `follow`.
-        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        # Several hosts (jaxpage.process_group): every process builds process 0's engine; the others then `follow`.
+        process_group.initialize(config.coordinator_address, config.num_processes, config.process_id)
         self.channel = StepBroadcast() if jax.process_count() > 1 else None
         if self.channel is not None:
             config = self.channel.share_config(config)
-        self.is_leader = distributed.is_leader()
+        self.is_leader = process_group.is_leader()
         self._stopped = False
         self.config = config
-        self.attention_backend = AttentionBackend.resolve(config.attention_impl, config.kv_cache_dtype)
+        self.attention_backend = resolve_backend(config.attention_impl, config.kv_cache_dtype)
         self.compilation_cache = None
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)

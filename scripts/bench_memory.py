@@ -112,13 +112,13 @@ def run(args, rows: list[dict], config, kv_format: str, budget_bytes: int, sever
     """One format's run of the workload in the budget's bytes: what it samples after every step, summarized."""
     import jax
 
-    from jaxpage.attention import AttentionBackend
+    from jaxpage.attention import resolve_backend
     from jaxpage.llm import LLM
     from jaxpage.sampling_params import SamplingParams
 
     page_size = 16
     kv_cache_dtype = "auto" if kv_format in FLOAT_FORMATS else kv_format
-    backend = AttentionBackend.resolve("auto", kv_cache_dtype)
+    backend = resolve_backend("auto", kv_cache_dtype)
     token_bytes = backend.kv_bytes_per_token(config, 2 if kv_format == "bfloat16" else 4)
     # The pool: as many pages as the budget holds at this format's bytes per token (the engine's own formula). A
     # bfloat16 pool on CPU is computed in float32 (XLA's CPU bfloat16 matmuls are ~20x slower): its pages are

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_ragged_paged_attention import CASES, GQA, make_batch
 
-from jaxpage.attention import AttentionBackend, PagedAttention, PagedBatch
+from jaxpage.attention import AttentionBackend, PagedAttention, PagedBatch, resolve_backend
 from jaxpage.attention.pallas_gpu import PallasGpuAttention
 from jaxpage.attention.pallas_tpu import PallasTpuAttention
 from jaxpage.attention.xla import XlaAttention
@@ -47,21 +47,21 @@ def step(seqs, seed=0):
 
 def test_auto_is_xla_on_cpu_and_names_are_checked():
     if jax.default_backend() == "cpu":
-        assert AttentionBackend.resolve("auto") == AttentionBackend.resolve("xla")
+        assert resolve_backend("auto") == resolve_backend("xla")
         for impl in ("pallas", "pallas_tpu", "pallas_gpu"):
             with pytest.raises(ValueError, match=f"attention_impl='{impl}' cannot run on cpu"):
-                AttentionBackend.resolve(impl)
+                resolve_backend(impl)
     for name, cls, interpret in (
         ("xla", XlaAttention, None),
         ("pallas_tpu_interpret", PallasTpuAttention, True),
         ("pallas_gpu_interpret", PallasGpuAttention, True),
     ):
-        backend = AttentionBackend.resolve(name)
+        backend = resolve_backend(name)
         assert type(backend) is cls and getattr(backend, "interpret", None) == interpret and backend.name == name
-    assert AttentionBackend.resolve("pallas_tpu", platform="tpu") == PallasTpuAttention(platform="tpu")
-    assert AttentionBackend.resolve("xla", "fp8") == AttentionBackend.resolve("xla", "fp8_e4m3")  # vLLM's fp8
+    assert resolve_backend("pallas_tpu", platform="tpu") == PallasTpuAttention(platform="tpu")
+    assert resolve_backend("xla", "fp8") == resolve_backend("xla", "fp8_e4m3")  # vLLM's fp8
     with pytest.raises(ValueError, match="attention_impl must be"):
-        AttentionBackend.resolve("reference")
+        resolve_backend("reference")
 
 
 def backend_pool(backend: AttentionBackend, kv_cache: KVCache) -> KVCache:
@@ -94,7 +94,7 @@ def test_the_backend_owns_the_pool_layout():
     # The TPU layout: kv heads side by side (head_dim padded to 128); a page's 2 * 8 scales in a [2, 128] block.
     scales = {"xla": (3, 5, 8, 2), "pallas_gpu_interpret": (3, 5, 8, 2), "pallas_tpu_interpret": (3, 5, 2, LANES)}
     for name, head_dim in (("xla", 16), ("pallas_gpu_interpret", 16), ("pallas_tpu_interpret", 128)):
-        backend = AttentionBackend.resolve(name)
+        backend = resolve_backend(name)
         layout = backend.pool_layout(config, num_pages=5, page_size=8, compute_dtype=jnp.bfloat16)
         assert layout.k.shape == layout.v.shape == pages[name] and layout.k.dtype == jnp.bfloat16
         assert layout.k_scales is None and layout.v_scales is None
@@ -105,7 +105,7 @@ def test_the_backend_owns_the_pool_layout():
             ("fp8_e4m3", jnp.float8_e4m3fn),
             ("fp8_e5m2", jnp.float8_e5m2),
         ):
-            backend = AttentionBackend.resolve(name, kv_cache_dtype)
+            backend = resolve_backend(name, kv_cache_dtype)
             layout = backend.pool_layout(config, num_pages=5, page_size=8, compute_dtype=jnp.float32)
             assert layout.k.shape == pages[name] and layout.k.dtype == dtype
             assert layout.k_scales.shape == layout.v_scales.shape == scales[name]
@@ -133,8 +133,8 @@ def test_kernels_match_the_xla_backend(name, seqs, max_q_len):
     )
     if max_q_len == 1:
         q, k, v, batch = one_token_per_row(q, k, v, batch)
-    want, want_cache = attention(AttentionBackend.resolve("xla"), q, k, v, batch, kv_cache)
-    backend = AttentionBackend.resolve(name)
+    want, want_cache = attention(resolve_backend("xla"), q, k, v, batch, kv_cache)
+    backend = resolve_backend(name)
     head_dim = backend.pool_head_dim(GQA.head_dim)  # 128 for the TPU kernels: the engine allocates the pool padded
     padded = KVCache(k=pad_head_dim(kv_cache.k, head_dim), v=pad_head_dim(kv_cache.v, head_dim))
     got, got_cache = attention(backend, q, k, v, batch, backend_pool(backend, padded))
@@ -160,7 +160,7 @@ def test_decode_only_and_mixed_give_the_same_attention(seqs):
     q, k, v, batch, kv_cache = step(seqs)
     q, k, v, batch = one_token_per_row(q, k, v, batch)
     outs = [
-        jax.jit(lambda *a, d=d: PagedAttention(AttentionBackend.resolve("xla"), 0.2, None, d)(*a, jnp.int32(0)))(
+        jax.jit(lambda *a, d=d: PagedAttention(resolve_backend("xla"), 0.2, None, d)(*a, jnp.int32(0)))(
             q, k, v, batch, kv_cache
         )
         for d in (None, 1)
@@ -172,7 +172,7 @@ def test_decode_only_and_mixed_give_the_same_attention(seqs):
 def test_verify_and_mixed_give_the_same_attention():
     q, k, v, batch, kv_cache = step(VERIFIES)
     outs = [
-        jax.jit(lambda *a, r=r: PagedAttention(AttentionBackend.resolve("xla"), 0.2, None, r)(*a, jnp.int32(0)))(
+        jax.jit(lambda *a, r=r: PagedAttention(resolve_backend("xla"), 0.2, None, r)(*a, jnp.int32(0)))(
             q, k, v, batch, kv_cache
         )
         for r in (None, 5)
@@ -183,7 +183,7 @@ def test_verify_and_mixed_give_the_same_attention():
 
 def quantized(kv_cache: KVCache, kv_cache_dtype: str, head_dim: int) -> KVCache:
     """kv_cache's pool (float, head_dim padded to `head_dim`) in 8 bits, as the engine would hold it."""
-    dtype = AttentionBackend.resolve("xla", kv_cache_dtype).pool_dtype(jnp.float32)
+    dtype = resolve_backend("xla", kv_cache_dtype).pool_dtype(jnp.float32)
     (k, k_scales), (v, v_scales) = (quantize(pad_head_dim(x, head_dim), dtype) for x in (kv_cache.k, kv_cache.v))
     return KVCache(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
 
@@ -191,7 +191,7 @@ def quantized(kv_cache: KVCache, kv_cache_dtype: str, head_dim: int) -> KVCache:
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_8_bit_pool_writes_quantized_tokens_and_attends_as_the_dequantized_pool(kv_cache_dtype):
     q, k, v, batch, kv_cache = step(MIXED)
-    backend = AttentionBackend.resolve("xla", kv_cache_dtype)
+    backend = resolve_backend("xla", kv_cache_dtype)
     attention = jax.jit(lambda backend, *a: PagedAttention(backend, 0.2)(*a, jnp.int32(0)), static_argnums=0)
     got, pool = attention(backend, q, k, v, batch, quantized(kv_cache, kv_cache_dtype, GQA.head_dim))
     assert pool.k.dtype == backend.pool_dtype(jnp.float32) and pool.k_scales.dtype == jnp.bfloat16
@@ -209,7 +209,7 @@ def test_8_bit_pool_writes_quantized_tokens_and_attends_as_the_dequantized_pool(
     # And attention reads that pool: the float backend on the same pool dequantized gives the same result.
     dequantized = KVCache(k=dequantize(pool.k, pool.k_scales), v=dequantize(pool.v, pool.v_scales))
     options = dict(sm_scale=0.2, sliding_window=None, max_q_len=None)
-    want = AttentionBackend.resolve("xla").attend(q, dequantized, batch, jnp.int32(0), **options)
+    want = resolve_backend("xla").attend(q, dequantized, batch, jnp.int32(0), **options)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
@@ -223,9 +223,9 @@ def test_kernels_match_the_xla_backend_on_an_8_bit_pool(name, seqs, max_q_len):
         lambda backend, *args: PagedAttention(backend, 0.2, None, max_q_len)(*args, jnp.int32(0)), static_argnums=0
     )
     want, want_pool = attention(
-        AttentionBackend.resolve("xla", "int8"), q, k, v, batch, quantized(kv_cache, "int8", GQA.head_dim)
+        resolve_backend("xla", "int8"), q, k, v, batch, quantized(kv_cache, "int8", GQA.head_dim)
     )
-    backend = AttentionBackend.resolve(name, "int8")
+    backend = resolve_backend(name, "int8")
     head_dim = backend.pool_head_dim(GQA.head_dim)
     got, got_pool = attention(backend, q, k, v, batch, backend_pool(backend, quantized(kv_cache, "int8", head_dim)))
     got_pool = xla_pool(got_pool, GQA.num_kv_heads) if backend.tpu_layout else got_pool

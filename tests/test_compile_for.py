@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxpage import aot
-from jaxpage.attention import AttentionBackend
+from jaxpage.attention import resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
 from jaxpage.benchmarks.tiny_models import TINY_FAMILIES
@@ -227,13 +227,13 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 def test_an_8bit_pool_the_gpu_kernels_cannot_address_is_cut_or_refused():
     model = aot.LLAMA3_8B  # 32 layers x 16 tokens x 8 KV heads x 128 dims = 512 KiB per page of an 8-bit K array
     page = 32 * 16 * 8 * 128
-    gpu = AttentionBackend.resolve("pallas_gpu", "int8", platform="gpu")
+    gpu = resolve_backend("pallas_gpu", "int8", platform="gpu")
     assert gpu.addressable_pages(model, 3 * 2**30 // page, 16) == 2**31 // page  # 3 GiB: cut to 2 GiB
     assert gpu.addressable_pages(model, 5 * 2**30 // page, 16) == 5 * 2**30 // page  # over 4 GiB: 64-bit offsets
     assert gpu.addressable_pages(model, 3 * 2**30 // page, 16, tensor_parallel_size=2) == 3 * 2**30 // page
     for backend in (
-        AttentionBackend.resolve("pallas_gpu", "auto", platform="gpu"),
-        AttentionBackend.resolve("xla", "int8"),
+        resolve_backend("pallas_gpu", "auto", platform="gpu"),
+        resolve_backend("xla", "int8"),
     ):
         assert backend.addressable_pages(model, 3 * 2**30 // page, 16) == 3 * 2**30 // page
     explicit = EngineConfig(num_pages=3 * 2**30 // page, kv_cache_dtype="int8", compilation_cache_dir=None)

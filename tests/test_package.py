@@ -193,3 +193,46 @@ def test_every_runtime_import_is_a_declared_dependency():
                 if not {normalized(d) for d in distributions.get(top, [top])} & declared:
                     undeclared.setdefault(top, str(path.relative_to(root)))
     assert undeclared == {}
+
+
+def test_no_import_circle():
+    # Every import between the project's modules (at the top of a module or inside a function): no module reaches
+    # itself. `from package import submodule` is an import of the submodule.
+    root = Path(__file__).resolve().parents[1]
+    modules = {}
+    for path in [*root.glob("jaxpage/**/*.py"), *root.glob("pallas_kernels/**/*.py")]:
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    imports = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+                targets = [m for m in submodules if m in modules]
+                if len(targets) < len(submodules):
+                    targets.append(node.module)
+            else:
+                continue
+            imports[name] |= {target for target in targets if target in modules and target != name}
+
+    def circle_from(start: str) -> list[str] | None:
+        path, seen = [start], set()
+
+        def visit(module: str) -> list[str] | None:
+            for target in sorted(imports[module]):
+                if target == start:
+                    return [*path, start]
+                if target not in seen:
+                    seen.add(target)
+                    path.append(target)
+                    if found := visit(target):
+                        return found
+                    path.pop()
+            return None
+
+        return visit(start)
+
+    circles = [circle for name in sorted(modules) if (circle := circle_from(name))]
+    assert circles == []

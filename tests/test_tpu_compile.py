@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxpage.attention import AttentionBackend, PagedBatch
+from jaxpage.attention import PagedBatch, resolve_backend
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
@@ -31,7 +31,7 @@ NUM_PAGES, PAGE_SIZE, SEQS, PAGES_PER_SEQ, TOKENS = 256, 16, 8, 16, 32
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("max_q_len", [1, None], ids=["decode", "ragged"])
 def test_the_pool_is_read_in_place(kv_cache_dtype, max_q_len):
-    backend = AttentionBackend.resolve("pallas", kv_cache_dtype, platform="tpu")
+    backend = resolve_backend("pallas", kv_cache_dtype, platform="tpu")
     sharding = SingleDeviceSharding(TARGET.devices(1)[0])
 
     def placed(shape, dtype=jnp.int32):
@@ -68,7 +68,7 @@ def test_the_step_s_writes_update_an_8_bit_pool_in_place(tokens):
     # Llama-3-8B's 32 layers and 8 kv heads, a pool of 8192 pages, a decode step of <= 64 tokens), written the
     # way the model does: one layer after another in a loop. The scales are written as whole page blocks.
     config = dataclasses.replace(CONFIG, num_layers=32, num_kv_heads=8, num_heads=32)
-    backend = AttentionBackend.resolve("pallas", "int8", platform="tpu")
+    backend = resolve_backend("pallas", "int8", platform="tpu")
     sharding = SingleDeviceSharding(TARGET.devices(1)[0])
     layout = backend.pool_layout(config, 8192, PAGE_SIZE, jnp.bfloat16)
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), layout)

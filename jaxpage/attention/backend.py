@@ -1,6 +1,6 @@
 """The attention backend's interface: what the engine, the runner and the model ask of attention, whatever kernel
 does it. One class per implementation (`jaxpage.attention.xla`, `.pallas_tpu`, `.pallas_gpu`), made once, at engine
-start, by `AttentionBackend.resolve` from the engine argument `attention_impl` (`jaxpage.attention.factory`).
+start, by `jaxpage.attention.resolve_backend` from the engine argument `attention_impl` (`jaxpage.attention.factory`).
 
 A backend owns what only attention should know -- the KV pool's layout (its arrays' shapes, head_dim padded where
 a kernel needs it, how they are sharded), writing a step's new K/V into the pool, and attending through the block
@@ -65,16 +65,6 @@ class AttentionBackend:
 
     def __post_init__(self):
         assert self.kv_cache_dtype == "auto" or self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES, self.kv_cache_dtype
-
-    @classmethod
-    def resolve(
-        cls, attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None
-    ) -> AttentionBackend:
-        """The backend for the engine arguments, for programs built for `platform` (default: jax's default
-        backend); ValueError where it cannot run there (EngineConfig checks kv_cache_dtype)."""
-        from jaxpage.attention.factory import make_backend  # the backends import this module
-
-        return make_backend(attention_impl, kv_cache_dtype, platform)
 
     @property
     def name(self) -> str:

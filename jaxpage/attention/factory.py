@@ -34,7 +34,9 @@ NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # each platform's own kerne
 assert set(EngineConfig.ATTENTION_IMPLS) == {"auto", "pallas", *BACKENDS}, "the engine argument's choices"
 
 
-def make_backend(attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None):
+def resolve_backend(
+    attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None
+) -> AttentionBackend:
     """The backend for the engine arguments, for programs built for `platform` (default: jax's default backend);
     ValueError where it cannot run there."""
     platform = platform or jax.default_backend()
@@ -67,4 +69,4 @@ def backend_name(attention_impl: str, platform: str) -> str:
     return attention_impl
 
 
-__all__ = ["AttentionBackend", "make_backend", "backend_name", "BACKENDS"]
+__all__ = ["resolve_backend", "backend_name", "BACKENDS"]

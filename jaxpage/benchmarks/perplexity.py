@@ -51,9 +51,9 @@ def teacher_forced(
 
 def _paged_logits(config: ModelConfig, params: dict, token_ids: np.ndarray, kv_cache_dtype: str):
     """float32 logits [n, vocab] of one sequence's prefill of token_ids [n] into a fresh pool."""
-    from jaxpage.attention import AttentionBackend
+    from jaxpage.attention import resolve_backend
 
-    return _paged_prefill()(config, params, token_ids, AttentionBackend.resolve("xla", kv_cache_dtype))
+    return _paged_prefill()(config, params, token_ids, resolve_backend("xla", kv_cache_dtype))
 
 
 @functools.cache
