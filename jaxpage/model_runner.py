@@ -730,23 +730,27 @@ class ModelRunner:
         return self._fill_pool
 
     def _check_pool_bytes(self, fill_pool: jax.stages.Compiled) -> None:
-        """Warns when the chip lays the pool out larger than its shape says (tiles that pad it): the budget arithmetic
-        the engine sized the pool with would then undercount it. Measured equal on TPU v5e/v6e/v5p and H100/H200
-        for every KV format and page sizes 8, 16, 32 (scripts/compile_for.py checks the same per target)."""
+        if (undercount := self.pool_bytes_undercount(fill_pool)) is not None:
+            logger.warning("%s", undercount)
+
+    def pool_bytes_undercount(self, fill_pool: jax.stages.Compiled) -> str | None:
+        """What is wrong when the chip lays the pool out >2% larger than its shape says (tiles that pad it): the
+        budget arithmetic the engine sized the pool with then undercounts it. None otherwise (measured equal on TPU
+        v5e/v6e/v5p and H100 for every KV format at page sizes 8, 16, 32; scripts/compile_for.py checks the same
+        per target), or when the executable cannot describe itself."""
         try:
             compiled = fill_pool.memory_analysis().output_size_in_bytes
-        except Exception:  # an executable that cannot describe itself: nothing to compare
-            return
+        except Exception:  # nothing to compare
+            return None
         devices = 1 if self.mesh is None else self.mesh.size  # every pool array is split over every device
         shaped = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._pool_layout)) // devices
-        if compiled > POOL_BYTES_TOLERANCE * shaped:
-            logger.warning(
-                "the KV pool takes %d bytes per device as compiled, %.1f%% more than the %d its shape and the budget "
-                "arithmetic say: the memory budget undercounts it; lower gpu_memory_utilization or num_pages",
-                compiled,
-                100 * (compiled / shaped - 1),
-                shaped,
-            )
+        if compiled <= POOL_BYTES_TOLERANCE * shaped:
+            return None
+        return (
+            f"the KV pool takes {compiled} bytes per device as compiled, {100 * (compiled / shaped - 1):.1f}% more "
+            f"than the {shaped} its shape and the budget arithmetic say: the memory budget undercounts it; lower "
+            "gpu_memory_utilization or num_pages"
+        )
 
     @property
     def _replicated(self):
