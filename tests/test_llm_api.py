@@ -28,13 +28,20 @@ def make_llm(tiny_dir, **engine_args) -> LLM:
     return LLM(tiny_dir, **args)
 
 
-def dense_greedy(tiny_dir, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with the cache-free forward pass (checked against transformers elsewhere)."""
+def dense_greedy(tiny_dir, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Greedy decoding with the cache-free forward pass (checked against transformers elsewhere), every prompt in
+    one batch right-padded to the longest it will grow to: one shape, compiled once (causal attention keeps the
+    padding after a row's tokens out of its logits)."""
     config, params = load_model(tiny_dir)
-    tokens = list(prompt)
+    tokens = [list(p) for p in prompts]
+    width = max(map(len, prompts)) + num_tokens
     for _ in range(num_tokens):
-        tokens.append(int(np.asarray(forward(config, params, [tokens]))[0, -1].argmax()))
-    return tokens[len(prompt) :]
+        ids = np.array([t + [0] * (width - len(t)) for t in tokens], np.int32)
+        mask = np.array([[1] * len(t) + [0] * (width - len(t)) for t in tokens], np.int32)
+        logits = np.asarray(forward(config, params, ids, attention_mask=mask))
+        for row, t in enumerate(tokens):
+            t.append(int(logits[row, len(t) - 1].argmax()))
+    return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
 
 
 def token_prompts(prompts):
@@ -46,7 +53,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="session")
 def expected_greedy(tiny_dir):
-    return [dense_greedy(tiny_dir, p, GREEDY.max_tokens) for p in PROMPTS]
+    return dense_greedy(tiny_dir, PROMPTS, GREEDY.max_tokens)
 
 
 def test_greedy_equals_the_dense_forward(tiny_dir, expected_greedy):
