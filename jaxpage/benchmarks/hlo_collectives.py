@@ -23,8 +23,8 @@ _CALLS = re.compile(
 )
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """{name: its instruction lines}, and the entry computation's name."""
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """{name: its instruction lines}, and the entry computation's name (also jaxpage.benchmarks.hlo_copies')."""
     computations: dict[str, list[str]] = {}
     entry, current = "", None
     for line in hlo.splitlines():
@@ -60,16 +60,16 @@ def _trip_count(while_line: str, computations: dict[str, list[str]]) -> int:
 
 def executed(hlo: str) -> dict[str, int]:
     """{collective kind: how many times one run of the program executes it} (see the module docstring)."""
-    computations, entry = _computations(hlo)
+    bodies, entry = computations(hlo)
     memo: dict[str, dict[str, int]] = {}
 
     def count(name: str, depth: int = 0) -> dict[str, int]:
         if name in memo:
             return memo[name]
         totals = dict.fromkeys(KINDS, 0)
-        if depth > 64 or name not in computations:
+        if depth > 64 or name not in bodies:
             return totals
-        for line in computations[name]:
+        for line in bodies[name]:
             kind = _kind(line)
             if kind is not None:
                 totals[kind] += 1
@@ -77,7 +77,7 @@ def executed(hlo: str) -> dict[str, int]:
             if loop is not None:
                 inner = count(loop.group(1), depth + 1)
                 for k in KINDS:
-                    totals[k] += inner[k] * _trip_count(line, computations)
+                    totals[k] += inner[k] * _trip_count(line, bodies)
                 continue
             for called in _CALLS.findall(line):
                 for callee in (c.strip().lstrip("%") for c in called.split(",")):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import re
 
+from jaxpage.benchmarks import hlo_collectives
+
 # Bytes of HLO's element types (those a pool or its scales can have, and the usual others).
 ELEMENT_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
@@ -40,7 +42,7 @@ def large_copies(hlo: str, min_bytes: int) -> list[str]:
     called computations), and fusions there whose fused computation is a copy or transpose. Not the ops inside a
     fused computation: a fusion materializes only its own output (a relayout fused with a dynamic slice of one
     layer's weights reads that slice, not the whole array)."""
-    computations = _computations(hlo)
+    computations = hlo_collectives.computations(hlo)[0]
     fused = {callee for lines in computations.values() for line in lines for callee in _fusion_callees(line)}
     found = []
     for name, lines in computations.items():
@@ -58,24 +60,7 @@ def large_copies(hlo: str, min_bytes: int) -> list[str]:
     return found
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """Each computation's instruction lines, by name (text outside any computation under "")."""
-    computations: dict[str, list[str]] = {"": []}
-    current = ""
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(1)
-            computations[current] = []
-        elif line.startswith("}"):
-            current = ""
-        else:
-            computations[current].append(line)
-    return computations
 
 
 def _fusion_callees(line: str) -> list[str]:
