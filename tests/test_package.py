@@ -160,6 +160,27 @@ def test_tests_that_do_not_compare_with_transformers_import_no_torch(tmp_path):
     assert report == {"collected": 0, "ran": 0, "torch": [False, False]}, result.stdout[-3000:]
 
 
+ROOT = TESTS.parent
+
+
+def project_modules() -> dict[str, Path]:
+    """{module name: its file} of every module in jaxpage/ and pallas_kernels/ (a package by its own name)."""
+    paths = [*ROOT.glob("jaxpage/**/*.py"), *ROOT.glob("pallas_kernels/**/*.py")]
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in paths}
+
+
+def absolute_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, the names imported from it; [] for `import module`) of every absolute import in the file, at the top
+    of the module or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
 def test_every_runtime_import_is_a_declared_dependency():
     # What jaxpage/ and pallas_kernels/ import, at the top of a module or inside a function, is the standard library,
     # the project itself, or a distribution pyproject.toml's dependencies name. Not jaxpage/benchmarks/, whose
@@ -167,8 +188,7 @@ def test_every_runtime_import_is_a_declared_dependency():
     import importlib.metadata
     import re
 
-    root = Path(__file__).resolve().parents[1]
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
     def normalized(name: str) -> str:
         return re.sub(r"[-_.]+", "-", name).lower()
@@ -176,45 +196,29 @@ def test_every_runtime_import_is_a_declared_dependency():
     declared = {normalized(re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0]) for d in pyproject["project"]["dependencies"]}
     distributions = importlib.metadata.packages_distributions()
     undeclared = {}
-    for path in [*root.glob("jaxpage/**/*.py"), *root.glob("pallas_kernels/**/*.py")]:
-        if "benchmarks" in path.relative_to(root).parts:
+    for name, path in project_modules().items():
+        if name.startswith("jaxpage.benchmarks"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module]
-            else:
+        for module, _ in absolute_imports(path):
+            top = module.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("jaxpage", "pallas_kernels", "__future__"):
                 continue
-            for name in names:
-                top = name.split(".")[0]
-                if top in sys.stdlib_module_names or top in ("jaxpage", "pallas_kernels", "__future__"):
-                    continue
-                if not {normalized(d) for d in distributions.get(top, [top])} & declared:
-                    undeclared.setdefault(top, str(path.relative_to(root)))
+            if not {normalized(d) for d in distributions.get(top, [top])} & declared:
+                undeclared.setdefault(top, str(path.relative_to(ROOT)))
     assert undeclared == {}
 
 
 def test_no_import_circle():
     # Every import between the project's modules (at the top of a module or inside a function): no module reaches
     # itself. `from package import submodule` is an import of the submodule.
-    root = Path(__file__).resolve().parents[1]
-    modules = {}
-    for path in [*root.glob("jaxpage/**/*.py"), *root.glob("pallas_kernels/**/*.py")]:
-        name = ".".join(path.relative_to(root).with_suffix("").parts)
-        modules[name.removesuffix(".__init__")] = path
+    modules = project_modules()
     imports = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
-                targets = [m for m in submodules if m in modules]
-                if len(targets) < len(submodules):
-                    targets.append(node.module)
-            else:
-                continue
+        for module, names in absolute_imports(path):
+            submodules = [f"{module}.{n}" for n in names]
+            targets = [m for m in submodules if m in modules]
+            if len(targets) < len(submodules) or not names:
+                targets.append(module)
             imports[name] |= {target for target in targets if target in modules and target != name}
 
     def circle_from(start: str) -> list[str] | None:
