@@ -22,13 +22,13 @@ from jaxpage.attention.pallas_tpu import PallasTpuAttention
 from jaxpage.attention.xla import XlaAttention
 from jaxpage.config import EngineConfig, canonical_kv_cache_dtype
 
-# attention_impl -> (class, interpret) of the named backends
+# attention_impl -> (class, its options) of the named backends
 BACKENDS = {
-    "xla": (XlaAttention, None),
-    "pallas_tpu": (PallasTpuAttention, False),
-    "pallas_gpu": (PallasGpuAttention, False),
-    "pallas_tpu_interpret": (PallasTpuAttention, True),
-    "pallas_gpu_interpret": (PallasGpuAttention, True),
+    "xla": (XlaAttention, {}),
+    "pallas_tpu": (PallasTpuAttention, {}),
+    "pallas_gpu": (PallasGpuAttention, {}),
+    "pallas_tpu_interpret": (PallasTpuAttention, {"interpret": True}),
+    "pallas_gpu_interpret": (PallasGpuAttention, {"interpret": True}),
 }
 NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # each platform's own kernels
 assert set(EngineConfig.ATTENTION_IMPLS) == {"auto", "pallas", *BACKENDS}, "the engine argument's choices"
@@ -41,10 +41,8 @@ def resolve_backend(
     ValueError where it cannot run there."""
     platform = platform or jax.default_backend()
     kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
-    cls, interpret = BACKENDS[backend_name(attention_impl, platform)]
-    if interpret is None:
-        return cls(kv_cache_dtype, platform)
-    return cls(kv_cache_dtype, platform, interpret)
+    cls, options = BACKENDS[backend_name(attention_impl, platform)]
+    return cls(kv_cache_dtype, platform, **options)
 
 
 def backend_name(attention_impl: str, platform: str) -> str:
