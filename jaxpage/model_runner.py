@@ -43,7 +43,7 @@ from jaxpage.step_shapes import StepShape, step_shapes
 logger = logging.getLogger("jaxpage")
 
 REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel replicas: one each
-POOL_BYTES_TOLERANCE = 1.02  # compiled pool bytes over the budget arithmetic's before a warning
+POOL_BYTES_TOLERANCE = 0.02  # how far the compiled pool's bytes may stray from the budget arithmetic's
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
 DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
@@ -744,7 +744,7 @@ class ModelRunner:
             return None
         devices = 1 if self.mesh is None else self.mesh.size  # every pool array is split over every device
         shaped = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._pool_layout)) // devices
-        if compiled <= POOL_BYTES_TOLERANCE * shaped:
+        if compiled <= (1 + POOL_BYTES_TOLERANCE) * shaped:
             return None
         return (
             f"the KV pool takes {compiled} bytes per device as compiled, {100 * (compiled / shaped - 1):.1f}% more "
