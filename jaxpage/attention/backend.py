@@ -52,6 +52,10 @@ class PagedBatch:
         """kv_lens with padding rows' (rows past num_seqs) set to 0."""
         return jnp.where(jnp.arange(self.kv_lens.shape[0]) < self.num_seqs, self.kv_lens, 0)
 
+    def live_cu_q_lens(self) -> jax.Array:
+        """cu_q_lens with padding rows' (rows past num_seqs) q_len 0."""
+        return jnp.minimum(self.cu_q_lens, self.cu_q_lens[self.num_seqs])
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from jaxpage.attention.backend import AttentionBackend, PagedBatch
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
@@ -55,7 +53,7 @@ class PallasGpuAttention(AttentionBackend):
         from pallas_kernels.gpu_ragged_attention import GPU_PAGES_PER_KV_TILE, GPU_Q_TILE, gpu_ragged_attention
 
         (k, v, k_scales, v_scales), tables = kernel_pool_view(pools, batch.block_tables, layer, GPU_PAGES_PER_KV_TILE)
-        cu_q_lens = jnp.minimum(batch.cu_q_lens, batch.cu_q_lens[batch.num_seqs])  # padding rows: q_len 0
+        cu_q_lens = batch.live_cu_q_lens()
         return gpu_ragged_attention(
             *(q, k, v, kv_lens, tables, cu_q_lens),
             k_scales=k_scales,

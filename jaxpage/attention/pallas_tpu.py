@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpage.attention.backend import AttentionBackend, PagedBatch
@@ -113,6 +112,6 @@ class PallasTpuAttention(AttentionBackend):
         else:
             from pallas_kernels.tpu_ragged_attention import TPU_Q_TILE, tpu_ragged_attention
 
-            cu_q_lens = jnp.minimum(batch.cu_q_lens, batch.cu_q_lens[batch.num_seqs])  # padding rows: q_len 0
+            cu_q_lens = batch.live_cu_q_lens()
             out = tpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **options, q_tile=TPU_Q_TILE)
         return out[..., :head_dim]
