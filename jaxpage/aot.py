@@ -31,6 +31,7 @@ from jaxpage.llm_engine import addressable_pages, fit_max_model_len, kv_pool_pag
 from jaxpage.model_runner import ModelRunner
 from jaxpage.models.llama import param_shapes
 from jaxpage.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
+from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.targets import Target
 
 # Model shapes compile_for knows by name, besides the default model and model directories.
@@ -172,7 +173,7 @@ def build(
     )
     runners = [ModelRunner(*placed[0], backend, **runner_args, draft_probs=draft is not None)]
     if draft is not None:
-        runners.append(ModelRunner(*placed[1], backend, **runner_args))
+        runners.append(DraftModelRunner(*placed[1], backend, **runner_args))
     return TargetBuild(
         target, placed[0][0], engine, dtype, backend, max_model_len, num_pages, weight_bytes, token_bytes, runners
     )
@@ -198,7 +199,7 @@ def compile_all(build: TargetBuild, on_program=None) -> list[ProgramReport]:
     on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order."""
     for index, runner in enumerate(build.runners):
         pool_array_bytes = placed_bytes(runner.kv_cache.k) // runner.config.num_layers  # one layer of K
-        for what, get in runner.warmup_programs(draft=index > 0):
+        for what, get in runner.warmup_programs():
             label = str(what).split(":")[0] + (" (draft model)" if index else "")
             start = time.perf_counter()
             try:

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.speculative_config import SpeculativeConfig
+from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, fail
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")

@@ -23,18 +23,18 @@ from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache
 from jaxpage.config import EngineConfig, ModelConfig
-from jaxpage.draft_model import check_draft_tokenizer, load_draft_model
-from jaxpage.drafter import Draft, Drafter
 from jaxpage.model_runner import CompiledShape, ModelRunner
 from jaxpage.models.llama import params_dtype
 from jaxpage.models.loader import load_model
-from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpage.output_processor import OutputProcessor, Request
+from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpage.replica import Replica, choose_replica
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from jaxpage.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpage.sequence import Sequence, SequenceStatus
-from jaxpage.spec_decode_stats import SpecDecodingStats
-from jaxpage.speculation_policy import SpeculationPolicy
+from jaxpage.spec_decode.decoder import SpeculativeDecoder
+from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
+from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.step_broadcast import Message, StepBroadcast
 from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
 from jaxpage.validation import INT32_MAX, ArgumentTypeError, check_number, check_text, describe, fail, is_int
@@ -170,30 +170,6 @@ def attended_keys(item: ScheduledSequence, sliding_window: int | None) -> int:
     return sum(min(computed + i + 1, sliding_window) for i in range(q))
 
 
-@dataclasses.dataclass
-class Request:
-    """A checked request and its state in the engine: LLMEngine.prepare_request makes it, add_prepared_requests
-    queues it."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]  # None with skip_tokenizer_init
-    completions: list[CompletionOutput]
-    metrics: RequestMetrics
-    error: str | None = None
-    replica: int = 0  # the data-parallel replica it runs on (jaxpage.replica)
-
-    def output(self) -> RequestOutput:
-        finished = all(c.finish_reason is not None for c in self.completions)
-        outputs = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in self.completions]
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.metrics, self.error
-        )
-
-
 class LLMEngine:
     """The serving engine: `add_request`, then `step` until `has_unfinished_requests` is False."""
 
@@ -236,14 +212,17 @@ class LLMEngine:
             self.tokenizer = tokenizer.result() if tokenizer else None
         if draft is not None and self.tokenizer is not None:
             check_draft_tokenizer(spec.model, self.tokenizer)
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._requests: dict[str, Request] = {}
-        self._request_of_seq: dict[int, Request] = {}
+            eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._scheduler_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, frozenset(eos_token_ids)
+        )
+        self.replicas: list[Replica] = []  # one per data-parallel replica: its pages and scheduler state
+        self._new_replicas()
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._seq_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        self._ended: list[RequestOutput] = []  # final outputs of requests aborted or failed, for the next step()
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self._ids_lock = threading.Lock()  # sequence ids and seeds, drawn by prepare_request outside the step's lock
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
@@ -251,14 +230,39 @@ class LLMEngine:
             atexit.register(self.channel.stop)
 
     def _start(self, config: EngineConfig, target: tuple, draft: tuple | None = None) -> None:
-        """Sizes and allocates the KV pool (and a draft model's), builds the scheduler and the runner(s). `target`
-        and `draft`: (config, params) as they run (jaxpage.parallel.as_run)."""
+        """Sizes and allocates the KV pool (and a draft model's), builds the runner(s). `target` and `draft`:
+        (config, params) as they run (jaxpage.parallel.as_run)."""
         target_config, params = target
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
-        dtype_bytes = params_dtype(params).itemsize
+        self._num_pages = num_pages = self._pool_pages(config, target_config, params_dtype(params).itemsize, draft)
+        pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
+        self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
+        spec = config.speculative_config
+        runner_args = dict(
+            num_pages=num_pages,
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            compilation_cache=self.compilation_cache,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            max_verify_rows=0 if spec is None else config.max_num_seqs,
+            mesh=self.mesh,
+            channel=self.channel,
+        )
+        self.runner = ModelRunner(
+            target_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None
+        )
+        draft_runner = None if draft is None else DraftModelRunner(*draft, self.attention_backend, **runner_args)
+        self.spec_decoder = None
+        if spec is not None:
+            self.spec_decoder = SpeculativeDecoder(spec, self.max_model_len, self.runner, draft_runner)
+
+    def _pool_pages(self, config: EngineConfig, target_config: ModelConfig, dtype_bytes: int, draft) -> int:
+        """The pages of the KV pool (jaxpage.llm_engine.kv_pool_pages), agreed by every host, logged."""
         tp = config.tensor_parallel_size
         layout = dict(page_size=config.page_size, tensor_parallel_size=tp)
         token_bytes = self.attention_backend.kv_bytes_per_token(target_config, dtype_bytes, **layout)
@@ -282,8 +286,6 @@ class LLMEngine:
             if num_pages == 0:
                 raise ValueError("another process's memory cannot hold the KV pool (see its log)")
         num_pages = addressable_pages(self.attention_backend, target_config, num_pages, config)
-        pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
-        self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         copies = target_config.num_kv_heads // self.model_config.num_kv_heads
         logger.info(
             "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %s)%s; %d pages of %d tokens, %.2f GiB",
@@ -297,31 +299,17 @@ class LLMEngine:
             config.page_size,
             num_pages * config.page_size * token_bytes / 2**30,
         )
-        self._scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        self._num_pages = num_pages
-        self.replicas: list[Replica] = []  # one per data-parallel replica: its pages and scheduler state
-        self._new_replicas()
-        spec = config.speculative_config
-        self.drafter = None if spec is None else Drafter(spec, self.max_model_len)
-        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
-        self.speculation_policy = SpeculationPolicy()
-        runner_args = dict(
-            num_pages=num_pages,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            compilation_cache=self.compilation_cache,
-            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-            max_verify_rows=0 if spec is None else config.max_num_seqs,
-        )
-        runner_args |= dict(mesh=self.mesh, channel=self.channel)
-        self.runner = ModelRunner(
-            target_config, params, self.attention_backend, **runner_args, draft_probs=draft is not None
-        )
-        self.draft_runner = (
-            None if draft is None else ModelRunner(*draft, self.attention_backend, **runner_args, channel_runner=1)
-        )
+        return num_pages
+
+    @property
+    def draft_runner(self) -> DraftModelRunner | None:
+        """The draft model's runner (speculative decoding with method "draft_model"), else None."""
+        return None if self.spec_decoder is None else self.spec_decoder.draft_runner
+
+    @property
+    def spec_decoding_stats(self):
+        """vLLM's speculative decoding counters (jaxpage.spec_decode.stats), None without speculative decoding."""
+        return None if self.spec_decoder is None else self.spec_decoder.stats
 
     @classmethod
     def from_engine_args(cls, **engine_args) -> LLMEngine:
@@ -417,14 +405,13 @@ class LLMEngine:
         given twice)."""
         with self._lock:
             counts = collections.Counter(r.request_id for r in requests)
-            taken = sorted(i for i, n in counts.items() if n > 1 or i in self._requests)
+            taken = sorted(i for i, n in counts.items() if n > 1 or self.has_request(i))
             if taken:
                 raise ValueError(f"request_id {', '.join(map(describe, taken))} is already in use; nothing was queued")
             for request in requests:
                 request.replica = choose_replica(self.replicas, request.prompt_token_ids)
-                self._requests[request.request_id] = request
+                self.output_processor.add(request)
                 for seq in request.seqs:
-                    self._request_of_seq[seq.seq_id] = request
                     self.replicas[request.replica].scheduler.add(seq)
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
@@ -483,19 +470,19 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
             for rid in ids:
-                request = self._requests.get(rid) if isinstance(rid, str) else None
+                request = self.output_processor.requests.get(rid) if isinstance(rid, str) else None
                 if request is not None:
                     self._end_request(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self.output_processor.requests)
 
     def has_request(self, request_id: str) -> bool:
         """Whether request_id is an unfinished request of this engine (an id add_request would refuse)."""
-        return request_id in self._requests
+        return request_id in self.output_processor.requests
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.output_processor.requests)
 
     def warmup(self) -> list[CompiledShape]:
         """Compiles the step for every shape a workload can reach, so that serving compiles nothing; returns the
@@ -509,7 +496,7 @@ class LLMEngine:
         with self._lockstep():
             compiled = self.runner.warmup()
             if self.draft_runner is not None:
-                compiled += self.draft_runner.warmup_draft()
+                compiled += self.draft_runner.warmup()
             if self.channel is not None:
                 runners = [r for r in (self.runner, self.draft_runner) if r is not None]
                 self.channel.warmup(set().union(*(r.payload_sizes() for r in runners)))
@@ -563,8 +550,8 @@ class LLMEngine:
     # ----- the step -----
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns the outputs of the requests that progressed or ended (aborted ones
-        included).
+        """Runs one step, schedule -> execute -> update; returns the outputs of the requests that progressed or ended
+        (aborted ones included).
 
         A request whose own post-processing fails (its detokenization, say) ends with finish_reason "error" and
         RequestOutput.error saying why; the others go on. If the device step itself fails, no request can be
@@ -573,190 +560,87 @@ class LLMEngine:
         with self._lock:
             self._check_leader("step")
             start = time.perf_counter()
-            drafts = {}  # speculative decoding runs without data parallelism: on the one replica
-            if self.drafter is not None and self.scheduler.can_draft():
-                drafts = self._drafts_that_pay(self.drafter.propose(self.scheduler.running))
-            proposed = {seq_id: draft.token_ids for seq_id, draft in drafts.items()} or None
-            steps = [r.scheduler.schedule(proposed if i == 0 else None) for i, r in enumerate(self.replicas)]
+            # Speculative decoding runs without data parallelism: on the one replica.
+            drafts = self.spec_decoder.propose(self.scheduler) if self.spec_decoder is not None else None
+            steps = [r.scheduler.schedule(drafts if i == 0 else None) for i, r in enumerate(self.replicas)]
             if not any(o.scheduled for o in steps):
-                return self._take_ended()
-            output = steps[0]
+                return self.output_processor.take_ended()
             scheduled = time.perf_counter()
             every = [item for o in steps for item in o.scheduled]
             num_sampled = sum(item.samples for item in every)  # before the new tokens are appended
-            now = time.time()
-            for item in every:
-                metrics = self._request_of_seq[item.seq.seq_id].metrics
-                metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            self.output_processor.mark_scheduled(every, time.time())
             try:
-                started = time.perf_counter()
-                draft_probs = None
-                drafting = self.draft_runner is not None and any(item.draft_token_ids for item in output.scheduled)
-                if self.draft_runner is not None:
-                    self.draft_runner.copy_pages(output.page_copies)  # its pool has the target's pages
-                if drafting:  # the draft model runs only in steps that verify its drafts
-                    self.draft_runner.catch_up(output)
-                    output, draft_probs = self.draft_runner.propose(output)
-                    steps[0] = output
-                results = self.runner.execute_replicas(steps, draft_probs)
-                if drafting:  # the step's seconds include the draft model's
-                    results[0] = dataclasses.replace(
-                        results[0], device_s=time.perf_counter() - started - results[0].prepare_s
-                    )
+                results, draft_computed = self._execute(steps)
             except Exception as e:  # not a request's fault: every request was checked when it was added
                 logger.exception("engine step failed; every unfinished request ends with this error")
                 self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
-                return self._take_ended()
-            for replica, output, result in zip(self.replicas, steps, results, strict=True):
-                replica.scheduler.commit(output, result.num_accepted.tolist())
-            result = results[0]
-            self.speculation_policy.observe_step(result.shape, result.device_s)
-            now = time.time()
-            progressed: dict[str, Request] = {}
-            num_draft_tokens = sum(len(item.draft_token_ids) for item in every)
-            num_accepted_tokens = 0
-            rows = [
-                (replica, row, item, result)
+                return self.output_processor.take_ended()
+            updates = [
+                (update, result)
                 for replica, output, result in zip(self.replicas, steps, results, strict=True)
-                for row, item in enumerate(output.scheduled)
+                for update in replica.scheduler.update_from_output(
+                    output, result.token_ids, result.num_accepted, draft_computed
+                )
             ]
-            for replica, row, item, result in rows:
-                request = self._request_of_seq.get(item.seq.seq_id)
-                if not item.samples or request is None:  # None: the request failed earlier in this loop
-                    continue
-                num_accepted = int(result.num_accepted[row])
-                if item.draft_token_ids:
-                    self.spec_decoding_stats.observe_draft(len(item.draft_token_ids), num_accepted)
-                    kind = drafts[item.seq.seq_id].kind
-                    self.speculation_policy.observe_draft(
-                        item.seq.seq_id, kind, len(item.draft_token_ids), num_accepted
-                    )
-                    num_accepted_tokens += num_accepted
-                try:
-                    for position in range(num_accepted + 1):  # the accepted drafts, then the sampled token
-                        token = int(result.token_ids[row, position])
-                        self._append_token(request, item.seq, token, result, (row, position), now)
-                        if item.seq.status is SequenceStatus.FINISHED:  # a stop in the middle of the draft
-                            break
-                    else:
-                        replica.block_manager.cache_full_pages(item.seq)  # pages full of accepted drafts
-                except Exception as e:  # this request's own failure: it ends, the others go on
-                    logger.exception("request %r failed", request.request_id)
-                    self._end_request(request, "error", f"{type(e).__name__}: {e}")
-                    progressed.pop(request.request_id, None)
-                    continue
-                progressed[request.request_id] = request
-            outputs = self._take_ended()
-            for request in progressed.values():
-                out = request.output()
-                if out.finished:
-                    request.metrics.finished_time = now
-                    del self._requests[request.request_id]
-                outputs.append(out)
-            self.last_step_stats = StepStats(
-                num_seqs=len(every),
-                num_tokens=sum(o.num_batched_tokens for o in steps),
-                num_decodes=sum(item.num_new_tokens == 1 for item in every),
-                num_draft_tokens=num_draft_tokens,
-                num_accepted_tokens=num_accepted_tokens,
-                num_sampled=num_sampled,
-                num_attended_keys=sum(attended_keys(item, self.model_config.sliding_window) for item in every),
-                shape=str(result.shape),
-                schedule_s=scheduled - start,
-                prepare_s=result.prepare_s,
-                device_s=result.device_s,
-                postprocess_s=time.perf_counter() - scheduled - result.prepare_s - result.device_s,
-            )
+            if self.spec_decoder is not None:
+                self.spec_decoder.observe(results[0].shape, results[0].device_s, [u for u, _ in updates])
+                for update, _ in updates:
+                    if update.finish_reason is not None:
+                        self.spec_decoder.forget(update.seq.seq_id)
+            outputs, ended = self.output_processor.process(updates, time.time())
+            for replica, seq in ended:  # ended by a stop string or their request's failure
+                self._finish_seq(replica, seq)
+            host_s = (scheduled - start, time.perf_counter() - scheduled)  # scheduling; the rest, the device's included
+            self.last_step_stats = self._step_stats(steps, results, [u for u, _ in updates], num_sampled, *host_s)
             return outputs
 
-    def _drafts_that_pay(self, drafts: dict[int, Draft]) -> dict[int, Draft]:
-        """The drafts, if verifying them is expected to give more tokens per second than a plain decode step (see
-        jaxpage.speculation_policy); else none."""
-        count = len(self.scheduler.running)
-        verify, decode = self.runner.smallest_shape("verify", count), self.runner.smallest_shape("decode", count)
-        return drafts if self.speculation_policy.should_verify(count, drafts, verify, decode) else {}
+    def _execute(self, steps: list[SchedulerOutput]) -> tuple[list, dict[int, int] | None]:
+        """Runs the scheduled step of every replica on the device (a draft model's drafts first, where it drafts):
+        (each replica's StepOutput, the draft model's computed tokens by seq_id or None)."""
+        started = time.perf_counter()
+        draft_probs = draft_computed = None
+        if self.spec_decoder is not None:
+            steps[0], draft_probs, draft_computed = self.spec_decoder.draft(steps[0])
+        results = self.runner.execute_replicas(steps, draft_probs)
+        if draft_probs is not None:  # the step's seconds include the draft model's
+            results[0] = dataclasses.replace(results[0], device_s=time.perf_counter() - started - results[0].prepare_s)
+        return results, draft_computed
 
-    def _append_token(self, request: Request, seq: Sequence, token: int, result, at: tuple, now: float) -> None:
-        """Commits one token (result's at = (row, position)): the sequence, its completion (logprobs, text), stop
-        checks, metrics."""
-        index = request.seqs.index(seq)
-        seq.append_token(token)
-        completion = request.completions[index]
-        completion.token_ids.append(token)
-        if result.logprobs is not None and request.params.logprobs is not None:
-            self._record_logprobs(completion, request.params.logprobs, token, result, at)
-        detokenizer = request.detokenizers[index]
-        delta = detokenizer.add(token) if detokenizer else ""
-        completion.text = detokenizer.text if detokenizer else ""
-        self._check_stop(seq, completion, token, delta)
-        request.metrics.first_token_time = request.metrics.first_token_time or now
-        request.metrics.last_token_time = now
-        if completion.finish_reason is not None:
-            self._finish_seq(seq)
+    def _step_stats(
+        self, steps: list[SchedulerOutput], results: list, updates: list, num_sampled: int, schedule_s, after_s
+    ) -> StepStats:
+        """What the step held and where its time went (after_s: from the schedule's end to the outputs)."""
+        every = [item for o in steps for item in o.scheduled]
+        return StepStats(
+            num_seqs=len(every),
+            num_tokens=sum(o.num_batched_tokens for o in steps),
+            num_decodes=sum(item.num_new_tokens == 1 for item in every),
+            num_draft_tokens=sum(len(item.draft_token_ids) for item in every),
+            num_accepted_tokens=sum(update.num_accepted for update in updates),
+            num_sampled=num_sampled,
+            num_attended_keys=sum(attended_keys(item, self.model_config.sliding_window) for item in every),
+            shape=str(results[0].shape),
+            schedule_s=schedule_s,
+            prepare_s=results[0].prepare_s,
+            device_s=results[0].device_s,
+            postprocess_s=after_s - results[0].prepare_s - results[0].device_s,
+        )
 
     def _end_request(self, request: Request, finish_reason: str, error: str | None = None) -> None:
         """Ends a request outside the normal flow ("abort" or "error"): its unfinished samples stop, its pages are
         freed, and its final output waits for the next `step()` to return it."""
-        for seq, completion in zip(request.seqs, request.completions, strict=True):
-            if completion.finish_reason is None:
-                completion.finish_reason = finish_reason
-                self._finish_seq(seq)
-        request.error = error
-        request.metrics.finished_time = time.time()
-        del self._requests[request.request_id]
-        self._ended.append(request.output())
-
-    def _take_ended(self) -> list[RequestOutput]:
-        ended, self._ended = self._ended, []
-        return ended
+        for seq in self.output_processor.end(request, finish_reason, error):
+            self._finish_seq(request.replica, seq)
 
     def _fail_all(self, error: str) -> None:
         """After a failed device step: every unfinished request ends with `error`, and the page pool and its
         bookkeeping start afresh (the failed step may have consumed the donated pool)."""
-        for request in list(self._requests.values()):
+        for request in list(self.output_processor.requests.values()):
             self._end_request(request, "error", error)
         self._new_replicas()
         self.runner.reset_kv_cache()
-        if self.draft_runner is not None:
-            self.draft_runner.reset_kv_cache()
-
-    def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, at: tuple) -> None:
-        decode = self.tokenizer.decode if self.tokenizer else lambda ids: None
-        entry = {token: Logprob(float(result.logprobs[at]), None, decode([token]))}
-        top = zip(result.top_logprob_ids[at][:num], result.top_logprobs[at][:num], strict=True)
-        for rank, (tid, value) in enumerate(top, 1):
-            entry[int(tid)] = Logprob(float(value), rank, decode([int(tid)]))
-        if entry[token].rank is None:
-            ranks = [i for i, t in enumerate(result.top_logprob_ids[at], 1) if int(t) == token]
-            entry[token] = dataclasses.replace(entry[token], rank=ranks[0] if ranks else None)
-        completion.logprobs.append(entry)
-        completion.cumulative_logprob += float(result.logprobs[at])
-
-    def _check_stop(self, seq: Sequence, completion: CompletionOutput, token: int, delta: str) -> None:
-        params = seq.sampling_params
-        if token in params.stop_token_ids:
-            completion.finish_reason, completion.stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            completion.finish_reason = "stop"
-        elif delta and params.stop:
-            # A stop string can only be new if it overlaps the delta: search the tail that could hold it.
-            longest = max(map(len, params.stop))
-            tail_start = max(0, len(completion.text) - len(delta) - longest + 1)
-            hits = [(completion.text.find(s, tail_start), s) for s in params.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos, stop = min(hits)
-                completion.text = completion.text[:pos]
-                completion.finish_reason, completion.stop_reason = "stop", stop
-        if completion.finish_reason is None:
-            if params.max_tokens is not None and len(completion.token_ids) >= params.max_tokens:
-                completion.finish_reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                completion.finish_reason = "length"
-            elif params.stop:
-                # Hold back what could be the start of a stop string, so a stream never shows text it takes back.
-                held = max(map(len, params.stop)) - 1
-                completion.text = completion.text[: len(completion.text) - held] if held else completion.text
+        if self.spec_decoder is not None:
+            self.spec_decoder.reset()
 
     def _new_replicas(self) -> None:
         """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
@@ -794,8 +678,9 @@ class LLMEngine:
             sum(r.scheduler.num_prefix_hit_tokens for r in self.replicas),
         )
 
-    def _finish_seq(self, seq: Sequence) -> None:
+    def _finish_seq(self, replica: int, seq: Sequence) -> None:
+        """Ends a sequence the scheduler did not end itself (a stop string, an abort, a failure)."""
         if seq.status is not SequenceStatus.FINISHED:
-            self.replicas[self._request_of_seq[seq.seq_id].replica].scheduler.finish(seq)
-        self.speculation_policy.forget(seq.seq_id)
-        self._request_of_seq.pop(seq.seq_id, None)
+            self.replicas[replica].scheduler.finish(seq)
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(seq.seq_id)

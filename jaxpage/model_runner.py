@@ -33,10 +33,10 @@ from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache, copy_pages
 from jaxpage.models.llama import Llama, build, params_dtype
 from jaxpage.parallel import DATA_AXIS, TP_AXIS, local_params, param_specs, shard_config
-from jaxpage.rejection_sampler import target_probs, verify_drafts
-from jaxpage.sampler import SamplingMetadata, draw, sample, sampled_logprobs, sampling_metadata_from_params
+from jaxpage.sampler import SamplingMetadata, sample, sampled_logprobs, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import ScheduledSequence, SchedulerOutput
+from jaxpage.scheduler import SchedulerOutput
+from jaxpage.spec_decode.verification import verify_drafts
 from jaxpage.step_broadcast import Header, Message, StepBroadcast, unpack
 from jaxpage.step_shapes import StepShape, step_shapes
 
@@ -46,10 +46,9 @@ REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel rep
 POOL_BYTES_TOLERANCE = 0.02  # how far the compiled pool's bytes may stray from the budget arithmetic's
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
-DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
+def fetch(x: jax.Array) -> np.ndarray:
     """A result on the host. One that spans the devices of several processes is whole on each device (gathered or
     replicated): this process reads its own copy."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
@@ -100,18 +99,6 @@ class SampleInput:
     draft_tokens: jax.Array  # [R, k] int32: each row's draft tokens (k = 0: a plain step, one token per row)
     num_drafts: jax.Array  # [R] int32 in [0, k]: how many of its k are real
     draft_probs: jax.Array | None = None  # [R, k, V] float32 the draft model's distributions; None: point masses
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ProposeInput:
-    """A draft model's proposal for the rows of a verify step: from each row's last known token, k tokens."""
-
-    token_ids: jax.Array  # [R] int32: each row's last known token
-    positions: jax.Array  # [R] int32: its position
-    block_tables: jax.Array  # [R, P] int32
-    num_slots: jax.Array  # [R] int32: slots the step reserved from that position on (1 + the row's draft length)
-    sampling: SamplingMetadata  # [R] rows; steps = tokens generated before this step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +184,6 @@ class ModelRunner:
         }
         self.executables: dict[StepShape, jax.stages.Compiled] = {}  # the forward pass of each step shape
         self.samplers: dict[tuple[int, int], jax.stages.Compiled] = {}  # LM head and sampler, by (rows, k)
-        self.proposers: dict[StepShape, jax.stages.Compiled] = {}  # a draft model's proposal, by verify shape
-        self._propose = jax.jit(self._propose_fn, donate_argnums=(1,), static_argnums=(3,))
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
         self._sample = jax.jit(self._sample_fn)
         self._copy_pages_jit = jax.jit(copy_pages, donate_argnums=(0,))
@@ -261,7 +246,7 @@ class ModelRunner:
     def _sample_on_shard(self, params, hidden: jax.Array, inputs: SampleInput):
         """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
         [R, k + 1, MAX_LOGPROBS], top log-probs)). With k = 0 each row samples one token; with k > 0 each row's
-        drafts are verified (jaxpage.rejection_sampler). The full logits never leave this function; the log-probs
+        drafts are verified (jaxpage.spec_decode.verification). The full logits never leave this function; the log-probs
         are computed only when some row asks for them."""
         logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)  # [R * (k + 1), V] float32
         rows, k = inputs.draft_tokens.shape
@@ -286,45 +271,6 @@ class ModelRunner:
         )
         logprobs = tuple(x.reshape(rows, k + 1, *x.shape[1:]) for x in logprobs)
         return token_ids, num_accepted, logprobs
-
-    def _propose_fn(self, params, kv_cache: KVCache, inputs: ProposeInput, k: int):
-        """(draft tokens [R, k], their distributions [R, k, V] float32, kv_cache with the K/V of each row's last
-        token and first k - 1 draft tokens): k decode steps of this (draft) model, each sampling the next token
-        from its own distribution after the row's sampling settings. Positions past a row's reserved slots write
-        into the null page."""
-        pool = self._pool_specs
-        propose = functools.partial(self._propose_on_shard, k=k)
-        return self._on_shards(propose, (pool, REPLICAS), (REPLICAS, REPLICAS, pool))(params, kv_cache, inputs)
-
-    def _propose_on_shard(self, params, kv_cache: KVCache, inputs: ProposeInput, k: int):
-        rows = inputs.token_ids.shape[0]
-        page_size = self.page_size
-        model = self.models[1]
-
-        def draft_step(carry, j):
-            kv_cache, tokens = carry
-            positions = inputs.positions + j
-            reserved = j < inputs.num_slots
-            page_index = jnp.minimum(positions // page_size, inputs.block_tables.shape[1] - 1)
-            pages = jnp.take_along_axis(inputs.block_tables, page_index[:, None], axis=1)[:, 0]
-            slots = jnp.where(reserved, pages * page_size + positions % page_size, 0)
-            batch = PagedBatch(
-                slots,
-                inputs.block_tables,
-                jnp.where(reserved, positions + 1, 0),
-                jnp.arange(rows + 1, dtype=jnp.int32),
-                jnp.int32(rows),
-            )
-            hidden, kv_cache = model.apply({"params": params}, tokens, positions, batch, kv_cache)
-            logits = model.apply({"params": params}, hidden, method=Llama.logits)
-            sampling = dataclasses.replace(inputs.sampling, steps=inputs.sampling.steps + j)
-            probs = target_probs(logits, sampling)
-            # Their own random stream: draft tokens must not depend on the verifier's uniforms.
-            next_tokens = draw(probs, dataclasses.replace(sampling, seeds=sampling.seeds ^ DRAFT_SEED_SALT))
-            return (kv_cache, next_tokens), (next_tokens, probs)
-
-        (kv_cache, _), (tokens, probs) = lax.scan(draft_step, (kv_cache, inputs.token_ids), jnp.arange(k))
-        return tokens.T, jnp.swapaxes(probs, 0, 1), kv_cache
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
@@ -353,81 +299,6 @@ class ModelRunner:
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
         self.samplers[rows, k] = executable
         return executable
-
-    def compile_proposer(self, shape: StepShape) -> jax.stages.Compiled:
-        """A draft model's proposal for `shape`'s rows and k, as `compile` gets the forward pass."""
-        args = (self.params, self.kv_cache, self._abstract(self._stacked([self._propose_input([], shape)])))
-        k = shape.num_draft_positions
-        executable = self._load_or_compile(
-            CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile()
-        )
-        self.proposers[shape] = executable
-        return executable
-
-    def _propose_input(self, items: list, shape: StepShape) -> ProposeInput:
-        rows = shape.num_rows
-        token_ids, positions, num_slots = (np.zeros(rows, np.int32) for _ in range(3))
-        block_tables = np.zeros((rows, self.block_table_width), np.int32)
-        for row, item in enumerate(items):
-            seq, position = item.seq, item.num_computed_tokens + item.num_new_tokens - len(item.draft_token_ids) - 1
-            token_ids[row], positions[row] = seq.token_ids[position], position
-            num_slots[row] = 1 + len(item.draft_token_ids)
-            block_tables[row, : len(seq.block_table)] = seq.block_table
-        return ProposeInput(token_ids, positions, block_tables, num_slots, row_sampling(items, rows))
-
-    def propose(self, output: SchedulerOutput) -> tuple[SchedulerOutput, jax.Array]:
-        """A draft model's drafts for the verify step `output`, whose items hold placeholder drafts of the length
-        each may draft (their slots reserved): (output with the drafts, their distributions [R, k, V] on the
-        device, for the target's verification)."""
-        shape = self.shape_for(output)
-        assert shape.kind == "verify", shape
-        tokens, probs = self._run_propose(shape, self._stacked([self._propose_input(output.scheduled, shape)]))
-        tokens = _fetch(tokens)
-        if self.mesh is not None:  # one replica (speculative decoding runs without data parallelism)
-            tokens = tokens[0]
-        k = shape.num_draft_positions
-        for item in output.scheduled:  # K/V written: the last token's and the first k - 1 drafts' (when reserved)
-            item.seq.num_draft_computed_tokens = item.num_computed_tokens + min(k, 1 + len(item.draft_token_ids))
-        scheduled = [
-            dataclasses.replace(item, draft_token_ids=tuple(tokens[row, : len(item.draft_token_ids)].tolist()))
-            for row, item in enumerate(output.scheduled)
-        ]
-        return dataclasses.replace(output, scheduled=scheduled), probs
-
-    def _run_propose(self, shape: StepShape, inputs: ProposeInput) -> tuple[jax.Array, jax.Array]:
-        self._send(Message.PROPOSE, shape, inputs)
-        proposer = self._proposer_program(shape)
-        tokens, probs, self.kv_cache = proposer(self.params, self.kv_cache, inputs)
-        return tokens, probs
-
-    def catch_up(self, output: SchedulerOutput) -> None:
-        """A draft model's pool brought up to the verify step `output` before `propose`: each sequence's tokens
-        before its last one whose K/V this pool lacks (from seq.num_draft_computed_tokens) run through this model's
-        forward pass, in as few steps of its shapes as hold them (decode shapes when each lacks one token: after a
-        fully accepted draft, the draft's last token)."""
-        mixed = [s for s in self.shapes if s.kind == "mixed"]
-        max_tokens, max_rows = max(s.num_tokens for s in mixed), max(s.num_rows for s in mixed)
-        pending: list[ScheduledSequence] = []
-        budget = max_tokens
-        for item in output.scheduled:
-            seq = item.seq
-            while seq.num_draft_computed_tokens < item.num_computed_tokens:
-                n = min(item.num_computed_tokens - seq.num_draft_computed_tokens, budget)
-                pending.append(ScheduledSequence(seq, seq.num_draft_computed_tokens, n))
-                seq.num_draft_computed_tokens += n
-                budget -= n
-                if budget == 0 or len(pending) == max_rows:
-                    self._forward_only(pending)
-                    pending, budget = [], max_tokens
-        if pending:
-            self._forward_only(pending)
-
-    def _forward_only(self, items: list[ScheduledSequence]) -> None:
-        """The forward pass alone of a step of `items` (their K/V into this model's pool; no sampling)."""
-        output = SchedulerOutput(scheduled=items, page_copies=[])
-        shape = self.shape_for(output)
-        step, _ = self.prepare(output, shape)
-        self._run_forward(shape, self._stacked([step]))
 
     def _run_forward(self, shape: StepShape, step: StepInput) -> None:
         self._send(Message.FORWARD, shape, step)
@@ -464,47 +335,37 @@ class ModelRunner:
         compiled."""
         return self._compile_all(self.warmup_programs())
 
-    def warmup_draft(self) -> list[CompiledShape]:
-        """A draft model's warm-up: the forward pass of every step shape and the proposal of every verify shape (a
-        draft model samples only in its proposals)."""
-        return self._compile_all(self.warmup_programs(draft=True))
-
     def _compile_all(self, programs: list) -> list[CompiledShape]:
         start = len(self.compile_log)
         for _, get in programs:
             get()
         return self.compile_log[start:]
 
-    def warmup_programs(self, draft: bool = False) -> list[tuple[CompiledShape, Callable[[], jax.stages.Compiled]]]:
+    def warmup_programs(self) -> list[tuple[CompiledShape, Callable[[], jax.stages.Compiled]]]:
         """Every program warm-up compiles, as (what it is, a function that returns it compiled: at its first call
         compiled or loaded, later the same program), in warm-up's order: the pool's fill (compiled when the runner
         is built, unless compile_only), the forward pass of each step shape with its sampler (each sampler shape
-        once), the page copy. A draft model's (`draft`): the forward passes and the proposal of each verify
-        shape."""
-        programs = [(CompiledShape("pool", self._pool_layout.k.shape), self._pool_program)]
+        once), the page copy."""
+        programs = [self._pool_warmup()]
         samplers = set()
         for shape in self.shapes:
             programs.append((CompiledShape("forward", shape), functools.partial(self._forward_program, shape)))
             rows, k = shape.sample_rows, shape.num_draft_positions
-            if draft and shape.kind == "verify":
-                what = CompiledShape("propose", (shape.num_rows, k))
-                programs.append((what, functools.partial(self._proposer_program, shape)))
-            elif not draft and (rows, k) not in samplers:
+            if (rows, k) not in samplers:
                 samplers.add((rows, k))
                 what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
                 programs.append((what, functools.partial(self._sampler_program, shape)))
-        if not draft:
-            programs.append((CompiledShape("copy", COPY_CHUNK), self._copy_program))
+        programs.append((CompiledShape("copy", COPY_CHUNK), self._copy_program))
         return programs
+
+    def _pool_warmup(self) -> tuple[CompiledShape, Callable[[], jax.stages.Compiled]]:
+        return CompiledShape("pool", self._pool_layout.k.shape), self._pool_program
 
     def _forward_program(self, shape: StepShape) -> jax.stages.Compiled:
         return self.executables.get(shape) or self.compile(shape)
 
     def _sampler_program(self, shape: StepShape) -> jax.stages.Compiled:
         return self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
-
-    def _proposer_program(self, shape: StepShape) -> jax.stages.Compiled:
-        return self.proposers.get(shape) or self.compile_proposer(shape)
 
     # ----- host side -----
 
@@ -620,8 +481,8 @@ class ModelRunner:
             sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
         token_ids, num_accepted, logprobs = self._run_step(shape, step, sample_input)
         want_logprobs = any(bool(s.want_logprobs) for _, s in prepared)
-        token_ids, num_accepted = _fetch(token_ids), _fetch(num_accepted)
-        logprobs = tuple(_fetch(x) for x in logprobs) if want_logprobs else (None, None, None)
+        token_ids, num_accepted = fetch(token_ids), fetch(num_accepted)
+        logprobs = tuple(fetch(x) for x in logprobs) if want_logprobs else (None, None, None)
         if self.mesh is None:  # one replica: give its results the replica axis they have on several devices
             token_ids, num_accepted = token_ids[None], num_accepted[None]
             logprobs = tuple(x if x is None else x[None] for x in logprobs)
@@ -667,9 +528,6 @@ class ModelRunner:
         elif kind is Message.FORWARD:
             shape = self.shapes[header.key]
             self._run_forward(shape, unpack(data, self._step_template(shape)[0]))
-        elif kind is Message.PROPOSE:
-            shape = self.shapes[header.key]
-            return self._run_propose(shape, unpack(data, self._stacked([self._propose_input([], shape)])))[1]
         elif kind is Message.STEP:
             shape = self.shapes[header.key]
             step, sample_input = unpack(data, self._step_template(shape))
@@ -690,8 +548,6 @@ class ModelRunner:
         for shape in self.shapes:
             step, sample_input = self._step_template(shape)
             sizes |= {size(step), size((step, sample_input))}
-            if shape.kind == "verify":
-                sizes.add(size(self._stacked([self._propose_input([], shape)])))
         return sizes
 
     def _allocate_pool(self) -> KVCache:

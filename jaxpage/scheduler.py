@@ -14,11 +14,11 @@ A sequence whose scheduled tokens reach the end of its known tokens gets a token
 
 Speculative decoding: `schedule(drafts)` takes draft tokens proposed for decoding sequences. A sequence with a draft
 of d tokens computes 1 + d tokens (its last token, then the draft), whose slots are reserved like any others; the
-step verifies the draft (jaxpage.rejection_sampler) and `commit` gives back the slots of the rejected tokens. Drafts
-are used only in steps without prefill: when every running sequence is decoding and no waiting sequence can be
-admitted (none waits, every row is taken, or the first in the queue lacks the free pages for its first chunk); a
-step with drafts admits no one. A step thus either verifies or prefills. A draft is cut to the token
-budget; when its slots cannot be had, the sequence goes on without it before anyone is preempted.
+step verifies the draft (jaxpage.spec_decode.verification) and `update_from_output` gives back the slots of the
+rejected tokens. Drafts are used only in steps without prefill: when every running sequence is decoding and no
+waiting sequence can be admitted (none waits, every row is taken, or the first in the queue lacks the free pages for
+its first chunk); a step with drafts admits no one. A step thus either verifies or prefills. A draft is cut to the
+token budget; when its slots cannot be had, the sequence goes on without it before anyone is preempted.
 
 Parallel sampling (a request with n > 1, its sequences in `Sequence.group`): the prompt of L tokens is computed
 once. The first sequence of the group to be admitted computes its first L - 1 tokens (its prefill stops there while
@@ -35,6 +35,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from jaxpage.block_manager import BlockManager
 from jaxpage.sequence import Sequence, SequenceStatus
 
@@ -43,6 +45,8 @@ from jaxpage.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # a sequence ends ("length") when it has this many tokens; None: no limit
+    eos_token_ids: frozenset[int] = frozenset()  # tokens that end a sequence ("stop") unless it ignores EOS
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1, self.max_num_seqs
@@ -74,6 +78,19 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step did to a sequence that sampled (Scheduler.update_from_output)."""
+
+    seq: Sequence
+    row: int  # its item's index in the step
+    token_ids: list[int]  # appended this step: accepted draft tokens, then the sampled one (cut at an ending one)
+    num_draft_tokens: int  # draft tokens verified (0 without speculative decoding)
+    num_accepted: int  # ... and accepted
+    finish_reason: str | None  # "stop" (a stop token id or EOS), "length", or None: it goes on
+    stop_reason: int | None  # the stop token id that ended it
 
 
 class Scheduler:
@@ -198,17 +215,67 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def commit(self, output: SchedulerOutput, num_accepted: list[int] | None = None) -> None:
-        """After the device ran the step: the scheduled tokens are computed, but for the draft tokens that
-        verification rejected (`num_accepted`: accepted draft tokens per item), whose slots go back; full pages
-        of computed tokens enter the prefix cache (those of accepted drafts once the engine has appended them)."""
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        token_ids: np.ndarray,
+        num_accepted: np.ndarray | None = None,
+        draft_computed: dict[int, int] | None = None,
+    ) -> list[SequenceUpdate]:
+        """After the device ran the step `output`: the one writer of what a step changes in its sequences.
+
+        The scheduled tokens are computed, but for the draft tokens that verification rejected (`num_accepted`:
+        accepted draft tokens per item; None: none drafted), whose slots go back. Each item that samples gets its
+        accepted drafts and then its sampled token (`token_ids[i]`: [k + 1] per item), up to the first that ends it:
+        a stop token id, EOS (unless ignore_eos), max_tokens or max_model_len; an ended sequence's pages are freed.
+        Full pages of known, computed tokens enter the prefix cache. `draft_computed`: by seq_id, the tokens whose
+        K/V a draft model's pool holds after this step (jaxpage.spec_decode), kept at most the computed tokens.
+        Returns an update per item that sampled, in order."""
+        updates = []
         for i, item in enumerate(output.scheduled):
             seq = item.seq
-            rejected = len(item.draft_token_ids) - (num_accepted[i] if num_accepted is not None else 0)
+            samples = item.samples  # before tokens are appended
+            accepted = int(num_accepted[i]) if num_accepted is not None else 0
+            rejected = len(item.draft_token_ids) - accepted
             assert 0 <= rejected <= len(item.draft_token_ids), (rejected, item)
             seq.num_computed_tokens += item.num_new_tokens - rejected
-            # A draft model's K/V of rejected drafts (ModelRunner.propose) is not the sequence's.
+            if draft_computed is not None and seq.seq_id in draft_computed:
+                seq.num_draft_computed_tokens = draft_computed[seq.seq_id]
+            # A draft model's K/V of rejected drafts is not the sequence's.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             if rejected:
                 self.block_manager.release_slots(seq, seq.num_computed_tokens)
+            if not samples:
+                self.block_manager.cache_full_pages(seq)
+                continue
+            new_tokens: list[int] = []
+            finish_reason = stop_reason = None
+            for token in token_ids[i, : accepted + 1].tolist():
+                seq.append_token(token)
+                new_tokens.append(token)
+                finish_reason, stop_reason = self._finished_by(seq, token)
+                if finish_reason is not None:
+                    break
             self.block_manager.cache_full_pages(seq)
+            if finish_reason is not None:
+                self.finish(seq)
+            updates.append(
+                SequenceUpdate(seq, i, new_tokens, len(item.draft_token_ids), accepted, finish_reason, stop_reason)
+            )
+        return updates
+
+    def _finished_by(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """(finish_reason, stop_reason) of a sequence whose last token is `token`: ("stop", token) for a stop token
+        id, ("stop", None) for EOS, ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings
+        are the output processor's (jaxpage.output_processor)."""
+        params = seq.sampling_params
+        if params is not None and token in params.stop_token_ids:
+            return "stop", token
+        if (params is None or not params.ignore_eos) and token in self.config.eos_token_ids:
+            return "stop", None
+        max_tokens = params.max_tokens if params is not None else None
+        if max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens:
+            return "length", None
+        if self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None, None

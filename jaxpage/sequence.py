@@ -24,7 +24,8 @@ class Sequence:
     computes the prompt but its last token, the others share its pages (see Scheduler).
     With a draft model (speculative decoding), its own pool has the same pages: `num_draft_computed_tokens`, at
     most num_computed_tokens, of the tokens have their K/V there too. The draft model catches up only when the
-    sequence drafts (ModelRunner.catch_up), so that steps that do not draft do not run it.
+    sequence drafts (DraftModelRunner.catch_up), so that steps that do not draft do not run it. Only the scheduler
+    writes a Sequence (its block manager the block table): Scheduler.update_from_output after each step.
     """
 
     seq_id: int

@@ -231,7 +231,7 @@ def test_requests_that_arrive_during_a_step_all_join_the_next_one(llm, engine, m
 
     def slow_step():
         with llm.engine._lock:  # the whole step holds the engine's lock, as a long device step does
-            known_at_step.append(len(llm.engine._requests))
+            known_at_step.append(len(llm.engine.output_processor.requests))
             time.sleep(0.3)
             return step()
 

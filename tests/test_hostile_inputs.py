@@ -236,7 +236,7 @@ def test_a_request_failing_at_run_time_ends_alone(llm, fixed_tokens):
     def broken(token_id):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "the tokenizer broke")
 
-    engine._requests["bad"].detokenizers[0].add = broken
+    engine.output_processor.requests["bad"].detokenizers[0].add = broken
     finals = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

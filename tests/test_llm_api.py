@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -173,9 +174,15 @@ def test_n_samples_of_one_prompt(tiny_dir, expected_greedy):
     assert len({tuple(c.token_ids) for c in sampled.outputs}) == 3
 
 
+def set_eos_token_ids(llm, ids) -> None:
+    """The tokens that end a sequence, as the schedulers check them (Scheduler.update_from_output)."""
+    for replica in llm.engine.replicas:
+        replica.scheduler.config = dataclasses.replace(replica.scheduler.config, eos_token_ids=frozenset(ids))
+
+
 def test_stop_token_ids_eos_and_max_tokens(tiny_dir, expected_greedy):
     llm = make_llm(tiny_dir)
-    llm.engine.eos_token_ids = set()  # random weights may emit the tiny model's EOS anywhere; set again below
+    set_eos_token_ids(llm, ())  # random weights may emit the tiny model's EOS anywhere; set again below
     expected = expected_greedy[1]
     stop_at = next(i for i in range(3, len(expected)) if expected[i] not in expected[:i])  # a first occurrence
     token = expected[stop_at]
@@ -186,7 +193,7 @@ def test_stop_token_ids_eos_and_max_tokens(tiny_dir, expected_greedy):
     assert completion.token_ids == expected[: stop_at + 1]  # the stop token is kept in token_ids
     assert (completion.finish_reason, completion.stop_reason) == ("stop", token)
 
-    llm.engine.eos_token_ids = {token}
+    set_eos_token_ids(llm, {token})
     out = llm.generate(token_prompts(PROMPTS[1:2]), SamplingParams(temperature=0, max_tokens=12))
     assert out[0].outputs[0].token_ids == expected[: stop_at + 1] and out[0].outputs[0].finish_reason == "stop"
     out = llm.generate(token_prompts(PROMPTS[1:2]), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxpage.ngram_proposer import propose_ngram
+from jaxpage.spec_decode.ngram import propose_ngram
 
 
 def reference(tokens: list[int], k: int, low: int, high: int) -> tuple[list[int], int]:

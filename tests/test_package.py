@@ -86,13 +86,14 @@ HOST_MODULES = [
     "jaxpage.sequence",
     "jaxpage.sampling_params",
     "jaxpage.validation",
-    "jaxpage.speculative_config",
-    "jaxpage.ngram_proposer",
-    "jaxpage.spec_decode_stats",
-    "jaxpage.drafter",
-    "jaxpage.speculation_policy",
+    "jaxpage.spec_decode.config",
+    "jaxpage.spec_decode.ngram",
+    "jaxpage.spec_decode.stats",
+    "jaxpage.spec_decode.drafter",
+    "jaxpage.spec_decode.policy",
     "jaxpage.step_shapes",
     "jaxpage.replica",
+    "jaxpage.output_processor",
 ]
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxpage.rejection_sampler import target_probs, verify_drafts
 from jaxpage.sampler import SamplingMetadata
+from jaxpage.spec_decode.verification import target_probs, verify_drafts
 
 VOCAB = 5
 K = 3  # draft tokens per step

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxpage.block_manager import BlockManager
+from jaxpage.sampling_params import SamplingParams
 from jaxpage.scheduler import Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
 
@@ -21,13 +23,16 @@ def make_scheduler(num_pages=24, max_num_seqs=4, max_tokens=16, prefix_caching=T
     return Scheduler(SchedulerConfig(max_num_seqs, max_tokens), block_manager)
 
 
+def update(scheduler: Scheduler, output, token_of=lambda seq: 7) -> list:
+    """The scheduler's update after the step `output`, in which each sequence that samples draws token_of(seq)."""
+    tokens = np.array([token_of(item.seq) for item in output.scheduled], np.int32).reshape(-1, 1)
+    return scheduler.update_from_output(output, tokens)
+
+
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
-    """Schedules and commits one step as the engine does, appending `next_token` where a token is sampled."""
+    """Schedules and updates one step as the engine does, `next_token` sampled where a token is sampled."""
     output = scheduler.schedule()
-    scheduler.commit(output)
-    for item in output.scheduled:
-        if item.samples:
-            item.seq.append_token(next_token)
+    update(scheduler, output, lambda seq: next_token)
     return output
 
 
@@ -105,10 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq in running_before:
             if seq.status is SequenceStatus.WAITING:  # preempted
                 assert not seq.block_table and seq.num_computed_tokens == 0
-        self.scheduler.commit(output)
-        for item in output.scheduled:
-            if item.samples:
-                item.seq.append_token((item.seq.seq_id + item.seq.num_tokens) % 4)  # siblings differ
+        update(self.scheduler, output, lambda seq: (seq.seq_id + seq.num_tokens) % 4)  # siblings differ
         for seq, max_out in list(self.live):
             if seq.status is SequenceStatus.RUNNING and len(seq.output_token_ids) >= max_out:
                 self.scheduler.finish(seq)
@@ -216,11 +218,8 @@ def run_group(scheduler: Scheduler, seqs: list[Sequence], max_outs: list[int], c
         assert output.scheduled
         if check is not None:
             check(output)
-        scheduler.commit(output)
+        update(scheduler, output, lambda seq: (seq.seq_id + seq.num_tokens) % 4)
         total += output.num_batched_tokens
-        for item in output.scheduled:
-            if item.samples:
-                item.seq.append_token((item.seq.seq_id + item.seq.num_tokens) % 4)
         for seq, max_out in zip(seqs, max_outs, strict=True):
             if seq.status is SequenceStatus.RUNNING and len(seq.output_token_ids) >= max_out:
                 scheduler.finish(seq)
@@ -239,7 +238,7 @@ def test_parallel_samples_compute_the_prompt_once(prefix_caching):
     first = scheduler.schedule()
     assert [(i.seq, i.num_new_tokens, i.samples) for i in first.scheduled] == [(parent, 9, False)]
     assert all(seq.status is SequenceStatus.WAITING for seq in children)  # waiting for the prompt
-    scheduler.commit(first)
+    update(scheduler, first)
     second = scheduler.schedule()  # every sample computes token 9 from its own row
     assert [(i.seq, i.num_computed_tokens, i.num_new_tokens) for i in second.scheduled] == [(s, 9, 1) for s in seqs]
     assert all(item.samples for item in second.scheduled)
@@ -250,9 +249,7 @@ def test_parallel_samples_compute_the_prompt_once(prefix_caching):
     assert len(set(tails)) == 4
     assert second.page_copies == [(tails[0], tail) for tail in tails[1:]]
     bm.check_invariants()
-    scheduler.commit(second)
-    for item in second.scheduled:
-        item.seq.append_token(item.seq.seq_id)
+    update(scheduler, second, lambda seq: seq.seq_id)
     third = scheduler.schedule()  # decodes: each writes its own page, nothing is copied
     assert [(i.seq, i.num_new_tokens) for i in third.scheduled] == [(s, 1) for s in seqs] and not third.page_copies
     for seq in seqs:
@@ -334,11 +331,74 @@ def test_abort_before_and_after_the_fork():
             scheduler.add(seq)
         for _ in range(abort_at):
             output = scheduler.schedule()
-            scheduler.commit(output)
-            for item in output.scheduled:
-                if item.samples:
-                    item.seq.append_token(item.seq.seq_id)
+            update(scheduler, output, lambda seq: seq.seq_id)
         for seq in seqs:
             scheduler.finish(seq)
         assert not unfinished(scheduler) and scheduler.block_manager.num_used_pages == 0
         scheduler.block_manager.check_invariants()
+
+
+# ----- the update after a step: the one writer of tokens, computed counts and ending by token or length -----
+
+
+def one_decoding_sequence(params=None, eos=frozenset(), max_model_len=None, prompt_len=6):
+    """A scheduler (page size 4) whose one sequence has computed its prompt and decodes next."""
+    config = SchedulerConfig(4, 16, max_model_len, eos)
+    scheduler = Scheduler(config, BlockManager(24, PAGE_SIZE, True))
+    seq = Sequence(0, list(range(1, prompt_len + 1)), sampling_params=params)
+    scheduler.add(seq)
+    update(scheduler, scheduler.schedule(), lambda s: 100)  # the prompt, then its first token
+    return scheduler, seq
+
+
+@pytest.mark.parametrize(
+    ("params", "eos", "max_model_len", "tokens", "expected"),
+    [
+        (SamplingParams(max_tokens=None), frozenset(), None, [5, 6], (None, None, 3)),
+        (SamplingParams(max_tokens=None, stop_token_ids=[5]), frozenset(), None, [5], ("stop", 5, 2)),
+        (SamplingParams(max_tokens=None), frozenset({5}), None, [5], ("stop", None, 2)),
+        (SamplingParams(max_tokens=None, ignore_eos=True), frozenset({5}), None, [5, 6], (None, None, 3)),
+        (SamplingParams(max_tokens=3), frozenset(), None, [5, 6], ("length", None, 3)),
+        (SamplingParams(max_tokens=None), frozenset(), 8, [5], ("length", None, 2)),
+        # a stop token id that is also EOS, at max_tokens: "stop" with the token, as vLLM says
+        (SamplingParams(max_tokens=2, stop_token_ids=[5]), frozenset({5}), None, [5], ("stop", 5, 2)),
+    ],
+)
+def test_the_update_appends_sampled_tokens_and_ends_by_token_or_length(params, eos, max_model_len, tokens, expected):
+    params.validate()
+    scheduler, seq = one_decoding_sequence(params, eos, max_model_len)
+    for token in tokens:
+        (result,) = update(scheduler, scheduler.schedule(), lambda s, token=token: token)
+    assert (result.finish_reason, result.stop_reason, len(seq.output_token_ids)) == expected
+    assert result.token_ids == [tokens[-1]]
+    ended = expected[0] is not None
+    assert (seq.status is SequenceStatus.FINISHED) == ended
+    assert scheduler.block_manager.num_used_pages == (0 if ended else 2)  # 6 + 2 tokens computed, pages of 4
+    scheduler.block_manager.check_invariants()
+
+
+def test_the_update_keeps_accepted_drafts_gives_back_rejected_slots_and_caches_full_pages():
+    scheduler, seq = one_decoding_sequence(SamplingParams(max_tokens=None), prompt_len=6)
+    bm = scheduler.block_manager
+    assert seq.num_tokens == 7 and seq.num_computed_tokens == 6
+    output = scheduler.schedule({seq.seq_id: [8, 9, 10, 11, 12]})  # token 6 and a draft of 5: 6 slots, to 12
+    assert len(seq.block_table) == 3
+    seq.num_draft_computed_tokens = 3
+    tokens = np.array([[8, 9, 42, -1, -1, -1]], np.int32)  # 2 drafts accepted, then the target's 42
+    (result,) = scheduler.update_from_output(output, tokens, np.array([2]), draft_computed={seq.seq_id: 12})
+    assert result.token_ids == [8, 9, 42] and (result.num_draft_tokens, result.num_accepted) == (5, 2)
+    assert seq.token_ids[6:] == [100, 8, 9, 42] and seq.num_computed_tokens == 9
+    assert seq.num_draft_computed_tokens == 9  # the draft pool's K/V past the accepted tokens is not the sequence's
+    assert len(seq.block_table) == 3 and bm.num_used_pages == 3  # slots of the 3 rejected drafts given back
+    assert bm.cached_prefix_tokens(seq.token_ids) == 8  # the two full pages, cached once
+    bm.check_invariants()
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_the_sequence_there():
+    scheduler, seq = one_decoding_sequence(SamplingParams(max_tokens=None, stop_token_ids=[9]))
+    output = scheduler.schedule({seq.seq_id: [8, 9, 10]})
+    tokens = np.array([[8, 9, 10, 11]], np.int32)  # every draft accepted
+    (result,) = scheduler.update_from_output(output, tokens, np.array([3]))
+    assert result.token_ids == [8, 9] and (result.finish_reason, result.stop_reason) == ("stop", 9)
+    assert seq.output_token_ids == [100, 8, 9] and seq.status is SequenceStatus.FINISHED
+    assert scheduler.block_manager.num_used_pages == 0 and not scheduler.running

@@ -233,7 +233,7 @@ def aborted(llm, monkeypatch) -> list[str]:
 
     def record(request_ids):
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if request_id in llm.engine._requests:
+            if request_id in llm.engine.output_processor.requests:
                 ids.append(request_id)
         abort(request_ids)
 
@@ -342,7 +342,7 @@ def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(full_vocab_dir, **ENGINE, speculative_config=spec)
-    llm.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    llm.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
     llm.generate([{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}], SamplingParams(temperature=0, max_tokens=12))
     stats = llm.engine.spec_decoding_stats
     assert stats.num_drafts > 0

@@ -41,8 +41,8 @@ def make_llm(model_dir, speculative_config=None, always_verify=True, **engine_ar
     times on this machine, is tested on its own)."""
     args = dict(load_format="dummy", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     llm = LLM(model_dir, skip_tokenizer_init=True, speculative_config=speculative_config, **args | engine_args)
-    if always_verify:
-        llm.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    if always_verify and speculative_config is not None:
+        llm.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
     return llm
 
 
@@ -170,7 +170,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dir):
 
 def test_sampled_tokens_are_plain_samplings(tmp_path):
     """Seeded sampling gives the tokens that plain sampling with the same seeds gives (n-gram drafts are verified
-    by a coupling of rejection sampling, see jaxpage.rejection_sampler), and the joint distribution of the first
+    by a coupling of rejection sampling, see jaxpage.spec_decode.verification), and the joint distribution of the first
     three tokens matches that of plain sampling with other seeds, by a chi-square test of homogeneity over 2400
     requests each; temperature, top-k and top-p settings. The prompt holds every token, so that n-gram lookup
     always drafts: the second and third tokens of rows that verify come out of verification."""
@@ -368,7 +368,7 @@ def test_a_draft_model_runs_only_in_steps_that_verify(draft_pair, engine):
     plain = make_llm(target, load_format="auto", **ENGINES[engine])
     spec = make_llm(target, draft_config(target), always_verify=False, load_format="auto", **ENGINES[engine])
     offers = iter(range(10**6))
-    spec.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: next(offers) % 3 == 0
+    spec.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: next(offers) % 3 == 0
     runner = spec.engine.draft_runner
     calls = {"propose": 0, "catch_up": 0}
 
@@ -394,7 +394,7 @@ def test_stop_strings_and_mixed_greedy_and_sampled_rows(tiny_dir):
     args = dict(load_format="auto", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=4)
     plain = LLM(tiny_dir, **args)
     spec = LLM(tiny_dir, speculative_config=NGRAM, **args)
-    spec.engine.speculation_policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    spec.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
     requests = without_float_ties(plain, prompts(8, seed=11), 30)
     free = plain.generate(requests, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     params = []

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxpage.spec_decode_stats import SpecDecodingStats
+from jaxpage.spec_decode.stats import SpecDecodingStats
 
 
 def test_counts_and_rates_by_hand():

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxpage.drafter import Draft
-from jaxpage.speculation_policy import EXPLORE_AFTER, MAX_EXPLORE_AFTER, SpeculationPolicy
+from jaxpage.spec_decode.drafter import Draft
+from jaxpage.spec_decode.policy import EXPLORE_AFTER, MAX_EXPLORE_AFTER, SpeculationPolicy
 from jaxpage.step_shapes import StepShape
 
 

@@ -3,7 +3,7 @@ drafts.
 
 A draft never reaches past what the sequence may still generate: its max_tokens and the engine's max_model_len
 leave room for the draft and the token the target emits after it. The n-gram drafter proposes by prompt lookup
-(jaxpage.ngram_proposer); each of its drafts is of the kind of its match length n, which the speculation policy
+(jaxpage.spec_decode.ngram); each of its drafts is of the kind of its match length n, which the speculation policy
 uses to estimate acceptance. A draft model's drafts come from the device (ModelRunner.propose), after the scheduler
 has reserved their slots: here, the draft-model drafter only says how many tokens each sequence may draft.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpage.ngram_proposer import propose_ngram
 from jaxpage.sequence import Sequence
-from jaxpage.speculative_config import SpeculativeConfig
+from jaxpage.spec_decode.config import SpeculativeConfig
+from jaxpage.spec_decode.ngram import propose_ngram
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": M, "prompt_lookup_min": m}
     {"method": "draft_model", "model": SRC, "num_speculative_tokens": k}
 
-`ngram` drafts by prompt lookup (jaxpage.ngram_proposer). As in vLLM, a missing prompt_lookup_min or
+`ngram` drafts by prompt lookup (jaxpage.spec_decode.ngram). As in vLLM, a missing prompt_lookup_min or
 prompt_lookup_max takes the other's value, and both default to 5. `draft_model` drafts with a smaller model,
 loaded from SRC (anything `load_model` takes: an HF directory, a .gguf file, a jaxpage checkpoint), which must
 share the target's vocabulary. A "model" without a "method" means draft_model, as in vLLM.

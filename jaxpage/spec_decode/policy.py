@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from jaxpage.drafter import Draft
+from jaxpage.spec_decode.drafter import Draft
 from jaxpage.step_shapes import StepShape
 
 PRIOR_ALPHA = 0.2  # weight of any draft in the average over all kinds (kinds not seen yet start from it)

@@ -4,10 +4,11 @@ speaks the target's tokens.
 A draft model proposes token ids that the target verifies, so both must mean the same thing by every id: the same
 vocabulary size, the same special tokens (BOS, EOS), and, where both have a tokenizer, the same vocabulary. Its KV
 cache is a second page pool with the target's pages and page size, addressed through the same block tables. It
-runs only in steps that verify its drafts: first it computes the tokens the target computed since (ModelRunner
-.catch_up; Sequence.num_draft_computed_tokens counts those it holds), then its proposals (ModelRunner.propose) write
-into the slots the scheduler reserved for the draft. Steps that do not draft (prefill, or decoding when the
-speculation policy says drafting does not pay) cost what they cost without a draft model.
+runs only in steps that verify its drafts: first it computes the tokens the target computed since
+(DraftModelRunner.catch_up; Sequence.num_draft_computed_tokens counts those it holds), then its proposals
+(DraftModelRunner.propose) write into the slots the scheduler reserved for the draft. Steps that do not draft
+(prefill, or decoding when the speculation policy says drafting does not pay) cost what they cost without a draft
+model.
 """
 
 from __future__ import annotations
