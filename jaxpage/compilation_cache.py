@@ -18,11 +18,13 @@ the directory as you would your code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
 import os
 import pickle
+import time
 from pathlib import Path
 
 import jax
@@ -30,6 +32,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from jaxpage.models.default_model import cache_dir
+from jaxpage.step_shapes import StepShape
 
 logger = logging.getLogger("jaxpage")
 
@@ -129,3 +132,41 @@ class CompilationCache:
         entries = sorted(self.directory.glob("*.program"), key=lambda p: p.stat().st_mtime)
         for path in entries[: max(0, len(entries) - MAX_PROGRAMS)]:
             path.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledShape:
+    program: str  # "forward" (the model, for a StepShape), "sample" (LM head and sampler, for R rows), "verify"
+    # (LM head and verification, for (R rows, k draft tokens)), "pool", "copy"
+    shape: StepShape | int | tuple
+    seconds: float = 0.0  # lowering and compiling (or loading from a cache)
+    loaded: bool = False  # from the compilation cache: neither traced, lowered nor compiled
+
+    def __str__(self) -> str:
+        shape = self.shape
+        if self.program == "sample":
+            shape = f"rows={self.shape}"
+        elif self.program in ("verify", "propose"):
+            shape = "rows={}, k={}".format(*self.shape)
+        return f"{self.program} {shape}: {'loaded' if self.loaded else 'compiled'} in {self.seconds:.2f}s"
+
+
+def load_or_compile(
+    cache: CompilationCache | None, what: CompiledShape, static: tuple, args: tuple, devices: list, compile_it
+) -> tuple[jax.stages.Compiled, CompiledShape]:
+    """(the program `what` from `cache`, else compile_it() (kept in the cache), and `what` with its seconds and
+    whether it was loaded). Its key (program_key): `static` and the arguments' shapes and dtypes; with several
+    processes, this one's index too (each compiles its own part of the program)."""
+    start = time.perf_counter()
+    key = None
+    if cache is not None:
+        if jax.process_count() > 1:
+            static = (*static, "process", jax.process_index(), jax.process_count())
+        key = program_key(what.program, static, args)
+        executable = cache.load(key, devices)
+        if executable is not None:
+            return executable, dataclasses.replace(what, seconds=time.perf_counter() - start, loaded=True)
+    executable = compile_it()
+    if key is not None:
+        cache.store(key, executable)
+    return executable, dataclasses.replace(what, seconds=time.perf_counter() - start)

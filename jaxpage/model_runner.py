@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
-import time
 from collections.abc import Callable
 
 import jax
@@ -27,24 +25,22 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpage.attention import AttentionBackend, PagedAttention, PagedBatch
-from jaxpage.compilation_cache import CompilationCache, program_key
+from jaxpage.attention import AttentionBackend, PagedAttention
+from jaxpage.compilation_cache import CompilationCache, CompiledShape, load_or_compile
 from jaxpage.config import ModelConfig
-from jaxpage.kv_cache import KVCache, copy_pages
+from jaxpage.kv_cache import KVCache
+from jaxpage.kv_pool import COPY_CHUNK, KVPool, copy_chunks
 from jaxpage.models.llama import Llama, build, params_dtype
-from jaxpage.parallel import DATA_AXIS, TP_AXIS, local_params, param_specs, shard_config
-from jaxpage.sampler import SamplingMetadata, sample, sampled_logprobs, sampling_metadata_from_params
+from jaxpage.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
+from jaxpage.sampler import sample, sampled_logprobs
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import SchedulerOutput
 from jaxpage.spec_decode.verification import verify_drafts
-from jaxpage.step_broadcast import Header, Message, StepBroadcast, unpack
+from jaxpage.step_broadcast import Header, Message, unpack
+from jaxpage.step_inputs import SampleInput, StepInput, StepInputs
 from jaxpage.step_shapes import StepShape, step_shapes
 
 logger = logging.getLogger("jaxpage")
 
-REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel replicas: one each
-POOL_BYTES_TOLERANCE = 0.02  # how far the compiled pool's bytes may stray from the budget arithmetic's
-COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS  # top logprobs a step returns when some row asks for logprobs
 
 
@@ -52,53 +48,6 @@ def fetch(x: jax.Array) -> np.ndarray:
     """A result on the host. One that spans the devices of several processes is whole on each device (gathered or
     replicated): this process reads its own copy."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
-
-
-def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
-    """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
-    padded to num_rows."""
-    return sampling_metadata_from_params(
-        [item.seq.sampling_params if item.samples else None for item in items],
-        steps=[len(item.seq.output_token_ids) for item in items],
-        seeds=[item.seq.seed for item in items],
-        num_rows=num_rows,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledShape:
-    program: str  # "forward" (the model, for a StepShape), "sample" (LM head and sampler, for R rows), "verify"
-    # (LM head and verification, for (R rows, k draft tokens)), "pool", "copy"
-    shape: StepShape | int | tuple
-    seconds: float = 0.0  # lowering and compiling (or loading from a cache)
-    loaded: bool = False  # from the compilation cache: neither traced, lowered nor compiled
-
-    def __str__(self) -> str:
-        shape = self.shape
-        if self.program == "sample":
-            shape = f"rows={self.shape}"
-        elif self.program in ("verify", "propose"):
-            shape = "rows={}, k={}".format(*self.shape)
-        return f"{self.program} {shape}: {'loaded' if self.loaded else 'compiled'} in {self.seconds:.2f}s"
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepInput:
-    token_ids: jax.Array  # [T] int32
-    positions: jax.Array  # [T] int32
-    attention: PagedBatch
-    logits_indices: jax.Array  # [R * (k + 1)] int32, the tokens whose logits each sampler row uses (k: see SampleInput)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SampleInput:
-    sampling: SamplingMetadata  # [R] rows
-    want_logprobs: jax.Array  # [] bool: some row asks for logprobs (else they are not computed)
-    draft_tokens: jax.Array  # [R, k] int32: each row's draft tokens (k = 0: a plain step, one token per row)
-    num_drafts: jax.Array  # [R] int32 in [0, k]: how many of its k are real
-    draft_probs: jax.Array | None = None  # [R, k, V] float32 the draft model's distributions; None: point masses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +82,6 @@ class ModelRunner:
         max_verify_rows: int = 0,
         draft_probs: bool = False,
         mesh: jax.sharding.Mesh | None = None,
-        channel: StepBroadcast | None = None,
-        channel_runner: int = 0,
         compile_only: bool = False,
     ):
         self.config = config  # the whole model's (with_replicated_kv_heads under tensor parallelism)
@@ -151,27 +98,30 @@ class ModelRunner:
         self.tensor_parallel_size = 1 if self.mesh is None else self.mesh.shape[TP_AXIS]
         self.data_parallel_size = 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
         self.pages_per_replica = num_pages
-        # Several hosts (jaxpage.step_broadcast): process 0 tells the others each program it launches, as runner
-        # `channel_runner` (0: the target model's, 1: a draft model's); they `replay` it.
-        self.channel = channel
-        self.channel_runner = channel_runner
+        # Every program this runner launches goes through `door` (kind, key, payload, flag, draft_probs), which
+        # calls `run`: jaxpage.executor.Executor makes it the one door to the device (several hosts hear of each
+        # launch there); alone, a runner's door is its `run`.
+        self.door = self.run
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
         self._param_specs = param_specs(params)
         self._pool_specs = backend.pool_specs()
+        split_kv = self.tensor_parallel_size
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
         shard = shard_config(config, self.tensor_parallel_size) if split else config
         tp_axis = TP_AXIS if split else None
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
-        self._pool_layout = backend.pool_layout(
-            config, num_pages * self.data_parallel_size, page_size, dtype, self.tensor_parallel_size
-        )
-        self._fill_pool = None  # the program that makes a zeroed pool
-        self.kv_cache = self._pool_shapes() if compile_only else self._allocate_pool()
+        layout = backend.pool_layout(config, num_pages * self.data_parallel_size, page_size, dtype, split_kv)
+        replicated = self._replicated if compile_only else None
+        self.pool = KVPool(layout, self._pool_specs, self.mesh, replicated, self._abstract, self._load_or_compile)
+        # Compile-only: the pool as ShapeDtypeStructs where it would live, which no program fills.
+        self.pool.cache = self.pool.shapes() if compile_only else self.pool.allocate()
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.shapes = step_shapes(max_num_seqs, max_num_batched_tokens, num_speculative_tokens, max_verify_rows)
-        self.draft_probs = draft_probs  # verify steps take the draft model's distributions (else point masses)
-        self.block_table_width = math.ceil(max_model_len / page_size)
+        # Verify steps take the draft model's distributions where draft_probs (else point masses).
+        draft_vocab = config.vocab_size if draft_probs else 0
+        stack = self.mesh is not None
+        self.inputs = StepInputs(self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab)
         self.models = {  # by the shapes' max_q_len
             q_len: build(
                 shard,
@@ -186,8 +136,15 @@ class ModelRunner:
         self.samplers: dict[tuple[int, int], jax.stages.Compiled] = {}  # LM head and sampler, by (rows, k)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
         self._sample = jax.jit(self._sample_fn)
-        self._copy_pages_jit = jax.jit(copy_pages, donate_argnums=(0,))
-        self._copy_chunk = None  # the copy of COPY_CHUNK pages, compiled at its first use
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The pool's arrays (jaxpage.kv_pool): every program that writes K/V takes them and gives them back."""
+        return self.pool.cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: KVCache) -> None:
+        self.pool.cache = cache
 
     @property
     def num_compilations(self) -> int:
@@ -197,34 +154,10 @@ class ModelRunner:
     # ----- device side -----
 
     def _on_shards(self, fn, in_specs: tuple, out_specs, gather: bool = False):
-        """fn (whose first argument is the parameters) as each device runs it on several devices: its shard of the
-        parameters, the pool and the arrays as `in_specs` say, under shard_map; fn itself on one device. Arrays
-        stacked over the data-parallel replicas (spec REPLICAS) reach fn as the device's replica's (and its results
-        under REPLICAS are stacked back). gather (for results out_specs REPLICAS): every replica's results on every
-        device, so that each process can read them all."""
+        """fn (whose first argument is the parameters) as each device runs it (jaxpage.parallel.on_shards)."""
         if self.mesh is None:
             return fn
-
-        def unstack(tree):
-            return jax.tree.map(lambda x: x[0], tree)
-
-        def on_shard(params, *args):
-            args = [unstack(a) if spec == REPLICAS else a for a, spec in zip(args, in_specs, strict=True)]
-            out = fn(local_params(params) if self.tensor_parallel_size > 1 else params, *args)
-            if out_specs == REPLICAS:
-                out = jax.tree.map(lambda x: x[None], out)
-                return jax.tree.map(lambda x: lax.all_gather(x, DATA_AXIS, tiled=True), out) if gather else out
-            return tuple(
-                jax.tree.map(lambda x: x[None], o) if spec == REPLICAS else o
-                for o, spec in zip(out, out_specs, strict=True)
-            )
-
-        specs = (self._param_specs, *in_specs)
-        # check_vma off: the attention loops carry values that vary over the shards from initial values that do
-        # not, which its check refuses; what the programs return whole (P()) is the same on every shard by
-        # construction (after an all-reduce or all-gather), as the tests that compare with one device show.
-        outs = P() if gather else out_specs
-        return jax.shard_map(on_shard, mesh=self.mesh, in_specs=specs, out_specs=outs, check_vma=False)
+        return on_shards(fn, self.mesh, self._param_specs, in_specs, out_specs, gather)
 
     def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, max_q_len: int):
         """(hidden states [R * (k + 1), hidden] of the tokens the sampler's rows use, kv_cache with the step's
@@ -274,7 +207,7 @@ class ModelRunner:
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
-        step, _ = self._padding_input(shape)
+        step, _ = self.inputs.padding(shape)
         args = (self.params, self.kv_cache, self._abstract(step))
         executable = self._load_or_compile(
             CompiledShape("forward", shape), args, lambda: self._forward.lower(*args, shape.max_q_len).compile()
@@ -286,7 +219,7 @@ class ModelRunner:
         """The LM head and sampler (or verification) of `shape`'s sample rows and k, as `compile` gets the forward
         pass."""
         rows, k = shape.sample_rows, shape.num_draft_positions
-        _, inputs = self._padding_input(shape)
+        _, inputs = self.inputs.padding(shape)
         hidden_shape = (rows * (k + 1), self.config.hidden_size)
         if self.mesh is not None:
             hidden_shape = (self.data_parallel_size, *hidden_shape)
@@ -300,35 +233,15 @@ class ModelRunner:
         self.samplers[rows, k] = executable
         return executable
 
-    def _run_forward(self, shape: StepShape, step: StepInput) -> None:
-        self._send(Message.FORWARD, shape, step)
-        _, self.kv_cache = self._forward_program(shape)(self.params, self.kv_cache, step)
-
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
-        """The program `what` from the compilation cache, else compile_it() (kept in the cache). Its key: `static`
-        (default: the model config, the attention backend and what.shape) and the arguments' shapes and dtypes."""
-        start = time.perf_counter()
-        key = None
-        if self.compilation_cache is not None:
-            static = (self.config, self.backend, what.shape) if static is None else static
-            static = (*static, self.tensor_parallel_size)
-            if jax.process_count() > 1:  # each process compiles its own part of the program
-                static = (*static, "process", jax.process_index(), jax.process_count())
-            key = program_key(what.program, static, args)
-            devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-            executable = self.compilation_cache.load(key, devices)
-            if executable is not None:
-                self._log(dataclasses.replace(what, seconds=time.perf_counter() - start, loaded=True))
-                return executable
-        executable = compile_it()
-        if key is not None:
-            self.compilation_cache.store(key, executable)
-        self._log(dataclasses.replace(what, seconds=time.perf_counter() - start))
+        """The program `what` (jaxpage.compilation_cache.load_or_compile), keyed by `static` (default: the model
+        config, the attention backend and what.shape) and the arguments' shapes and dtypes; logged."""
+        static = (*((self.config, self.backend, what.shape) if static is None else static), self.tensor_parallel_size)
+        devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+        executable, done = load_or_compile(self.compilation_cache, what, static, args, devices, compile_it)
+        self.compile_log.append(done)
+        logger.info("%s", done)
         return executable
-
-    def _log(self, compiled: CompiledShape) -> None:
-        self.compile_log.append(compiled)
-        logger.info("%s", compiled)
 
     def warmup(self) -> list[CompiledShape]:
         """Compiles every step shape and sampler shape not compiled yet (and the page copy); returns what it
@@ -355,11 +268,11 @@ class ModelRunner:
                 samplers.add((rows, k))
                 what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
                 programs.append((what, functools.partial(self._sampler_program, shape)))
-        programs.append((CompiledShape("copy", COPY_CHUNK), self._copy_program))
+        programs.append((CompiledShape("copy", COPY_CHUNK), self.pool.copy_program))
         return programs
 
     def _pool_warmup(self) -> tuple[CompiledShape, Callable[[], jax.stages.Compiled]]:
-        return CompiledShape("pool", self._pool_layout.k.shape), self._pool_program
+        return CompiledShape("pool", self.pool.layout.k.shape), self.pool.fill_program
 
     def _forward_program(self, shape: StepShape) -> jax.stages.Compiled:
         return self.executables.get(shape) or self.compile(shape)
@@ -369,133 +282,6 @@ class ModelRunner:
 
     # ----- host side -----
 
-    def shape_for(self, *outputs: SchedulerOutput) -> StepShape:
-        """The smallest shape of the step's kind that holds it (or each data-parallel replica's step, all padded to
-        one shape): verify if some sequence brings draft tokens (the scheduler keeps those to steps without
-        prefill; speculative decoding runs without data parallelism), else decode if every sequence has one new
-        token, else mixed."""
-        items = [item for output in outputs for item in output.scheduled]
-        rows = max(len(output.scheduled) for output in outputs)
-        if any(item.draft_token_ids for item in items):
-            return self.smallest_shape("verify", rows)
-        if all(item.num_new_tokens == 1 for item in items):
-            return self.smallest_shape("decode", rows)
-        return self.smallest_shape("mixed", max(output.num_batched_tokens for output in outputs))
-
-    def smallest_shape(self, kind: str, size: int) -> StepShape:
-        """The smallest shape of `kind` for `size` sequences (decode, verify) or tokens (mixed)."""
-        return next(
-            s for s in self.shapes if s.kind == kind and (s.num_tokens if kind == "mixed" else s.num_rows) >= size
-        )
-
-    def prepare(self, output: SchedulerOutput, shape: StepShape) -> tuple[StepInput, SampleInput]:
-        """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's (with a draft model's
-        distributions, for a verify step with drafts from a draft model)."""
-        items = output.scheduled
-        page_size = self.page_size
-        k = shape.num_draft_positions
-        assert len(items) <= shape.num_rows, (len(items), shape)
-        assert shape.max_q_len == 0 or all(item.num_new_tokens <= shape.max_q_len for item in items), shape
-        token_ids = np.zeros(shape.num_tokens, np.int32)
-        positions = np.zeros(shape.num_tokens, np.int32)
-        slot_mapping = np.zeros(shape.num_tokens, np.int32)  # padding tokens write into the null page
-        cu_q_lens = np.zeros(shape.num_rows + 1, np.int32)
-        kv_lens = np.zeros(shape.num_rows, np.int32)
-        block_tables = np.zeros((shape.num_rows, self.block_table_width), np.int32)
-        logits_indices = np.zeros((shape.sample_rows, k + 1), np.int32)
-        draft_tokens = np.zeros((shape.sample_rows, k), np.int32)
-        num_drafts = np.zeros(shape.sample_rows, np.int32)
-        start = 0
-        for row, item in enumerate(items):
-            seq, computed, n, drafts = item.seq, item.num_computed_tokens, item.num_new_tokens, item.draft_token_ids
-            end = start + n
-            known = n - len(drafts)  # the sequence's own tokens, then the drafts
-            token_ids[start : start + known] = seq.token_ids[computed : computed + known]
-            token_ids[start + known : end] = drafts
-            pos = np.arange(computed, computed + n, dtype=np.int32)
-            positions[start:end] = pos
-            table = np.asarray(seq.block_table, np.int32)
-            slot_mapping[start:end] = table[pos // page_size] * page_size + pos % page_size
-            block_tables[row, : len(table)] = table
-            kv_lens[row] = computed + n
-            # The last known token's logits, then each draft token's (repeated past the row's drafts).
-            logits_indices[row] = start + known - 1 + np.minimum(np.arange(k + 1), len(drafts))
-            draft_tokens[row, : len(drafts)] = drafts
-            num_drafts[row] = len(drafts)
-            cu_q_lens[row + 1] = end
-            start = end
-        cu_q_lens[len(items) + 1 :] = start
-        sampling = row_sampling(items, shape.sample_rows)
-        want_logprobs = any(
-            item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
-            for item in items
-        )
-        attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
-        step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1))
-        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts)
-
-    def _padding_input(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
-        """A step of `shape` with no sequence in it (for every replica, stacked, on several devices), with a draft
-        model's distributions (zeros) where its verify steps take them."""
-        step, inputs = self._step_template(shape)
-        k = shape.num_draft_positions
-        if self.draft_probs and k:
-            probs = np.zeros((shape.sample_rows, k, self.config.vocab_size), np.float32)
-            inputs = dataclasses.replace(inputs, draft_probs=self._stacked([probs] * self.data_parallel_size))
-        return step, inputs
-
-    def _step_template(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
-        """The arrays of a step of `shape` with no sequence in it, for every replica (stacked, on several devices),
-        without a draft model's distributions."""
-        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
-        return self._stacked([empty] * self.data_parallel_size)
-
-    def _stacked(self, per_replica: list):
-        """On several devices: the replicas' step arrays stacked on a leading axis (spec REPLICAS); on one, the one
-        replica's as they are."""
-        if self.mesh is None:
-            return per_replica[0]
-        assert len(per_replica) == self.data_parallel_size, (len(per_replica), self.data_parallel_size)
-        return jax.tree.map(lambda *xs: np.stack(xs), *per_replica)
-
-    def execute_replicas(
-        self, outputs: list[SchedulerOutput], draft_probs: jax.Array | None = None
-    ) -> list[StepOutput]:
-        """Runs one step of every data-parallel replica (an output each, in order; empty ones are padding), as one
-        program over the devices: their results, in order. draft_probs: from `propose` of the draft model, for its
-        verify step (one replica)."""
-        copies = [
-            (src + r * self.pages_per_replica, dst + r * self.pages_per_replica)
-            for r, output in enumerate(outputs)
-            for src, dst in output.page_copies
-        ]
-        if copies:  # in the whole pool, whose pages each replica has a range of
-            self.copy_pages(copies)
-        start = time.perf_counter()
-        shape = self.shape_for(*outputs)
-        prepared = [self.prepare(output, shape) for output in outputs]
-        step, sample_input = self._stacked(prepared)
-        dispatched = time.perf_counter()
-        self._send(Message.STEP, shape, (step, sample_input), flag=draft_probs is not None)
-        if draft_probs is not None:  # from propose, on the device (stacked on several devices, as propose runs)
-            sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
-        token_ids, num_accepted, logprobs = self._run_step(shape, step, sample_input)
-        want_logprobs = any(bool(s.want_logprobs) for _, s in prepared)
-        token_ids, num_accepted = fetch(token_ids), fetch(num_accepted)
-        logprobs = tuple(fetch(x) for x in logprobs) if want_logprobs else (None, None, None)
-        if self.mesh is None:  # one replica: give its results the replica axis they have on several devices
-            token_ids, num_accepted = token_ids[None], num_accepted[None]
-            logprobs = tuple(x if x is None else x[None] for x in logprobs)
-        device_s = time.perf_counter() - dispatched
-        results = []
-        for r, output in enumerate(outputs):
-            count = len(output.scheduled)
-            mine = tuple(x if x is None else x[r, :count] for x in logprobs)
-            results.append(
-                StepOutput(token_ids[r, :count], num_accepted[r, :count], *mine, shape, dispatched - start, device_s)
-            )
-        return results
-
     def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput) -> tuple:
         """The step's forward pass and sampler, launched (see _sample_on_shard for what they return)."""
         forward, sampler = self._forward_program(shape), self._sampler_program(shape)
@@ -504,38 +290,42 @@ class ModelRunner:
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
-        self._send(Message.RESET)
-        self.kv_cache = self._allocate_pool()
+        self._launch(Message.RESET)
 
-    # ----- several hosts (jaxpage.step_broadcast) -----
+    # ----- launching programs: one dispatch, on process 0 and on the processes that follow it -----
 
-    def _send(self, kind: Message, key: StepShape | int = 0, payload=None, flag: int = 0) -> None:
-        """On process 0 of several: tells the others the program launched next (key: its step shape, or a count)
-        and its host-made arrays."""
-        if self.channel is not None:
-            key = self.shapes.index(key) if isinstance(key, StepShape) else key
-            self.channel.send(kind, self.channel_runner, key, flag, payload)
+    def _launch(self, kind: Message, key: StepShape | int = 0, payload=None, flag: int = 0, draft_probs=None):
+        """Launches a program through the door (key: its step shape, or a count): what `run` returns."""
+        key = self.shapes.index(key) if isinstance(key, StepShape) else key
+        return self.door(kind, key, payload, flag, draft_probs)
 
-    def replay(self, header: Header, data: bytes, draft_probs: jax.Array | None = None) -> jax.Array | None:
-        """On a follower: launches the program process 0 launched (its message: header and data) on this process's
-        devices, with the arrays it made. Returns a proposal's distributions (for the verify step that follows, as
-        draft_probs), else None."""
-        kind = header.kind
+    def run(self, kind: Message, key: int, payload, flag: int = 0, draft_probs=None):
+        """Launches the program of message `kind` (key: a step shape's index, or a count) with its host-made arrays
+        `payload`: a STEP returns the sampler's device arrays (see _sample_on_shard); others return None. flag
+        (STEP): with `draft_probs`, a draft model's distributions, already on the device."""
         if kind is Message.RESET:
-            self.reset_kv_cache()
+            self.pool.cache = self.pool.allocate()
         elif kind is Message.COPY:
-            self._copy(*unpack(data, (np.zeros(header.key, np.int32),) * 2))
+            self.pool.copy(*payload)
         elif kind is Message.FORWARD:
-            shape = self.shapes[header.key]
-            self._run_forward(shape, unpack(data, self._step_template(shape)[0]))
+            _, self.kv_cache = self._forward_program(self.shapes[key])(self.params, self.kv_cache, payload)
         elif kind is Message.STEP:
-            shape = self.shapes[header.key]
-            step, sample_input = unpack(data, self._step_template(shape))
-            if header.flag:
+            step, sample_input = payload
+            if flag:
                 sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
-            self._run_step(shape, step, sample_input)
+            return self._run_step(self.shapes[key], step, sample_input)
         else:
-            raise ValueError(f"a model runner cannot replay message {kind.name}")
+            raise ValueError(f"a model runner cannot run message {kind.name}")
+        return None
+
+    def unpack(self, header: Header, data: bytes):
+        """The payload of a message process 0 sent (jaxpage.step_broadcast), as `run` takes it."""
+        if header.kind is Message.COPY:
+            return unpack(data, (np.zeros(header.key, np.int32),) * 2)
+        if header.kind is Message.FORWARD:
+            return unpack(data, self.inputs.template(self.shapes[header.key])[0])
+        if header.kind is Message.STEP:
+            return unpack(data, self.inputs.template(self.shapes[header.key]))
         return None
 
     def payload_sizes(self) -> set[int]:
@@ -546,67 +336,9 @@ class ModelRunner:
 
         sizes = {2 * COPY_CHUNK * np.dtype(np.int32).itemsize}
         for shape in self.shapes:
-            step, sample_input = self._step_template(shape)
+            step, sample_input = self.inputs.template(shape)
             sizes |= {size(step), size((step, sample_input))}
         return sizes
-
-    def _allocate_pool(self) -> KVCache:
-        """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's (got
-        once: a reset after a failed step reuses it)."""
-        return self._pool_program()()
-
-    def _pool_shardings(self) -> KVCache | None:
-        """Where the pool's arrays live: sharded over the mesh, on the parameters' device when compiling only for
-        one, else None (jax's default device)."""
-        if self.mesh is not None:
-            specs = dataclasses.astuple(self._pool_specs)
-            return KVCache(*(None if spec is None else NamedSharding(self.mesh, spec) for spec in specs))
-        if self.compile_only:
-            return jax.tree.map(lambda _: self._replicated, self._pool_layout)
-        return None
-
-    def _pool_shapes(self) -> KVCache:
-        """The pool as ShapeDtypeStructs placed where it would live (compile_only: the pool no program fills)."""
-        where = self._pool_shardings()
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._pool_layout, where)
-
-    def _pool_program(self) -> jax.stages.Compiled:
-        """The program that makes a zeroed pool (its output bytes: the pool's as the chip lays it out)."""
-        if self._fill_pool is None:
-            layout = self._pool_layout
-            zeros = jax.jit(
-                lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout),
-                out_shardings=self._pool_shardings(),
-            )
-            arrays = tuple((x.shape, x.dtype.name) for x in jax.tree.leaves(layout))
-            self._fill_pool = self._load_or_compile(
-                CompiledShape("pool", layout.k.shape), (), lambda: zeros.lower().compile(), static=arrays
-            )
-            self._check_pool_bytes(self._fill_pool)
-        return self._fill_pool
-
-    def _check_pool_bytes(self, fill_pool: jax.stages.Compiled) -> None:
-        if (undercount := self.pool_bytes_undercount(fill_pool)) is not None:
-            logger.warning("%s", undercount)
-
-    def pool_bytes_undercount(self, fill_pool: jax.stages.Compiled) -> str | None:
-        """What is wrong when the chip lays the pool out >2% larger than its shape says (tiles that pad it): the
-        budget arithmetic the engine sized the pool with then undercounts it. None otherwise (measured equal on TPU
-        v5e/v6e/v5p and H100 for every KV format at page sizes 8, 16, 32; scripts/compile_for.py checks the same
-        per target), or when the executable cannot describe itself."""
-        try:
-            compiled = fill_pool.memory_analysis().output_size_in_bytes
-        except Exception:  # nothing to compare
-            return None
-        devices = 1 if self.mesh is None else self.mesh.size  # every pool array is split over every device
-        shaped = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._pool_layout)) // devices
-        if compiled <= (1 + POOL_BYTES_TOLERANCE) * shaped:
-            return None
-        return (
-            f"the KV pool takes {compiled} bytes per device as compiled, {100 * (compiled / shaped - 1):.1f}% more "
-            f"than the {shaped} its shape and the budget arithmetic say: the memory budget undercounts it; lower "
-            "gpu_memory_utilization or num_pages"
-        )
 
     @property
     def _replicated(self):
@@ -625,34 +357,10 @@ class ModelRunner:
             lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated), tree
         )
 
-    def _copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self._send(Message.COPY, len(src), (src, dst))
-        if len(src) != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
-            self.kv_cache = self._copy_pages_jit(self.kv_cache, src, dst)
-            return
-        self.kv_cache = self._copy_program()(self.kv_cache, src, dst)
-
-    def _copy_program(self) -> jax.stages.Compiled:
-        """The copy of COPY_CHUNK pages (compiled at its first use or at warm-up)."""
-        if self._copy_chunk is None:
-            ids = np.zeros(COPY_CHUNK, np.int32)
-            args = (self.kv_cache, *self._abstract((ids, ids)))
-            self._copy_chunk = self._load_or_compile(
-                CompiledShape("copy", COPY_CHUNK), args, lambda: self._copy_pages_jit.lower(*args).compile()
-            )
-        return self._copy_chunk
-
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """The copy-on-write copies (src, dst) of a step, applied as if all at once (every source read before any
         destination is written). COPY_CHUNK at a time, so that one compiled program serves any number, unless a
         destination is also a source (a page freed and reused within the step): then in one call, whose size
         may compile anew (rare)."""
-        sources = {src for src, _ in copies}
-        chunk = COPY_CHUNK if not any(dst in sources for _, dst in copies) else max(COPY_CHUNK, len(copies))
-        for start in range(0, len(copies), chunk):
-            part = copies[start : start + chunk]
-            size = COPY_CHUNK if chunk == COPY_CHUNK else 1 << (len(part) - 1).bit_length()
-            src = np.zeros(size, np.int32)  # padded with (0, 0): copies of the null page onto itself
-            dst = np.zeros(size, np.int32)
-            src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
-            self._copy(src, dst)
+        for src, dst in copy_chunks(copies):
+            self._launch(Message.COPY, len(src), (src, dst))

@@ -1,8 +1,8 @@
 """Several devices: a JAX mesh with axes ("data", "model"), and how parameters and the KV pool are split over it.
 
 Data parallelism (axis "data") gives each replica its own range of the pool's pages and the whole model (see
-jaxpage.replica and ModelRunner.execute_replicas). Tensor parallelism splits the model as Megatron does, over the
-axis "model" (TP shards):
+jaxpage.replica and jaxpage.executor.Executor.execute). Tensor parallelism splits the model as Megatron does, over
+the axis "model" (TP shards):
     q/k/v projections and gate/up      by output columns (heads, intermediate features)
     o and down projections             by input rows (heads, intermediate features)
     embedding and LM head              by vocabulary
@@ -30,6 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,6 +39,7 @@ from jaxpage.config import ModelConfig
 MESH_AXES = ("data", "model")
 DATA_AXIS = "data"
 TP_AXIS = "model"
+REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel replicas: one each
 
 # The sharded axis of each parameter that is split (see jaxpage.models.llama for the tree); the rest is replicated.
 _SPLIT_AXIS = {
@@ -218,3 +220,32 @@ def device_bytes(tree) -> dict:
         for shard in leaf.addressable_shards:
             held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     return held
+
+
+def on_shards(fn, mesh: Mesh, param_specs: dict, in_specs: tuple, out_specs, gather: bool = False):
+    """fn (whose first argument is the parameters) as each device of `mesh` runs it: its shard of the parameters
+    (param_specs), the pool and the arrays as `in_specs` say, under shard_map. Arrays stacked over the data-parallel
+    replicas (spec REPLICAS) reach fn as the device's replica's (and its results under REPLICAS are stacked back).
+    gather (for results out_specs REPLICAS): every replica's results on every device, so that each process can
+    read them all."""
+
+    def unstack(tree):
+        return jax.tree.map(lambda x: x[0], tree)
+
+    def on_shard(params, *args):
+        args = [unstack(a) if spec == REPLICAS else a for a, spec in zip(args, in_specs, strict=True)]
+        out = fn(local_params(params) if mesh.shape[TP_AXIS] > 1 else params, *args)
+        if out_specs == REPLICAS:
+            out = jax.tree.map(lambda x: x[None], out)
+            return jax.tree.map(lambda x: lax.all_gather(x, DATA_AXIS, tiled=True), out) if gather else out
+        return tuple(
+            jax.tree.map(lambda x: x[None], o) if spec == REPLICAS else o
+            for o, spec in zip(out, out_specs, strict=True)
+        )
+
+    specs = (param_specs, *in_specs)
+    # check_vma off: the attention loops carry values that vary over the shards from initial values that do
+    # not, which its check refuses; what the programs return whole (P()) is the same on every shard by
+    # construction (after an all-reduce or all-gather), as the tests that compare with one device show.
+    outs = P() if gather else out_specs
+    return jax.shard_map(on_shard, mesh=mesh, in_specs=specs, out_specs=outs, check_vma=False)

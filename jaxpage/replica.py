@@ -29,6 +29,28 @@ class Replica:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
 
+class Replicas(list):
+    """The engine's replicas, in order, and their counts summed over them."""
+
+    def num_running(self) -> int:
+        return sum(len(r.scheduler.running) for r in self)
+
+    def num_waiting(self) -> int:
+        return sum(len(r.scheduler.waiting) for r in self)
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV pages in use (the null pages not counted)."""
+        used = sum(r.block_manager.num_used_pages for r in self)
+        return used / max(sum(r.block_manager.num_pages - 1 for r in self), 1)
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there)."""
+        return (
+            sum(r.scheduler.num_prefix_query_tokens for r in self),
+            sum(r.scheduler.num_prefix_hit_tokens for r in self),
+        )
+
+
 def choose_replica(replicas: list[Replica], prompt_token_ids: list[int]) -> int:
     """The index of the replica a new request with this prompt goes to (see the module docstring)."""
     if len(replicas) == 1:

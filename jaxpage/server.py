@@ -57,7 +57,6 @@ def create_app(
     max_waiting_requests: int | None = None,
 ) -> FastAPI:
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
-    request_ids = itertools.count()
     metrics = ServerMetrics(engine.engine)
     engine.observers.append(metrics.observe)
 
@@ -78,6 +77,14 @@ def create_app(
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
 
+    _add_info_routes(app, engine, model_name, metrics)
+    _add_tokenizer_routes(app, engine, max_body_bytes)
+    _add_openai_routes(app, engine, model_name, max_body_bytes, max_waiting_requests)
+    return app
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+    """The chat page, /health, /metrics, /version and /v1/models."""
     chat_page = (Path(__file__).parent / "static" / "chat.html").read_text()
 
     @app.get("/", response_class=HTMLResponse)
@@ -107,22 +114,53 @@ def create_app(
         }
         return {"object": "list", "data": [model]}
 
-    async def read_body(request: Request):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return None, error_response(413, f"request body over {max_body_bytes} bytes")
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_body_bytes:
-                return None, error_response(413, f"request body over {max_body_bytes} bytes")
+
+def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int) -> None:
+    """/tokenize and /detokenize (vLLM's)."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body, error = await read_body(request, max_body_bytes)
+        if error is not None:
+            return error
+        tokenizer = engine.tokenizer
         try:
-            return json.loads(raw), None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return None, error_response(400, f"the body is not JSON ({e})")
+            if tokenizer is None:
+                raise ValueError("this server runs without a tokenizer (skip_tokenizer_init)")
+            if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+                raise ValueError("the body must be an object with either prompt (text) or messages")
+            if "messages" in body:
+                tokens = encode_chat(tokenizer, body["messages"])
+            else:
+                text = check_text("prompt", body["prompt"], allow_empty=True)
+                add_special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
+                tokens = list(tokenizer(text, add_special_tokens=add_special).input_ids)
+        except ValueError as e:
+            return error_response(400, str(e))
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body, error = await read_body(request, max_body_bytes)
+        if error is not None:
+            return error
+        if engine.tokenizer is None:
+            return error_response(400, "this server runs without a tokenizer (skip_tokenizer_init)")
+        vocab = engine.vocab_size
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
+            return error_response(400, f"tokens must be a list of token ids in [0, {vocab}), got {describe(tokens)}")
+        return {"prompt": engine.tokenizer.decode(tokens)}
+
+
+def _add_openai_routes(
+    app: FastAPI, engine: AsyncEngine, model_name: str, max_body_bytes: int, max_waiting_requests: int | None
+) -> None:
+    """/v1/completions and /v1/chat/completions."""
+    request_ids = itertools.count()
 
     async def openai_endpoint(request: Request, url: str):
-        body, error = await read_body(request)
+        body, error = await read_body(request, max_body_bytes)
         if error is not None:
             return error
         try:
@@ -154,40 +192,6 @@ def create_app(
             return error_response(499, "client disconnected")
         return JSONResponse(response_body(parsed, last, model_name))
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body, error = await read_body(request)
-        if error is not None:
-            return error
-        tokenizer = engine.tokenizer
-        try:
-            if tokenizer is None:
-                raise ValueError("this server runs without a tokenizer (skip_tokenizer_init)")
-            if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
-                raise ValueError("the body must be an object with either prompt (text) or messages")
-            if "messages" in body:
-                tokens = encode_chat(tokenizer, body["messages"])
-            else:
-                text = check_text("prompt", body["prompt"], allow_empty=True)
-                add_special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
-                tokens = list(tokenizer(text, add_special_tokens=add_special).input_ids)
-        except ValueError as e:
-            return error_response(400, str(e))
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body, error = await read_body(request)
-        if error is not None:
-            return error
-        if engine.tokenizer is None:
-            return error_response(400, "this server runs without a tokenizer (skip_tokenizer_init)")
-        vocab = engine.vocab_size
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
-            return error_response(400, f"tokens must be a list of token ids in [0, {vocab}), got {describe(tokens)}")
-        return {"prompt": engine.tokenizer.decode(tokens)}
-
     @app.post(COMPLETIONS)
     async def completions(request: Request):
         return await openai_endpoint(request, COMPLETIONS)
@@ -196,7 +200,21 @@ def create_app(
     async def chat_completions(request: Request):
         return await openai_endpoint(request, CHAT)
 
-    return app
+
+async def read_body(request: Request, max_body_bytes: int):
+    """(the JSON body, None), or (None, the error response): over max_body_bytes (413), not JSON (400)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > max_body_bytes:
+        return None, error_response(413, f"request body over {max_body_bytes} bytes")
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_body_bytes:
+            return None, error_response(413, f"request body over {max_body_bytes} bytes")
+    try:
+        return json.loads(raw), None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, error_response(400, f"the body is not JSON ({e})")
 
 
 async def _events(stream: Stream, first: RequestOutput, outputs: AsyncIterator[RequestOutput]):

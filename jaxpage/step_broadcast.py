@@ -1,11 +1,12 @@
 """Several hosts: what process 0 runs next reaches every process, so that all run the same SPMD programs.
 
 Process 0 (the leader) schedules; before each program it launches with arrays it made on the host (a step, a
-page copy, a draft model's proposal, a pool reset) it sends a message: a header (what to run, on which runner,
-for which compiled shape) and the arrays, packed into bytes. The other processes (followers, in
-`LLMEngine.follow`) receive it, unpack the arrays after the same template (the runner's padding input of that
-shape) and launch the same program on their own devices. Messages travel by JAX's own collective broadcast
-(`multihost_utils.broadcast_one_to_all`) over the devices of every process: no transport of our own.
+page copy, a draft model's proposal, a pool reset) it sends a message (jaxpage.executor, the one door to the
+device): a header (what to run, on which runner, for which compiled shape) and the arrays, packed into bytes. The
+other processes (followers, in `LLMEngine.follow`) receive it, unpack the arrays after the same template (the
+runner's padding input of that shape) and launch the same program on their own devices. Messages travel by JAX's
+own collective broadcast (`multihost_utils.broadcast_one_to_all`) over the devices of every process: no transport
+of our own.
 
 Each message is two broadcasts: the header (a fixed HEADER_WORDS int32), then the payload padded to a power of two
 of int32 words (at least MIN_PAYLOAD_WORDS), so that a handful of broadcast programs serve every message;

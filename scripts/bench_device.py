@@ -104,7 +104,7 @@ def compiler_estimate(engine, batch: int, kv_len: int, param_bytes: int, kv_toke
     from jaxpage.targets import target_of
 
     runner = engine.runner
-    shape = runner.smallest_shape("decode", batch)
+    shape = runner.inputs.smallest_shape("decode", batch)
     programs = (runner.executables[shape], runner.samplers[shape.sample_rows, shape.num_draft_positions])
     layer_bytes = aot.placed_bytes(runner.kv_cache.k) // engine.model_config.num_layers  # a copy this large: the pool
     reports = [aot.describe(str(shape), "forward", 0.0, program, layer_bytes) for program in programs]

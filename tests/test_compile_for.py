@@ -20,7 +20,7 @@ from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
 from jaxpage.benchmarks.tiny_models import TINY_FAMILIES
 from jaxpage.config import EngineConfig
-from jaxpage.llm_engine import addressable_pages, kv_pool_pages
+from jaxpage.pool_sizing import addressable_pages, kv_pool_pages
 from jaxpage.targets import TARGETS, available, get_target
 
 TPU, GPU = TARGETS["tpu-v5e"], TARGETS["gpu-h200"]

@@ -89,8 +89,8 @@ def test_a_pool_compiled_larger_than_its_shape_is_warned_of(tiny_dir):
         def memory_analysis(self):
             return types.SimpleNamespace(output_size_in_bytes=int(1.05 * shaped))
 
-    assert runner.pool_bytes_undercount(runner._pool_program()) is None
-    undercount = runner.pool_bytes_undercount(Padded())
+    assert runner.pool.bytes_undercount(runner.pool.fill_program()) is None
+    undercount = runner.pool.bytes_undercount(Padded())
     assert "5.0% more than the" in undercount and "undercounts" in undercount
 
 

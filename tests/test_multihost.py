@@ -93,11 +93,8 @@ class Replayer(StepBroadcast):
 
 
 def attach(engine, channel) -> None:
-    engine.channel = channel
+    engine.channel = engine.executor.channel = channel
     engine.is_leader = channel.is_leader
-    for runner in (engine.runner, engine.draft_runner):
-        if runner is not None:
-            runner.channel = channel
 
 
 @pytest.mark.parametrize(

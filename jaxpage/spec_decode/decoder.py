@@ -41,7 +41,7 @@ class SpeculativeDecoder:
             return None
         drafts = self.drafter.propose(scheduler.running)
         count = len(scheduler.running)
-        shapes = (self.target_runner.smallest_shape(kind, count) for kind in ("verify", "decode"))
+        shapes = (self.target_runner.inputs.smallest_shape(kind, count) for kind in ("verify", "decode"))
         if not drafts or not self.policy.should_verify(count, drafts, *shapes):
             return None
         self._kinds = {seq_id: draft.kind for seq_id, draft in drafts.items()}
@@ -70,8 +70,3 @@ class SpeculativeDecoder:
     def forget(self, seq_id: int) -> None:
         """A sequence ended: its acceptance estimate goes."""
         self.policy.forget(seq_id)
-
-    def reset(self) -> None:
-        """After a failed step: a draft model's pool afresh, like the target's."""
-        if self.draft_runner is not None:
-            self.draft_runner.reset_kv_cache()

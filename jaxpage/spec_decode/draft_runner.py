@@ -18,13 +18,16 @@ import numpy as np
 from jax import lax
 
 from jaxpage.attention import PagedBatch
+from jaxpage.compilation_cache import CompiledShape
 from jaxpage.kv_cache import KVCache
-from jaxpage.model_runner import REPLICAS, CompiledShape, ModelRunner, fetch, row_sampling
+from jaxpage.model_runner import ModelRunner, fetch
 from jaxpage.models.llama import Llama
+from jaxpage.parallel import REPLICAS
 from jaxpage.sampler import SamplingMetadata, draw
 from jaxpage.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpage.spec_decode.verification import target_probs
 from jaxpage.step_broadcast import Header, Message, unpack
+from jaxpage.step_inputs import row_sampling
 from jaxpage.step_shapes import StepShape
 
 DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
@@ -44,7 +47,7 @@ class ProposeInput:
 
 class DraftModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs, channel_runner=1)
+        super().__init__(*args, **kwargs)
         self.proposers: dict[StepShape, jax.stages.Compiled] = {}  # the proposal, by verify shape
         self._propose = jax.jit(self._propose_fn, donate_argnums=(1,), static_argnums=(3,))
 
@@ -93,7 +96,7 @@ class DraftModelRunner(ModelRunner):
 
     def compile_proposer(self, shape: StepShape) -> jax.stages.Compiled:
         """A draft model's proposal for `shape`'s rows and k, as `compile` gets the forward pass."""
-        args = (self.params, self.kv_cache, self._abstract(self._stacked([self._propose_input([], shape)])))
+        args = (self.params, self.kv_cache, self._abstract(self.inputs.stacked([self._propose_input([], shape)])))
         k = shape.num_draft_positions
         executable = self._load_or_compile(
             CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile()
@@ -104,7 +107,7 @@ class DraftModelRunner(ModelRunner):
     def _propose_input(self, items: list, shape: StepShape) -> ProposeInput:
         rows = shape.num_rows
         token_ids, positions, num_slots = (np.zeros(rows, np.int32) for _ in range(3))
-        block_tables = np.zeros((rows, self.block_table_width), np.int32)
+        block_tables = np.zeros((rows, self.inputs.block_table_width), np.int32)
         for row, item in enumerate(items):
             seq, position = item.seq, item.num_computed_tokens + item.num_new_tokens - len(item.draft_token_ids) - 1
             token_ids[row], positions[row] = seq.token_ids[position], position
@@ -116,9 +119,10 @@ class DraftModelRunner(ModelRunner):
         """The drafts for the verify step `output`, whose items hold placeholder drafts of the length each may
         draft (their slots reserved): (output with the drafts, their distributions [R, k, V] on the device, for the
         target's verification, and by seq_id the tokens whose K/V this pool then holds)."""
-        shape = self.shape_for(output)
+        shape = self.inputs.shape_for(output)
         assert shape.kind == "verify", shape
-        tokens, probs = self._run_propose(shape, self._stacked([self._propose_input(output.scheduled, shape)]))
+        inputs = self.inputs.stacked([self._propose_input(output.scheduled, shape)])
+        tokens, probs = self._launch(Message.PROPOSE, shape, inputs)
         tokens = fetch(tokens)
         if self.mesh is not None:  # one replica (speculative decoding runs without data parallelism)
             tokens = tokens[0]
@@ -135,7 +139,6 @@ class DraftModelRunner(ModelRunner):
         return dataclasses.replace(output, scheduled=scheduled), probs, computed
 
     def _run_propose(self, shape: StepShape, inputs: ProposeInput) -> tuple[jax.Array, jax.Array]:
-        self._send(Message.PROPOSE, shape, inputs)
         proposer = self._proposer_program(shape)
         tokens, probs, self.kv_cache = proposer(self.params, self.kv_cache, inputs)
         return tokens, probs
@@ -165,9 +168,9 @@ class DraftModelRunner(ModelRunner):
     def _forward_only(self, items: list[ScheduledSequence]) -> None:
         """The forward pass alone of a step of `items` (their K/V into this model's pool; no sampling)."""
         output = SchedulerOutput(scheduled=items, page_copies=[])
-        shape = self.shape_for(output)
-        step, _ = self.prepare(output, shape)
-        self._run_forward(shape, self._stacked([step]))
+        shape = self.inputs.shape_for(output)
+        step, _ = self.inputs.prepare(output, shape)
+        self._launch(Message.FORWARD, shape, self.inputs.stacked([step]))
 
     def _proposer_program(self, shape: StepShape) -> jax.stages.Compiled:
         return self.proposers.get(shape) or self.compile_proposer(shape)
@@ -183,17 +186,21 @@ class DraftModelRunner(ModelRunner):
                 programs.append((what, functools.partial(self._proposer_program, shape)))
         return programs
 
-    def replay(self, header: Header, data: bytes, draft_probs: jax.Array | None = None) -> jax.Array | None:
+    def run(self, kind: Message, key: int, payload, flag: int = 0, draft_probs=None):
+        """ModelRunner.run, and PROPOSE: (draft tokens, their distributions), on the device."""
+        if kind is Message.PROPOSE:
+            return self._run_propose(self.shapes[key], payload)
+        return super().run(kind, key, payload, flag, draft_probs)
+
+    def unpack(self, header: Header, data: bytes):
         if header.kind is Message.PROPOSE:
-            shape = self.shapes[header.key]
-            return self._run_propose(shape, unpack(data, self._stacked([self._propose_input([], shape)])))[1]
-        return super().replay(header, data, draft_probs)
+            return unpack(data, self.inputs.stacked([self._propose_input([], self.shapes[header.key])]))
+        return super().unpack(header, data)
 
     def payload_sizes(self) -> set[int]:
         sizes = super().payload_sizes()
         for shape in self.shapes:
             if shape.kind == "verify":
-                sizes.add(
-                    sum(np.asarray(x).nbytes for x in jax.tree.leaves(self._stacked([self._propose_input([], shape)])))
-                )
+                inputs = self.inputs.stacked([self._propose_input([], shape)])
+                sizes.add(sum(np.asarray(x).nbytes for x in jax.tree.leaves(inputs)))
         return sizes

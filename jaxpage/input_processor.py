@@ -1,0 +1,147 @@
+"""A request as it enters the engine: checked, tokenized and made into its sequences (LLMEngine.prepare_request).
+Everything a caller sends is checked here, never inside a step: ValueError (ArgumentTypeError for a wrong type),
+naming the field and the value, and nothing is queued."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+
+import numpy as np
+
+from jaxpage.config import EngineConfig
+from jaxpage.output_processor import Request
+from jaxpage.outputs import CompletionOutput, RequestMetrics
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.sequence import Sequence
+from jaxpage.tokenizer import IncrementalDetokenizer
+from jaxpage.validation import ArgumentTypeError, check_number, check_text, describe, fail, is_int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, num_pages: int, config: EngineConfig):
+        """num_pages: a replica's pool, the null page included; config: the engine's (its page_size, and the seed
+        of the seeds drawn for requests that bring none)."""
+        self.tokenizer = tokenizer  # None with skip_tokenizer_init
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.page_size = config.page_size
+        self.num_pages = num_pages
+        self._seq_ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._ids_lock = threading.Lock()  # sequence ids and seeds: prepare may run on several threads at once
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """The checked and tokenized request (see LLMEngine.add_request for what is checked), not yet queued."""
+        if not isinstance(request_id, str) or not request_id:
+            fail("request_id", "a non-empty string", request_id, wrong_type=not isinstance(request_id, str))
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            fail("sampling_params", "a SamplingParams or None", params, wrong_type=True)
+        params.validate()
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            fail("SamplingParams.top_k", f"at most the vocabulary size {vocab} (0 or -1: all tokens)", params.top_k)
+        if any(t >= vocab for t in params.stop_token_ids):
+            fail("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", params.stop_token_ids)
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                "stop strings need the tokenizer, which skip_tokenizer_init leaves out: use stop_token_ids"
+            )
+        if arrival_time is not None:
+            arrival_time = check_number("arrival_time", arrival_time, "a finite time in seconds", lambda t: t >= 0)
+        text, token_ids = self._prompt_tokens(prompt)
+        max_len = self.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len {max_len} leaves no room to generate")
+        # One sequence's pages: the n samples share the prompt's pages and need not run at the same time.
+        longest = min(len(token_ids) + (params.max_tokens or max_len), max_len)
+        pages = math.ceil(longest / self.page_size)
+        if pages > self.num_pages - 1:
+            raise ValueError(
+                f"request needs up to {pages} pages ({longest} tokens) but the KV pool has "
+                f"{self.num_pages - 1}; lower max_tokens or enlarge the pool"
+            )
+        with self._ids_lock:
+            seeds = [
+                params.seed + index if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+                for index in range(params.n)
+            ]
+            seqs = [Sequence(next(self._seq_ids), token_ids, sampling_params=params, seed=seed) for seed in seeds]
+        if len(seqs) > 1:  # the n samples compute the prompt once and share its pages (see Scheduler)
+            for seq in seqs:
+                seq.group = tuple(seqs)
+        logprobs = params.logprobs is not None
+        return Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            seqs,
+            [
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                if self.tokenizer
+                else None
+                for _ in seqs
+            ],
+            [CompletionOutput(i, "", [], 0.0 if logprobs else None, [] if logprobs else None) for i in range(params.n)],
+            RequestMetrics(arrival_time or time.time()),
+        )
+
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty (got '')")
+            check_text("prompt", prompt)
+            if self.tokenizer is None:
+                raise ValueError(
+                    "a text prompt needs the tokenizer, which skip_tokenizer_init leaves out: pass "
+                    "{'prompt_token_ids': [...]}"
+                )
+            try:
+                ids = list(self.tokenizer(prompt).input_ids)
+            except Exception as e:  # the tokenizer's own failure on this text: refuse the prompt, keep serving
+                raise ValueError(f"prompt {describe(prompt)} cannot be tokenized ({type(e).__name__}: {e})") from None
+            if not ids:
+                fail("prompt", "text with at least one token", prompt)
+            if max(ids) >= self.vocab_size:
+                raise ValueError(
+                    f"the tokenizer gives token id {max(ids)}, outside the model's vocabulary of "
+                    f"{self.vocab_size}: the tokenizer does not belong to this model"
+                )
+            return prompt, ids
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                fail("prompt", "a dict with the keys prompt and/or prompt_token_ids only", sorted(unknown))
+            if "prompt_token_ids" in prompt:
+                ids = self._token_ids(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None:
+                    check_text("prompt", text, allow_empty=True)
+                return text, ids
+            if "prompt" in prompt:
+                return self._prompt_tokens(check_text("prompt", prompt["prompt"]))
+        fail("prompt", "a string or a dict with prompt_token_ids or prompt", prompt, wrong_type=True)
+
+    def _token_ids(self, ids) -> list[int]:
+        vocab = self.vocab_size
+        if not isinstance(ids, list | tuple | np.ndarray) or isinstance(ids, np.ndarray) and ids.ndim != 1:
+            fail("prompt_token_ids", "a non-empty list of token ids", ids, wrong_type=True)
+        if len(ids) == 0:
+            fail("prompt_token_ids", "a non-empty list of token ids", ids)
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab][:1]  # a list: the bad id may be None
+        if bad:
+            raise (ArgumentTypeError if not is_int(bad[0]) else ValueError)(
+                f"prompt_token_ids holds {describe(bad[0])}, not a token id in [0, {vocab})"
+            )
+        return [int(t) for t in ids]

@@ -1,0 +1,167 @@
+"""How many pages the KV pool takes: from the engine's size arguments, the memory of the device (or, on CPU, the
+host), and the bytes one token's K and V take (EngineConfig documents the arguments)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import jax
+
+from jaxpage.attention import AttentionBackend
+from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.step_broadcast import StepBroadcast
+from jaxpage.validation import INT32_MAX
+
+logger = logging.getLogger("jaxpage")
+
+
+def kv_pool_pages(
+    engine: EngineConfig, token_bytes: int, max_model_len: int, device_memory: tuple[int, int] | None = None
+) -> int:
+    """Pages in the pool (the null page included), from the engine's size arguments (see EngineConfig) and the
+    bytes of K and V one token takes in the pool. Raises ValueError for a pool the memory cannot hold.
+
+    device_memory: (bytes the device has, bytes in use) of the device the pool is for: a target chip's when the
+    engine is built for one (jaxpage.aot); None: this host's first device (on CPU, the host's memory)."""
+    page_bytes = engine.page_size * token_bytes
+    on_cpu = device_memory is None and jax.default_backend() == "cpu"
+    if device_memory is None and not on_cpu:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        device_memory = (stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0))
+    if on_cpu:
+        available = available_memory_bytes()
+    else:
+        limit, in_use = device_memory
+        available = limit - in_use if limit else None
+    if engine.num_pages is not None:
+        pages = engine.num_pages
+    else:
+        if engine.kv_cache_memory_bytes is not None:
+            budget = engine.kv_cache_memory_bytes
+        elif on_cpu:
+            budget = EngineConfig.CPU_KV_CACHE_BYTES
+            if available is not None and available < 2 * budget:  # a small machine: half of what is left
+                budget = available // 2
+        else:
+            budget = int(limit * engine.gpu_memory_utilization) - in_use
+        useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
+        pages = min(budget // page_bytes, useful, INT32_MAX // engine.page_size)
+        if pages < 2:
+            why = f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)"
+            if device_memory is not None and engine.kv_cache_memory_bytes is None:
+                why += (
+                    f": {limit} bytes of device memory x gpu_memory_utilization {engine.gpu_memory_utilization}, less "
+                    f"{in_use} in use (the weights); raise gpu_memory_utilization or split the model over more devices "
+                    "(tensor_parallel_size)"
+                )
+            raise ValueError(why)
+    if available is not None and pages * page_bytes > available:
+        raise ValueError(
+            f"a KV pool of {pages} pages ({pages * page_bytes} bytes, {page_bytes} per page) does not fit in the "
+            f"{available} bytes of memory available; lower num_pages or kv_cache_memory_bytes"
+        )
+    return pages
+
+
+def available_memory_bytes() -> int | None:
+    """The host's available memory (None where it cannot be told): what a KV pool on CPU can still take."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def addressable_pages(backend: AttentionBackend, model: ModelConfig, num_pages: int, engine: EngineConfig) -> int:
+    """num_pages, or fewer where the attention kernels cannot address that pool (AttentionBackend.addressable_pages):
+    then with a warning, or ValueError for an explicit num_pages."""
+    usable = backend.addressable_pages(model, num_pages, engine.page_size, engine.tensor_parallel_size)
+    if usable < num_pages:
+        if engine.num_pages is not None:
+            raise ValueError(
+                f"engine argument num_pages {num_pages}: the {backend.name} kernels cannot address an "
+                f"{backend.kv_cache_dtype} pool of that size; take at most {usable} pages, or more pages"
+            )
+        logger.warning(
+            "the KV pool takes %d pages, not %d: the %s kernels cannot address it", usable, num_pages, backend.name
+        )
+    return usable
+
+
+def fit_max_model_len(max_model_len: int, pool_tokens: int, explicit: bool) -> int:
+    """max_model_len, lowered to the pool's `pool_tokens` when the model's default does not fit (with a warning);
+    ValueError when an explicit max_model_len does not fit."""
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"engine argument max_model_len {max_model_len} does not fit in the KV pool, which holds {pool_tokens} "
+            "tokens: lower max_model_len, or raise num_pages or kv_cache_memory_bytes"
+        )
+    logger.warning(
+        "the KV pool holds %d tokens, fewer than the model's context length %d: max_model_len lowered to %d",
+        pool_tokens,
+        max_model_len,
+        pool_tokens,
+    )
+    return pool_tokens
+
+
+def engine_pool_pages(
+    config: EngineConfig,
+    backend: AttentionBackend,
+    model_config: ModelConfig,
+    target_config: ModelConfig,
+    dtype_bytes: int,
+    draft: tuple | None,
+    channel: StepBroadcast | None,
+    max_model_len: int,
+) -> int:
+    """The pages of an engine's KV pool (kv_pool_pages), agreed by every host (channel), logged. target_config: the
+    model as it runs (KV heads copied for tensor parallelism); draft: a draft model's (config, params), whose pool
+    the budget pays for too."""
+    tp = config.tensor_parallel_size
+    layout = dict(page_size=config.page_size, tensor_parallel_size=tp)
+    token_bytes = backend.kv_bytes_per_token(target_config, dtype_bytes, **layout)
+    if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
+        token_bytes += backend.kv_bytes_per_token(draft[0], dtype_bytes, **layout)
+    device_token_bytes = token_bytes // tp  # each device holds its shard's KV heads
+    # A device's budget and memory are its own, but simulated CPU devices share the host's: every shard of every
+    # data-parallel replica (each replica has num_pages pages).
+    cpu = jax.default_backend() == "cpu"
+    budget_token_bytes = token_bytes * config.data_parallel_size if cpu else device_token_bytes
+    if channel is None:
+        num_pages = kv_pool_pages(config, budget_token_bytes, max_model_len)
+    else:  # each host measures its own memory: every process takes the smallest pool, or refuses with all
+        try:
+            num_pages, refused = kv_pool_pages(config, budget_token_bytes, max_model_len), None
+        except ValueError as e:
+            num_pages, refused = 0, e
+        num_pages = channel.agree_min(num_pages)
+        if refused is not None:
+            raise refused
+        if num_pages == 0:
+            raise ValueError("another process's memory cannot hold the KV pool (see its log)")
+    num_pages = addressable_pages(backend, target_config, num_pages, config)
+    copies = target_config.num_kv_heads // model_config.num_kv_heads
+    logger.info(
+        "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %s)%s; %d pages of %d tokens, %.2f GiB",
+        token_bytes,
+        model_config.num_layers,
+        target_config.num_kv_heads,
+        f" ({model_config.num_kv_heads} copied {copies}x)" if copies > 1 else "",
+        backend.kv_head_bytes(model_config, dtype_bytes),
+        f", {device_token_bytes} per device on {tp} devices" if tp > 1 else "",
+        num_pages,
+        config.page_size,
+        num_pages * config.page_size * token_bytes / 2**30,
+    )
+    return num_pages

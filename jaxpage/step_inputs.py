@@ -1,0 +1,156 @@
+"""A step's host arrays: what the forward pass and the sampler take, padded to one of the step shapes
+(jaxpage.step_shapes), one replica's (`prepare`), or every data-parallel replica's stacked on a leading axis
+(`stacked`), as the programs over several devices take them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from jaxpage.attention import PagedBatch
+from jaxpage.sampler import SamplingMetadata, sampling_metadata_from_params
+from jaxpage.scheduler import SchedulerOutput
+from jaxpage.step_shapes import StepShape
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    attention: PagedBatch
+    logits_indices: jax.Array  # [R * (k + 1)] int32, the tokens whose logits each sampler row uses (k: see SampleInput)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInput:
+    sampling: SamplingMetadata  # [R] rows
+    want_logprobs: jax.Array  # [] bool: some row asks for logprobs (else they are not computed)
+    draft_tokens: jax.Array  # [R, k] int32: each row's draft tokens (k = 0: a plain step, one token per row)
+    num_drafts: jax.Array  # [R] int32 in [0, k]: how many of its k are real
+    draft_probs: jax.Array | None = None  # [R, k, V] float32 the draft model's distributions; None: point masses
+
+
+def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
+    """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
+    padded to num_rows."""
+    return sampling_metadata_from_params(
+        [item.seq.sampling_params if item.samples else None for item in items],
+        steps=[len(item.seq.output_token_ids) for item in items],
+        seeds=[item.seq.seed for item in items],
+        num_rows=num_rows,
+    )
+
+
+class StepInputs:
+    def __init__(
+        self,
+        shapes: list[StepShape],
+        page_size: int,
+        max_model_len: int,
+        data_parallel_size: int,
+        stack: bool,
+        draft_vocab_size: int = 0,
+    ):
+        """stack: the programs take arrays stacked over the replicas (they run on a mesh); draft_vocab_size: verify
+        steps take a draft model's distributions over that vocabulary (0: point masses)."""
+        self.shapes = shapes
+        self.page_size = page_size
+        # Block tables have one width: attention reads each only up to its sequence's kv length.
+        self.block_table_width = math.ceil(max_model_len / page_size)
+        self.data_parallel_size = data_parallel_size
+        self.stack = stack
+        self.draft_vocab_size = draft_vocab_size
+
+    def shape_for(self, *outputs: SchedulerOutput) -> StepShape:
+        """The smallest shape of the step's kind that holds it (or each data-parallel replica's step, all padded to
+        one shape): verify if some sequence brings draft tokens (the scheduler keeps those to steps without
+        prefill; speculative decoding runs without data parallelism), else decode if every sequence has one new
+        token, else mixed."""
+        items = [item for output in outputs for item in output.scheduled]
+        rows = max(len(output.scheduled) for output in outputs)
+        if any(item.draft_token_ids for item in items):
+            return self.smallest_shape("verify", rows)
+        if all(item.num_new_tokens == 1 for item in items):
+            return self.smallest_shape("decode", rows)
+        return self.smallest_shape("mixed", max(output.num_batched_tokens for output in outputs))
+
+    def smallest_shape(self, kind: str, size: int) -> StepShape:
+        """The smallest shape of `kind` for `size` sequences (decode, verify) or tokens (mixed)."""
+        return next(
+            s for s in self.shapes if s.kind == kind and (s.num_tokens if kind == "mixed" else s.num_rows) >= size
+        )
+
+    def prepare(self, output: SchedulerOutput, shape: StepShape) -> tuple[StepInput, SampleInput]:
+        """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's (with a draft model's
+        distributions, for a verify step with drafts from a draft model)."""
+        items = output.scheduled
+        page_size = self.page_size
+        k = shape.num_draft_positions
+        assert len(items) <= shape.num_rows, (len(items), shape)
+        assert shape.max_q_len == 0 or all(item.num_new_tokens <= shape.max_q_len for item in items), shape
+        token_ids = np.zeros(shape.num_tokens, np.int32)
+        positions = np.zeros(shape.num_tokens, np.int32)
+        slot_mapping = np.zeros(shape.num_tokens, np.int32)  # padding tokens write into the null page
+        cu_q_lens = np.zeros(shape.num_rows + 1, np.int32)
+        kv_lens = np.zeros(shape.num_rows, np.int32)
+        block_tables = np.zeros((shape.num_rows, self.block_table_width), np.int32)
+        logits_indices = np.zeros((shape.sample_rows, k + 1), np.int32)
+        draft_tokens = np.zeros((shape.sample_rows, k), np.int32)
+        num_drafts = np.zeros(shape.sample_rows, np.int32)
+        start = 0
+        for row, item in enumerate(items):
+            seq, computed, n, drafts = item.seq, item.num_computed_tokens, item.num_new_tokens, item.draft_token_ids
+            end = start + n
+            known = n - len(drafts)  # the sequence's own tokens, then the drafts
+            token_ids[start : start + known] = seq.token_ids[computed : computed + known]
+            token_ids[start + known : end] = drafts
+            pos = np.arange(computed, computed + n, dtype=np.int32)
+            positions[start:end] = pos
+            table = np.asarray(seq.block_table, np.int32)
+            slot_mapping[start:end] = table[pos // page_size] * page_size + pos % page_size
+            block_tables[row, : len(table)] = table
+            kv_lens[row] = computed + n
+            # The last known token's logits, then each draft token's (repeated past the row's drafts).
+            logits_indices[row] = start + known - 1 + np.minimum(np.arange(k + 1), len(drafts))
+            draft_tokens[row, : len(drafts)] = drafts
+            num_drafts[row] = len(drafts)
+            cu_q_lens[row + 1] = end
+            start = end
+        cu_q_lens[len(items) + 1 :] = start
+        sampling = row_sampling(items, shape.sample_rows)
+        want_logprobs = any(
+            item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
+            for item in items
+        )
+        attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
+        step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1))
+        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts)
+
+    def padding(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
+        """A step of `shape` with no sequence in it (for every replica, stacked, on several devices), with a draft
+        model's distributions (zeros) where its verify steps take them."""
+        step, inputs = self.template(shape)
+        k = shape.num_draft_positions
+        if self.draft_vocab_size and k:
+            probs = np.zeros((shape.sample_rows, k, self.draft_vocab_size), np.float32)
+            inputs = dataclasses.replace(inputs, draft_probs=self.stacked([probs] * self.data_parallel_size))
+        return step, inputs
+
+    def template(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
+        """The arrays of a step of `shape` with no sequence in it, for every replica (stacked, on several devices),
+        without a draft model's distributions."""
+        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
+        return self.stacked([empty] * self.data_parallel_size)
+
+    def stacked(self, per_replica: list):
+        """On several devices: the replicas' step arrays stacked on a leading axis (spec REPLICAS); on one, the one
+        replica's as they are."""
+        if not self.stack:
+            return per_replica[0]
+        assert len(per_replica) == self.data_parallel_size, (len(per_replica), self.data_parallel_size)
+        return jax.tree.map(lambda *xs: np.stack(xs), *per_replica)

@@ -1,0 +1,66 @@
+"""What one engine step held and where its time went (LLMEngine.last_step_stats). Host-only (no jax)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpage.scheduler import ScheduledSequence, SchedulerOutput, SequenceUpdate
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one engine step held and where its time went (seconds, wall clock)."""
+
+    num_seqs: int
+    num_tokens: int  # scheduled tokens (before padding to the bucket)
+    num_decodes: int  # sequences with one new token
+    num_draft_tokens: int  # speculative tokens verified (0 without speculative decoding)
+    num_accepted_tokens: int  # ... and accepted
+    num_sampled: int  # sequences whose logits give a token this step (the rows of the LM head)
+    num_attended_keys: int  # query-key pairs of the step's causal attention (sum over its tokens of keys seen)
+    shape: str  # the step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"
+    schedule_s: float  # host: the scheduler
+    prepare_s: float  # host: the step's arrays
+    device_s: float  # dispatch until the sampled tokens are on the host
+    postprocess_s: float  # host: commit, appending tokens, detokenizing, stop checks, outputs
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.postprocess_s
+
+    @classmethod
+    def of(
+        cls,
+        steps: list[SchedulerOutput],
+        results: list,
+        updates: list[SequenceUpdate],
+        num_sampled: int,
+        schedule_s: float,
+        after_s: float,
+        sliding_window: int | None,
+    ) -> StepStats:
+        """A step's stats: its replicas' scheduled steps, their StepOutputs and the scheduler's updates; num_sampled
+        counted before the update; after_s: from the end of scheduling to the outputs."""
+        every = [item for o in steps for item in o.scheduled]
+        return cls(
+            num_seqs=len(every),
+            num_tokens=sum(o.num_batched_tokens for o in steps),
+            num_decodes=sum(item.num_new_tokens == 1 for item in every),
+            num_draft_tokens=sum(len(item.draft_token_ids) for item in every),
+            num_accepted_tokens=sum(update.num_accepted for update in updates),
+            num_sampled=num_sampled,
+            num_attended_keys=sum(attended_keys(item, sliding_window) for item in every),
+            shape=str(results[0].shape),
+            schedule_s=schedule_s,
+            prepare_s=results[0].prepare_s,
+            device_s=results[0].device_s,
+            postprocess_s=after_s - results[0].prepare_s - results[0].device_s,
+        )
+
+
+def attended_keys(item: ScheduledSequence, sliding_window: int | None) -> int:
+    """Keys the step's new tokens of one sequence attend to: token i (0-based) of q sees computed + i + 1 keys."""
+    computed, q = item.num_computed_tokens, item.num_new_tokens
+    if sliding_window is None:
+        return q * computed + q * (q + 1) // 2
+    return sum(min(computed + i + 1, sliding_window) for i in range(q))
