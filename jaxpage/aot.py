@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
-from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.model_runner import ModelRunner
 from jaxpage.models.llama import param_shapes
 from jaxpage.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
@@ -156,8 +156,10 @@ def build(
     layout = dict(page_size=engine.page_size, tensor_parallel_size=tp)
     token_bytes = sum(backend.kv_bytes_per_token(config, dtype.itemsize, **layout) for config, _ in placed) // tp
     max_model_len = engine.max_model_len or model.max_position_embeddings
-    num_pages = kv_pool_pages(engine, token_bytes, max_model_len, device_memory=(target.hbm_bytes, weight_bytes))
-    num_pages = addressable_pages(backend, placed[0][0], num_pages, engine)
+    cache = engine.part(CacheConfig)
+    memory = (target.hbm_bytes, weight_bytes)
+    num_pages = kv_pool_pages(cache, engine.max_num_seqs, token_bytes, max_model_len, device_memory=memory)
+    num_pages = addressable_pages(backend, placed[0][0], num_pages, cache, tp)
     pool_tokens = (num_pages - 1) * engine.page_size
     max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
     runner_args = dict(

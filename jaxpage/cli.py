@@ -13,6 +13,7 @@ Failures never show a traceback: each is one line `jaxpage: error: ...` on stder
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -42,65 +43,43 @@ class _Parser(argparse.ArgumentParser):
         raise CommandError(f"{message} (see: {self.prog} --help)")
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory, .gguf file or jaxpage checkpoint (default: SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=EngineConfig.DTYPES,
-        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
-    )
-    _add_quantization_option(parser)
+def add_engine_arguments(parser: argparse.ArgumentParser, groups=("model", "engine", "hosts"), exclude=()) -> None:
+    """A flag for each engine argument of `groups` (see jaxpage.config.arg), but those in `exclude`: its name with
+    dashes, EngineConfig's default, choices and help; booleans as --name / --no-name. The one source of the engine
+    flags: `engine_args` reads them back by the same names."""
+    names, hosts = [], None
+    for field in dataclasses.fields(EngineConfig):
+        meta = field.metadata
+        if meta.get("cli") not in groups or field.name in exclude:
+            continue
+        names.append(field.name)
+        if meta["cli"] == "hosts" and hosts is None:
+            hosts = parser.add_argument_group(
+                "several hosts",
+                "run the same command on every host, with its own --process-id: process 0 does the job, the others "
+                "follow it (jax.distributed; an option left out is for JAX to find, as on a TPU pod)",
+            )
+        target = hosts if meta["cli"] == "hosts" else parser
+        kind = str(field.type).split(" ")[0]  # the annotation's first type: "int | None" -> "int"
+        options = dict(default=field.default, help=meta["help"], choices=meta["choices"], metavar=meta["metavar"])
+        if kind == "bool":
+            options["action"] = argparse.BooleanOptionalAction
+        elif kind in ("int", "float"):
+            options["type"] = int if kind == "int" else float
+        flag = "--" + field.name.replace("_", "-")
+        if meta["off"] is None:
+            target.add_argument(flag, **options)
+            continue
+        either = target.add_mutually_exclusive_group()
+        either.add_argument(flag, **options)
+        off_flag, off_help = meta["off"]
+        either.add_argument(off_flag, dest=field.name, action="store_const", const=None, help=off_help)
+    parser.set_defaults(engine_arguments=tuple(names))
 
 
-def _add_quantization_option(parser: argparse.ArgumentParser, what: str = "") -> None:
-    parser.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8"],
-        help=f"int8: {what}weights in int8 with a scale per output channel, quantized as they load (default: off)",
-    )
-
-
-def _add_kv_cache_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=EngineConfig.KV_CACHE_DTYPES,
-        help="the KV pages: auto (the model's dtype), or 8 bits with a scale per token per KV head, applied inside "
-        "the attention kernels: int8, fp8 (= fp8_e4m3), fp8_e5m2 (default: auto)",
-    )
-
-
-def _add_parallel_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="devices to split the model over, as Megatron (default 1)"
-    )
-    parser.add_argument(
-        "--data-parallel-size", type=int, default=1, help="replicas of the model, each its own pages (default 1)"
-    )
-    hosts = parser.add_argument_group(
-        "several hosts",
-        "run the same command on every host, with its own --process-id: process 0 does the job, the others follow "
-        "it (jax.distributed; an option left out is for JAX to find, as on a TPU pod)",
-    )
-    hosts.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, reachable by all")
-    hosts.add_argument("--num-processes", type=int, help="processes in all, one per host")
-    hosts.add_argument("--process-id", type=int, help="this process's index, 0 to --num-processes - 1")
-
-
-def _add_speculative_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, in vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
-    )
+def engine_args(args: argparse.Namespace) -> dict:
+    """The engine arguments a command's flags gave (add_engine_arguments), by EngineConfig's names."""
+    return {name: getattr(args, name) for name in args.engine_arguments}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,17 +96,14 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
     generate.add_argument("--min-p", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
-    _add_kv_cache_option(generate)
-    _add_parallel_option(generate)
-    _add_speculative_option(generate)
-    _add_compilation_cache_options(generate)
-    _add_model_options(generate)
+    # One request: the engine's --seed is the sampling seed's, and one sequence runs at a time.
+    add_engine_arguments(generate, exclude=("seed", "max_num_seqs"))
 
     predict = commands.add_parser("predict", help="print the most likely next tokens after a prompt")
     predict.add_argument("prompt")
     predict.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     predict.add_argument("--top", type=int, default=5, help="how many candidate tokens to print (default 5)")
-    _add_model_options(predict)
+    add_engine_arguments(predict, groups=("model",))
 
     convert = commands.add_parser("convert", help="convert a model to a jaxpage checkpoint (orbax)")
     convert.add_argument("source", help="HF model directory or .gguf file")
@@ -138,7 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=EngineConfig.DTYPES,
         help="stored parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
     )
-    _add_quantization_option(convert, "store the ")
+    convert.add_argument(
+        "--quantization",
+        default=None,
+        choices=EngineConfig.QUANTIZATIONS,
+        help="int8: store the weights in int8 with a scale per output channel, quantized as they load (default: off)",
+    )
     batch = commands.add_parser(
         "batch",
         help="run an OpenAI-format batch file (JSONL); run it again to resume",
@@ -148,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     batch.add_argument("input", help="JSONL of {custom_id, method, url, body} requests")
     batch.add_argument("output", help="JSONL of results (appended to; created if missing)")
-    _add_engine_options(batch)
+    add_engine_arguments(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
     serve = commands.add_parser(
@@ -171,39 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish on shutdown"
     )
-    _add_engine_options(serve)
+    add_engine_arguments(serve)
     return parser
-
-
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    _add_model_options(parser)
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (default 512)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    _add_kv_cache_option(parser)
-    _add_parallel_option(parser)
-    _add_speculative_option(parser)
-    _add_compilation_cache_options(parser)
-
-
-def _add_compilation_cache_options(parser: argparse.ArgumentParser) -> None:
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument(
-        "--compilation-cache-dir",
-        default="auto",
-        metavar="DIR",
-        help="the persistent compilation cache: a later run with the same model loads its compiled steps from "
-        "here (default: compilation-cache in $JAXPAGE_CACHE, else ~/.cache/jaxpage)",
-    )
-    cache.add_argument(
-        "--no-compilation-cache",
-        dest="compilation_cache_dir",
-        action="store_const",
-        const=None,
-        help="compile everything in this process; read and write no compilation cache",
-    )
 
 
 def _check_prompt(prompt: str) -> None:
@@ -230,19 +180,14 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _distributed_args(args) -> dict:
-    return dict(
-        coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id
-    )
-
-
 def _follows(args) -> bool:
     """Several hosts: joins the other processes. On a process other than 0, follows process 0's engine until it
     shuts down and returns True: the command's own job is process 0's."""
     from jaxpage import distributed
     from jaxpage.config import EngineConfig
 
-    config = EngineConfig(**_distributed_args(args))  # checks them
+    hosts = ("coordinator_address", "num_processes", "process_id")
+    config = EngineConfig(**{name: getattr(args, name) for name in hosts})  # checks them
     distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
     if distributed.is_leader():
         return False
@@ -268,18 +213,7 @@ def _generate(args) -> None:
     from jaxpage.llm import LLM
     from jaxpage.tokenizer import encode_prompt
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=1,
-        compilation_cache_dir=args.compilation_cache_dir,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        **_distributed_args(args),
-    )
+    llm = LLM(max_num_seqs=1, **engine_args(args))
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
     final = None
@@ -351,24 +285,6 @@ def _convert(args) -> None:
     )
 
 
-def _engine_args(args) -> dict:
-    return dict(
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        compilation_cache_dir=args.compilation_cache_dir,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        **_distributed_args(args),
-    )
-
-
 def _batch(args) -> None:
     _quiet_transformers()
     if _follows(args):
@@ -376,7 +292,7 @@ def _batch(args) -> None:
     from jaxpage.batch import BatchError, run_batch
 
     try:
-        summary = run_batch(args.input, args.output, model=args.model, quiet=args.quiet, **_engine_args(args))
+        summary = run_batch(args.input, args.output, quiet=args.quiet, **engine_args(args))
     except BatchError as e:
         raise CommandError(str(e)) from e
     print(f"jaxpage batch: {summary.describe()}", file=sys.stderr)
@@ -395,7 +311,6 @@ def _serve(args) -> None:
     from jaxpage.server import serve
 
     serve(
-        args.model,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -404,7 +319,7 @@ def _serve(args) -> None:
         max_waiting_requests=args.max_waiting_requests,
         stall_timeout_s=args.stall_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
-        **_engine_args(args),
+        **engine_args(args),
     )
 
 

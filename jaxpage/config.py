@@ -18,6 +18,13 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's fp8 is e4m3
 
+# The one list of each engine argument's choices (EngineConfig checks them, the CLI offers them).
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
+LOAD_FORMATS = ("auto", "dummy")
+
 
 def canonical_kv_cache_dtype(name: str) -> str:
     """kv_cache_dtype in its one name per format ("fp8" -> "fp8_e4m3")."""
@@ -67,7 +74,7 @@ class ModelConfig:
     # with a float32 scale per output channel, see jaxpage.models.int8).
     quantization: str | None = None
 
-    QUANTIZATIONS = ("int8",)
+    QUANTIZATIONS = QUANTIZATIONS
 
     def __post_init__(self):
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
@@ -171,6 +178,64 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    """What is loaded, and how (jaxpage.llm_engine.load_models, the tokenizer): EngineConfig's arguments of it."""
+
+    model: str | None
+    dtype: str | None
+    quantization: str | None
+    load_format: str
+    skip_tokenizer_init: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool: its size (jaxpage.pool_sizing), its pages (the block managers), its format (the attention
+    backend)."""
+
+    page_size: int
+    num_pages: int | None
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Devices and hosts: the mesh (jaxpage.parallel) and the processes joined (jaxpage.process_group)."""
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """A step's budgets and when a sequence ends (jaxpage.scheduler)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # a sequence ends ("length") when it has this many tokens; None: no limit
+    eos_token_ids: frozenset[int] = frozenset()  # tokens that end a sequence ("stop") unless it ignores EOS
+
+    def __post_init__(self):
+        assert self.max_num_seqs >= 1, self.max_num_seqs
+        assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
+
+
+def arg(default, help: str, *, choices: tuple | None = None, metavar: str | None = None, cli="engine", off=None):
+    """An engine argument: its default, and what the CLI makes of it (jaxpage.cli generates every flag from these).
+    cli: the group of commands that take it as a flag ("model": every command that loads a model; "engine": those
+    that run an engine; "hosts": those, in the several-hosts group; None: no flag); off: (flag, help) of a second
+    flag that sets it to None."""
+    metadata = dict(help=help, choices=choices, metavar=metavar, cli=cli, off=off)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine arguments, in vLLM's names where vLLM has one. Each is checked when the config is built: a bad one
     raises ValueError naming the argument and its value (ArgumentTypeError, a TypeError too, for a wrong type).
@@ -181,64 +246,99 @@ class EngineConfig:
     max_model_len is left to the model's default, it is lowered to what the pool holds instead, with a warning).
     """
 
-    model: str | None = None  # HF directory, .gguf file, jaxpage checkpoint; None: SmolLM2-135M-Instruct
-    dtype: str | None = None  # float32 / bfloat16 / float16; None or "auto": float32 on CPU, bfloat16 elsewhere
+    model: str | None = arg(
+        None, "HF model directory, .gguf file or jaxpage checkpoint (default: SmolLM2-135M-Instruct)", cli="model"
+    )
+    dtype: str | None = arg(
+        None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)", choices=DTYPES, cli="model"
+    )
     # "int8": the model's projections and embedding in int8 with a float32 scale per output channel, quantized as
     # they load (jaxpage.models.int8); None: the weights as stored (a jaxpage checkpoint keeps its own).
-    quantization: str | None = None
+    quantization: str | None = arg(
+        None,
+        "int8: weights in int8 with a scale per output channel, quantized as they load (default: off)",
+        choices=QUANTIZATIONS,
+        cli="model",
+    )
     # The KV pool's format, in vLLM's names: "auto" (the compute dtype), "int8", "fp8" (same as "fp8_e4m3") or
     # "fp8_e5m2": 8-bit pages with a bfloat16 scale per token per KV head, applied inside the attention kernels
     # (jaxpage.attention). Kept canonical: "fp8" becomes "fp8_e4m3".
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    page_size: int = 16  # tokens per page, 1 to MAX_PAGE_SIZE
-    num_pages: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64  # 1 to MAX_NUM_SEQS
-    max_num_batched_tokens: int = 512  # 1 to MAX_NUM_BATCHED_TOKENS
-    enable_prefix_caching: bool = True
-    seed: int = 0  # seeds the requests that bring none; >= 0
+    kv_cache_dtype: str = arg(
+        "auto",
+        "the KV pages: auto (the model's dtype), or 8 bits with a scale per token per KV head, applied inside the "
+        "attention kernels: int8, fp8 (= fp8_e4m3), fp8_e5m2 (default: auto)",
+        choices=KV_CACHE_DTYPES,
+    )
+    max_model_len: int | None = arg(None, "default: the model's context length")  # the model's max_position_embeddings
+    page_size: int = arg(16, "tokens per KV page, 1 to 1024 (default 16)")
+    num_pages: int | None = arg(None, "pages in the KV pool, the null page included (default: from the budget)")
+    kv_cache_memory_bytes: int | None = arg(None, "the KV pool's memory budget in bytes (default: see README)")
+    gpu_memory_utilization: float = arg(
+        0.9, "share of a GPU/TPU's memory for the weights and the KV pool (default 0.9)"
+    )
+    max_num_seqs: int = arg(64, "sequences per step (default 64)")  # 1 to MAX_NUM_SEQS
+    max_num_batched_tokens: int = arg(512, "tokens per step (default 512)")  # 1 to MAX_NUM_BATCHED_TOKENS
+    enable_prefix_caching: bool = arg(True, "requests that share a prompt prefix share its pages (default: on)")
+    seed: int = arg(0, "seeds the requests that bring none; >= 0 (default 0)")
     # The attention backend (jaxpage.attention): "auto" (the Pallas kernels on TPU and GPU, the XLA
     # implementation elsewhere), "xla", "pallas" (this platform's kernels), "pallas_tpu", "pallas_gpu", or
     # "pallas_tpu_interpret" / "pallas_gpu_interpret" (those kernels in Pallas' interpreter, any platform: for tests).
-    attention_impl: str = "auto"
+    attention_impl: str = arg(
+        "auto", "the attention kernels (default auto: Pallas on TPU and GPU, XLA elsewhere)", choices=ATTENTION_IMPLS
+    )
     # The persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
     # arguments loads its compiled steps from this directory instead of compiling them. "auto": the folder
     # "compilation-cache" of jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage). None: no cache.
-    compilation_cache_dir: str | None = "auto"
-    load_format: str = "auto"  # "auto": the weights of `model`; "dummy": random weights, the config of `model`
-    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have token ids and no text
-    # Speculative decoding (jaxpage.speculative_config): None (off), a SpeculativeConfig, a dict in vLLM's keys such
-    # as {"method": "ngram", "num_speculative_tokens": 3}, or that dict as a JSON string. Kept as a SpeculativeConfig.
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    compilation_cache_dir: str | None = arg(
+        "auto",
+        "the persistent compilation cache: a later run with the same model loads its compiled steps from here "
+        "(default: compilation-cache in $JAXPAGE_CACHE, else ~/.cache/jaxpage)",
+        metavar="DIR",
+        off=("--no-compilation-cache", "compile everything in this process; read and write no compilation cache"),
+    )
+    # "auto": the weights of `model`; "dummy": random weights, the config of `model`
+    load_format: str = arg(
+        "auto", "auto: the model's weights; dummy: random weights (default auto)", choices=LOAD_FORMATS
+    )
+    skip_tokenizer_init: bool = arg(False, "no tokenizer: prompts and outputs are token ids", cli=None)
+    # Speculative decoding (jaxpage.spec_decode): None (off), a SpeculativeConfig, a dict in vLLM's keys such as
+    # {"method": "ngram", "num_speculative_tokens": 3}, or that dict as a JSON string. Kept as a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict | str | None = arg(
+        None,
+        'speculative decoding, in vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
+        metavar="JSON",
+    )
     # Tensor parallelism (jaxpage.parallel): the model split over this many devices, Megatron-style; 1: one device.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = arg(1, "devices to split the model over, as Megatron (default 1)")
     # Data parallelism: this many replicas of the model (each tensor_parallel_size devices), each with its own pages
     # and scheduler state, stepping together; new requests go where their prefix is cached, else to the least loaded.
-    data_parallel_size: int = 1
+    data_parallel_size: int = arg(1, "replicas of the model, each its own pages (default 1)")
     # Several hosts (jaxpage.distributed): one process per host, joined by jax.distributed.initialize with these
     # (None: for JAX to find, e.g. on a TPU pod; JAX reads $JAX_COORDINATOR_ADDRESS itself). Process 0 serves; the
     # others follow it (LLMEngine.follow). All None and no $JAX_COORDINATOR_ADDRESS: one process.
-    coordinator_address: str | None = None  # host:port of process 0's coordination service
-    num_processes: int | None = None
-    process_id: int | None = None
+    coordinator_address: str | None = arg(  # host:port of process 0's coordination service
+        None, "process 0's address, reachable by all", metavar="HOST:PORT", cli="hosts"
+    )
+    num_processes: int | None = arg(None, "processes in all, one per host", cli="hosts")
+    process_id: int | None = arg(None, "this process's index, 0 to --num-processes - 1", cli="hosts")
 
     CPU_KV_CACHE_BYTES = 2 << 30
-    ATTENTION_IMPLS = (
-        "auto",
-        "xla",
-        "pallas",
-        "pallas_tpu",
-        "pallas_gpu",
-        "pallas_tpu_interpret",
-        "pallas_gpu_interpret",
-    )
-    DTYPES = ("float32", "bfloat16", "float16")
-    KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+    ATTENTION_IMPLS = ATTENTION_IMPLS
+    DTYPES = DTYPES
+    QUANTIZATIONS = QUANTIZATIONS
+    KV_CACHE_DTYPES = KV_CACHE_DTYPES
     MAX_PAGE_SIZE = 1024
     MAX_NUM_SEQS = 1 << 16
     MAX_NUM_BATCHED_TOKENS = 1 << 20
+
+    def part(self, cls):
+        """The config `cls` (LoadConfig, CacheConfig, ParallelConfig) made of these arguments of the same names."""
+        return cls(**{field.name: getattr(self, field.name) for field in dataclasses.fields(cls)})
+
+    def scheduler_config(self, max_model_len: int, eos_token_ids: frozenset[int]) -> SchedulerConfig:
+        """The scheduler's config, once the engine knows max_model_len (the pool may lower it) and EOS."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len, eos_token_ids)
 
     def __post_init__(self):
         def arg(field: str) -> str:
@@ -280,7 +380,7 @@ class EngineConfig:
         choose("attention_impl", self.ATTENTION_IMPLS)
         if self.compilation_cache_dir not in (None, "auto"):
             put("compilation_cache_dir", check_path(arg("compilation_cache_dir"), self.compilation_cache_dir))
-        choose("load_format", ("auto", "dummy"))
+        choose("load_format", LOAD_FORMATS)
         if self.quantization is not None:
             choose("quantization", ModelConfig.QUANTIZATIONS)
         choose("kv_cache_dtype", self.KV_CACHE_DTYPES)

@@ -17,7 +17,7 @@ from jaxpage import parallel, process_group
 from jaxpage.attention import resolve_backend
 from jaxpage.block_manager import BlockManager
 from jaxpage.compilation_cache import CompilationCache, CompiledShape
-from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig
 from jaxpage.executor import Executor
 from jaxpage.input_processor import InputProcessor
 from jaxpage.models.llama import params_dtype
@@ -27,8 +27,9 @@ from jaxpage.outputs import RequestOutput
 from jaxpage.pool_sizing import engine_pool_pages, fit_max_model_len
 from jaxpage.replica import Replica, Replicas, choose_replica
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxpage.scheduler import Scheduler, SchedulerOutput
 from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.spec_decode.decoder import SpeculativeDecoder
 from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
@@ -40,21 +41,16 @@ from jaxpage.validation import describe
 logger = logging.getLogger("jaxpage")
 
 
-def load_models(config: EngineConfig, mesh) -> tuple[ModelConfig, tuple, tuple | None]:
-    """(the model's config, the target's (config, params) as they run, a draft model's or None): loaded as the
-    engine arguments say, each device receiving its shards of the weights as they load (jaxpage.parallel)."""
+def load_models(load: LoadConfig, spec: SpeculativeConfig | None, mesh) -> tuple[ModelConfig, tuple, tuple | None]:
+    """(the model's config, the target's (config, params) as they run, a draft model's or None): loaded as `load`
+    and `spec` say, each device receiving its shards of the weights as they load (jaxpage.parallel)."""
     placement = None if mesh is None else parallel.placement(mesh)
     model_config, params = load_model(
-        config.model,
-        dtype=config.dtype,
-        load_format=config.load_format,
-        sharding=placement,
-        quantization=config.quantization,
+        load.model, dtype=load.dtype, load_format=load.load_format, sharding=placement, quantization=load.quantization
     )
-    spec = config.speculative_config
     draft = None
     if spec is not None and spec.method == "draft_model":
-        draft = load_draft_model(spec.model, config.dtype, model_config, sharding=placement)
+        draft = load_draft_model(spec.model, load.dtype, model_config, sharding=placement)
         draft = parallel.as_run(*draft, mesh)
     return model_config, parallel.as_run(model_config, params, mesh), draft
 
@@ -64,7 +60,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         # Several hosts (jaxpage.process_group): every process builds process 0's engine; the others then `follow`.
-        process_group.initialize(config.coordinator_address, config.num_processes, config.process_id)
+        hosts = config.part(ParallelConfig)
+        process_group.initialize(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
         self.channel = StepBroadcast() if jax.process_count() > 1 else None
         if self.channel is not None:
             config = self.channel.share_config(config)
@@ -75,9 +72,10 @@ class LLMEngine:
         self.compilation_cache = None
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
-        tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        parallel_config = config.part(ParallelConfig)
+        tp, dp = parallel_config.tensor_parallel_size, parallel_config.data_parallel_size
         self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
-        self.model_config, target, draft = load_models(config, self.mesh)
+        self.model_config, target, draft = load_models(config.part(LoadConfig), config.speculative_config, self.mesh)
         spec = config.speculative_config
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
@@ -89,9 +87,7 @@ class LLMEngine:
         if draft is not None and self.tokenizer is not None:
             check_draft_tokenizer(spec.model, self.tokenizer)
         eos = set(self.model_config.eos_token_ids) | {getattr(self.tokenizer, "eos_token_id", None)} - {None}
-        self._scheduler_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, frozenset(eos)
-        )
+        self._scheduler_config = config.scheduler_config(self.max_model_len, frozenset(eos))
         self.replicas = Replicas()  # one per data-parallel replica: its pages and scheduler state
         self._new_replicas()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -321,7 +317,7 @@ class LLMEngine:
         """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
         c = self.config
         self.replicas[:] = [
-            Replica.new(self._num_pages, c.page_size, c.enable_prefix_caching, self._scheduler_config)
+            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config)
             for _ in range(c.data_parallel_size)
         ]
 

@@ -10,7 +10,7 @@ import os
 import jax
 
 from jaxpage.attention import AttentionBackend
-from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.step_broadcast import StepBroadcast
 from jaxpage.validation import INT32_MAX
 
@@ -18,14 +18,19 @@ logger = logging.getLogger("jaxpage")
 
 
 def kv_pool_pages(
-    engine: EngineConfig, token_bytes: int, max_model_len: int, device_memory: tuple[int, int] | None = None
+    cache: CacheConfig,
+    max_num_seqs: int,
+    token_bytes: int,
+    max_model_len: int,
+    device_memory: tuple[int, int] | None = None,
 ) -> int:
-    """Pages in the pool (the null page included), from the engine's size arguments (see EngineConfig) and the
-    bytes of K and V one token takes in the pool. Raises ValueError for a pool the memory cannot hold.
+    """Pages in the pool (the null page included), from the cache's size arguments (see EngineConfig) and the
+    bytes of K and V one token takes in the pool; never more than max_num_seqs sequences of max_model_len tokens
+    could use. Raises ValueError for a pool the memory cannot hold.
 
     device_memory: (bytes the device has, bytes in use) of the device the pool is for: a target chip's when the
     engine is built for one (jaxpage.aot); None: this host's first device (on CPU, the host's memory)."""
-    page_bytes = engine.page_size * token_bytes
+    page_bytes = cache.page_size * token_bytes
     on_cpu = device_memory is None and jax.default_backend() == "cpu"
     if device_memory is None and not on_cpu:
         stats = jax.local_devices()[0].memory_stats() or {}
@@ -35,24 +40,24 @@ def kv_pool_pages(
     else:
         limit, in_use = device_memory
         available = limit - in_use if limit else None
-    if engine.num_pages is not None:
-        pages = engine.num_pages
+    if cache.num_pages is not None:
+        pages = cache.num_pages
     else:
-        if engine.kv_cache_memory_bytes is not None:
-            budget = engine.kv_cache_memory_bytes
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
         elif on_cpu:
             budget = EngineConfig.CPU_KV_CACHE_BYTES
             if available is not None and available < 2 * budget:  # a small machine: half of what is left
                 budget = available // 2
         else:
-            budget = int(limit * engine.gpu_memory_utilization) - in_use
-        useful = engine.max_num_seqs * math.ceil(max_model_len / engine.page_size) + 1  # more would never be used
-        pages = min(budget // page_bytes, useful, INT32_MAX // engine.page_size)
+            budget = int(limit * cache.gpu_memory_utilization) - in_use
+        useful = max_num_seqs * math.ceil(max_model_len / cache.page_size) + 1  # more would never be used
+        pages = min(budget // page_bytes, useful, INT32_MAX // cache.page_size)
         if pages < 2:
             why = f"the KV cache budget of {budget} bytes holds no page ({page_bytes} bytes each)"
-            if device_memory is not None and engine.kv_cache_memory_bytes is None:
+            if device_memory is not None and cache.kv_cache_memory_bytes is None:
                 why += (
-                    f": {limit} bytes of device memory x gpu_memory_utilization {engine.gpu_memory_utilization}, less "
+                    f": {limit} bytes of device memory x gpu_memory_utilization {cache.gpu_memory_utilization}, less "
                     f"{in_use} in use (the weights); raise gpu_memory_utilization or split the model over more devices "
                     "(tensor_parallel_size)"
                 )
@@ -80,12 +85,14 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def addressable_pages(backend: AttentionBackend, model: ModelConfig, num_pages: int, engine: EngineConfig) -> int:
+def addressable_pages(
+    backend: AttentionBackend, model: ModelConfig, num_pages: int, cache: CacheConfig, tensor_parallel_size: int
+) -> int:
     """num_pages, or fewer where the attention kernels cannot address that pool (AttentionBackend.addressable_pages):
     then with a warning, or ValueError for an explicit num_pages."""
-    usable = backend.addressable_pages(model, num_pages, engine.page_size, engine.tensor_parallel_size)
+    usable = backend.addressable_pages(model, num_pages, cache.page_size, tensor_parallel_size)
     if usable < num_pages:
-        if engine.num_pages is not None:
+        if cache.num_pages is not None:
             raise ValueError(
                 f"engine argument num_pages {num_pages}: the {backend.name} kernels cannot address an "
                 f"{backend.kv_cache_dtype} pool of that size; take at most {usable} pages, or more pages"
@@ -138,11 +145,12 @@ def engine_pool_pages(
     # data-parallel replica (each replica has num_pages pages).
     cpu = jax.default_backend() == "cpu"
     budget_token_bytes = token_bytes * config.data_parallel_size if cpu else device_token_bytes
+    sizing = (config.part(CacheConfig), config.max_num_seqs, budget_token_bytes, max_model_len)
     if channel is None:
-        num_pages = kv_pool_pages(config, budget_token_bytes, max_model_len)
+        num_pages = kv_pool_pages(*sizing)
     else:  # each host measures its own memory: every process takes the smallest pool, or refuses with all
         try:
-            num_pages, refused = kv_pool_pages(config, budget_token_bytes, max_model_len), None
+            num_pages, refused = kv_pool_pages(*sizing), None
         except ValueError as e:
             num_pages, refused = 0, e
         num_pages = channel.agree_min(num_pages)
@@ -150,7 +158,7 @@ def engine_pool_pages(
             raise refused
         if num_pages == 0:
             raise ValueError("another process's memory cannot hold the KV pool (see its log)")
-    num_pages = addressable_pages(backend, target_config, num_pages, config)
+    num_pages = addressable_pages(backend, target_config, num_pages, sizing[0], tp)
     copies = target_config.num_kv_heads // model_config.num_kv_heads
     logger.info(
         "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %s)%s; %d pages of %d tokens, %.2f GiB",

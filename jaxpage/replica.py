@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpage.block_manager import BlockManager
-from jaxpage.scheduler import Scheduler, SchedulerConfig
+from jaxpage.config import CacheConfig, SchedulerConfig
+from jaxpage.scheduler import Scheduler
 
 
 @dataclasses.dataclass
@@ -20,8 +21,8 @@ class Replica:
     scheduler: Scheduler
 
     @classmethod
-    def new(cls, num_pages: int, page_size: int, enable_prefix_caching: bool, config: SchedulerConfig) -> Replica:
-        block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+    def new(cls, num_pages: int, cache: CacheConfig, config: SchedulerConfig) -> Replica:
+        block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching)
         return cls(block_manager, Scheduler(config, block_manager))
 
     @property

@@ -38,19 +38,8 @@ import dataclasses
 import numpy as np
 
 from jaxpage.block_manager import BlockManager
+from jaxpage.config import SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # a sequence ends ("length") when it has this many tokens; None: no limit
-    eos_token_ids: frozenset[int] = frozenset()  # tokens that end a sequence ("stop") unless it ignores EOS
-
-    def __post_init__(self):
-        assert self.max_num_seqs >= 1, self.max_num_seqs
-        assert self.max_num_batched_tokens >= 1, self.max_num_batched_tokens
 
 
 @dataclasses.dataclass(frozen=True)

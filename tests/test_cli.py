@@ -84,13 +84,33 @@ def test_usage_errors_are_one_line(argv, start):
     assert result.stderr.count("\n") == 1 and result.stderr.endswith("\n")
 
 
-def test_engine_commands_pass_kv_cache_dtype_on():
-    from jaxpage.cli import _engine_args, _parser
+def test_engine_flags_are_engine_config_s_arguments_with_its_defaults():
+    # One argument set: each command's engine flags are EngineConfig's fields (jaxpage.config.arg), with its
+    # defaults and names, read back by engine_args.
+    import dataclasses
 
-    for command in (["batch", "in.jsonl", "out.jsonl"], ["serve"]):
-        assert _engine_args(_parser().parse_args(command))["kv_cache_dtype"] == "auto"
-        args = _parser().parse_args([*command, "--kv-cache-dtype", "fp8"])
-        assert _engine_args(args)["kv_cache_dtype"] == "fp8"  # EngineConfig makes it fp8_e4m3
+    from jaxpage.cli import _parser, engine_args
+    from jaxpage.config import EngineConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    flagged = {name for name, f in fields.items() if f.metadata.get("cli")}
+    commands = {
+        ("batch", "in.jsonl", "out.jsonl"): set(),
+        ("serve",): set(),
+        ("generate", "hi"): {"seed", "max_num_seqs"},
+    }
+    for command, left_out in commands.items():
+        given = engine_args(_parser().parse_args(command))
+        assert set(given) == flagged - left_out and given == {name: fields[name].default for name in given}
+    assert set(engine_args(_parser().parse_args(["predict", "hi"]))) == {"model", "dtype", "quantization"}
+    flags = ["--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--no-compilation-cache", "--page-size", "8"]
+    given = engine_args(_parser().parse_args(["serve", *flags]))
+    assert (
+        given | dict(kv_cache_dtype="fp8", enable_prefix_caching=False, compilation_cache_dir=None, page_size=8)
+        == given
+    )
+    config = EngineConfig(**given)
+    assert (config.kv_cache_dtype, config.enable_prefix_caching) == ("fp8_e4m3", False)  # one normalization
 
 
 @pytest.mark.parametrize("command", ["generate", "predict"])

@@ -19,7 +19,7 @@ from jaxpage.attention import resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
 from jaxpage.benchmarks.tiny_models import TINY_FAMILIES
-from jaxpage.config import EngineConfig
+from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.pool_sizing import addressable_pages, kv_pool_pages
 from jaxpage.targets import TARGETS, available, get_target
 
@@ -57,20 +57,20 @@ def test_gpu_target_configs_agree_with_the_figures_the_budget_uses(name):
 
 
 def test_the_pool_is_sized_from_a_chips_memory_less_its_weights():
-    engine = EngineConfig(max_num_seqs=64, gpu_memory_utilization=0.9, compilation_cache_dir=None)
+    cache = EngineConfig(gpu_memory_utilization=0.9, compilation_cache_dir=None).part(CacheConfig)
     token_bytes, page_bytes = 1000, 16 * 1000
     limit, weights = 16 << 30, 3 << 30
     # (limit * utilization - weights) / page bytes, as LLMEngine sizes a GPU's or TPU's pool
-    assert kv_pool_pages(engine, token_bytes, 1_000_000, device_memory=(limit, weights)) == int(
+    assert kv_pool_pages(cache, 64, token_bytes, 1_000_000, device_memory=(limit, weights)) == int(
         (int(limit * 0.9) - weights) // page_bytes
     )
     # no more pages than max_num_seqs sequences of max_model_len can use
-    assert kv_pool_pages(engine, token_bytes, 1024, device_memory=(limit, weights)) == 64 * 1024 // 16 + 1
+    assert kv_pool_pages(cache, 64, token_bytes, 1024, device_memory=(limit, weights)) == 64 * 1024 // 16 + 1
     with pytest.raises(ValueError, match=r"holds no page .* less 16106127360 in use \(the weights\); .* more devices"):
-        kv_pool_pages(engine, token_bytes, 1024, device_memory=(limit, 15 << 30))  # an 8B model on a 16 GiB chip
+        kv_pool_pages(cache, 64, token_bytes, 1024, device_memory=(limit, 15 << 30))  # an 8B model on a 16 GiB chip
     too_many = EngineConfig(num_pages=(limit - weights) // page_bytes + 1, compilation_cache_dir=None)
     with pytest.raises(ValueError, match="does not fit in the .* bytes of memory available"):
-        kv_pool_pages(too_many, token_bytes, 1024, device_memory=(limit, weights))
+        kv_pool_pages(too_many.part(CacheConfig), 64, token_bytes, 1024, device_memory=(limit, weights))
 
 
 def test_large_copies_finds_copies_of_pool_sized_arrays_in_hlo():
@@ -238,5 +238,5 @@ def test_an_8bit_pool_the_gpu_kernels_cannot_address_is_cut_or_refused():
         assert backend.addressable_pages(model, 3 * 2**30 // page, 16) == 3 * 2**30 // page
     explicit = EngineConfig(num_pages=3 * 2**30 // page, kv_cache_dtype="int8", compilation_cache_dir=None)
     with pytest.raises(ValueError, match=r"num_pages 6144: the pallas_gpu kernels cannot address an int8 pool"):
-        addressable_pages(gpu, model, explicit.num_pages, explicit)
-    assert addressable_pages(gpu, model, 6144, EngineConfig(compilation_cache_dir=None)) == 4096
+        addressable_pages(gpu, model, explicit.num_pages, explicit.part(CacheConfig), 1)
+    assert addressable_pages(gpu, model, 6144, EngineConfig(compilation_cache_dir=None).part(CacheConfig), 1) == 4096

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.replica import Replica, choose_replica
 from jaxpage.scheduler import SchedulerConfig
 from jaxpage.sequence import Sequence
@@ -17,7 +18,8 @@ PREFIX = [5, 6, 7, 8, 9, 10, 11, 12]  # four pages
 def replica_with(cached_pages: int, load: int, seq_ids) -> Replica:
     """A replica whose prefix cache holds the first `cached_pages` pages of PREFIX and that has `load` sequences
     waiting."""
-    replica = Replica.new(64, PAGE, True, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    cache = EngineConfig(page_size=PAGE, compilation_cache_dir=None).part(CacheConfig)
+    replica = Replica.new(64, cache, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
     if cached_pages:
         bm = replica.block_manager
         seq = Sequence(next(seq_ids), PREFIX[: cached_pages * PAGE])
