@@ -15,15 +15,15 @@ from jaxpage.errors import ModelLoadError
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from jaxpage.config import EngineConfig
-    from jaxpage.llm import LLM
-    from jaxpage.llm_engine import LLMEngine
+    from jaxpage.engine.llm_engine import LLMEngine
+    from jaxpage.entrypoints.llm import LLM
     from jaxpage.outputs import CompletionOutput, RequestOutput
     from jaxpage.sampling_params import SamplingParams
 
 # name -> the module that defines it; imported when the name is first looked up.
 _LAZY_NAMES = {
-    "LLM": "jaxpage.llm",
-    "LLMEngine": "jaxpage.llm_engine",
+    "LLM": "jaxpage.entrypoints.llm",
+    "LLMEngine": "jaxpage.engine.llm_engine",
     "SamplingParams": "jaxpage.sampling_params",
     "EngineConfig": "jaxpage.config",
     "RequestOutput": "jaxpage.outputs",

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxpage.cli import main
+from jaxpage.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 `build(target, engine_config, model)` does what LLMEngine does at start -- the attention backend for the target's
 platform, the mesh over its (compile-only) devices, the model's parameters placed shard by shard, the KV pool sized
-from the chip's memory with the engine's own arithmetic (jaxpage.pool_sizing), the runner(s) -- with
+from the chip's memory with the engine's own arithmetic (jaxpage.worker.pool_sizing), the runner(s) -- with
 ShapeDtypeStructs instead of arrays: no weights are read and nothing runs. `compile_all` then compiles every program
 the engine's warm-up compiles (ModelRunner.warmup_programs: the pool's fill, each forward step shape, each sampler
 or verification, the page copy, a draft model's forward passes and proposals), each with the chip's real compiler,
@@ -27,12 +27,12 @@ from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
-from jaxpage.model_runner import ModelRunner
 from jaxpage.models.llama import param_shapes
-from jaxpage.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
-from jaxpage.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.targets import Target
+from jaxpage.worker.model_runner import ModelRunner
+from jaxpage.worker.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
+from jaxpage.worker.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages
 
 # Model shapes compile_for knows by name, besides the default model and model directories.
 LLAMA3_8B = ModelConfig(

@@ -179,7 +179,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 @dataclasses.dataclass(frozen=True)
 class LoadConfig:
-    """What is loaded, and how (jaxpage.llm_engine.load_models, the tokenizer): EngineConfig's arguments of it."""
+    """What is loaded, and how (jaxpage.engine.llm_engine.load_models, the tokenizer): EngineConfig's arguments of
+    it."""
 
     model: str | None
     dtype: str | None
@@ -190,7 +191,7 @@ class LoadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The KV pool: its size (jaxpage.pool_sizing), its pages (the block managers), its format (the attention
+    """The KV pool: its size (jaxpage.worker.pool_sizing), its pages (the block managers), its format (the attention
     backend)."""
 
     page_size: int
@@ -203,7 +204,7 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Devices and hosts: the mesh (jaxpage.parallel) and the processes joined (jaxpage.process_group)."""
+    """Devices and hosts: the mesh (jaxpage.worker.parallel) and the processes joined (jaxpage.worker.process_group)."""
 
     tensor_parallel_size: int
     data_parallel_size: int
@@ -214,7 +215,7 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """A step's budgets and when a sequence ends (jaxpage.scheduler)."""
+    """A step's budgets and when a sequence ends (jaxpage.engine.scheduler)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -227,9 +228,9 @@ class SchedulerConfig:
 
 
 def arg(default, help: str, *, choices: tuple | None = None, metavar: str | None = None, cli="engine", off=None):
-    """An engine argument: its default, and what the CLI makes of it (jaxpage.cli generates every flag from these).
-    cli: the group of commands that take it as a flag ("model": every command that loads a model; "engine": those
-    that run an engine; "hosts": those, in the several-hosts group; None: no flag); off: (flag, help) of a second
+    """An engine argument: its default, and what the CLI makes of it (jaxpage.entrypoints.cli generates every flag from
+    these). cli: the group of commands that take it as a flag ("model": every command that loads a model; "engine":
+    those that run an engine; "hosts": those, in the several-hosts group; None: no flag); off: (flag, help) of a second
     flag that sets it to None."""
     metadata = dict(help=help, choices=choices, metavar=metavar, cli=cli, off=off)
     return dataclasses.field(default=default, metadata=metadata)
@@ -286,7 +287,7 @@ class EngineConfig:
     attention_impl: str = arg(
         "auto", "the attention kernels (default auto: Pallas on TPU and GPU, XLA elsewhere)", choices=ATTENTION_IMPLS
     )
-    # The persistent compilation cache (see jaxpage.compilation_cache): a later start with the same model and
+    # The persistent compilation cache (see jaxpage.worker.compilation_cache): a later start with the same model and
     # arguments loads its compiled steps from this directory instead of compiling them. "auto": the folder
     # "compilation-cache" of jaxpage's cache directory ($JAXPAGE_CACHE, else ~/.cache/jaxpage). None: no cache.
     compilation_cache_dir: str | None = arg(
@@ -309,13 +310,14 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
         metavar="JSON",
     )
-    # Tensor parallelism (jaxpage.parallel): the model split over this many devices, Megatron-style; 1: one device.
+    # Tensor parallelism (jaxpage.worker.parallel): the model split over this many devices, Megatron-style; 1: one
+    # device.
     tensor_parallel_size: int = arg(1, "devices to split the model over, as Megatron (default 1)")
     # Data parallelism: this many replicas of the model (each tensor_parallel_size devices), each with its own pages
     # and scheduler state, stepping together; new requests go where their prefix is cached, else to the least loaded.
     data_parallel_size: int = arg(1, "replicas of the model, each its own pages (default 1)")
-    # Several hosts (jaxpage.distributed): one process per host, joined by jax.distributed.initialize with these
-    # (None: for JAX to find, e.g. on a TPU pod; JAX reads $JAX_COORDINATOR_ADDRESS itself). Process 0 serves; the
+    # Several hosts (jaxpage.entrypoints.distributed): one process per host, joined by jax.distributed.initialize with
+    # these (None: for JAX to find, e.g. on a TPU pod; JAX reads $JAX_COORDINATOR_ADDRESS itself). Process 0 serves; the
     # others follow it (LLMEngine.follow). All None and no $JAX_COORDINATOR_ADDRESS: one process.
     coordinator_address: str | None = arg(  # host:port of process 0's coordination service
         None, "process 0's address, reachable by all", metavar="HOST:PORT", cli="hosts"

@@ -1,4 +1,5 @@
-"""One sequence's host-side state: its tokens, how many have K/V in the cache, and its block table."""
+"""One sequence's host-side state (its tokens, how many have K/V in the cache, its block table), and what a step
+schedules for sequences and does to them: the types the engine, the scheduler and the worker share."""
 
 from __future__ import annotations
 
@@ -62,3 +63,43 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_computed_tokens: int  # tokens already in the cache when the step starts
+    num_new_tokens: int  # tokens whose K/V this step computes, draft tokens included
+    draft_token_ids: tuple[int, ...] = ()  # speculative tokens after the sequence's last one, verified this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last known token, so its logits give the next one."""
+        return self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledSequence:
+        return cls(seq, seq.num_computed_tokens, num_new_tokens, draft_token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    page_copies: list[tuple[int, int]]  # copy-on-write (src, dst) pages to copy, all at once, before the step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step did to a sequence that sampled (Scheduler.update_from_output)."""
+
+    seq: Sequence
+    row: int  # its item's index in the step
+    token_ids: list[int]  # appended this step: accepted draft tokens, then the sampled one (cut at an ending one)
+    num_draft_tokens: int  # draft tokens verified (0 without speculative decoding)
+    num_accepted: int  # ... and accepted
+    finish_reason: str | None  # "stop" (a stop token id or EOS), "length", or None: it goes on
+    stop_reason: int | None  # the stop token id that ended it

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import json, sys, time
 args = json.loads(sys.argv[1])
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 engine = LLM(
     args["model"],
@@ -160,7 +160,7 @@ def main() -> None:
     if not (args.candidate / "jaxpage" / "__init__.py").is_file():
         parser.error(f"--candidate {args.candidate} is not a jaxpage checkout (no jaxpage/__init__.py)")
 
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -57,7 +57,7 @@ def main() -> None:
         make_input(input_path, args.num_requests, (lo, hi))
         output_path.unlink(missing_ok=True)
         start = time.perf_counter()
-        cmd = [sys.executable, "-m", "jaxpage.cli", "batch", str(input_path), str(output_path), "--quiet"]
+        cmd = [sys.executable, "-m", "jaxpage.entrypoints.cli", "batch", str(input_path), str(output_path), "--quiet"]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall_s = time.perf_counter() - start
         if result.returncode != 0:

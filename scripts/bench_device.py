@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8, fp8_e4m3, fp8_e5m2")
     args = parser.parse_args()
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
 
     backend = jax.default_backend()
     shape, dtype = (TINY, "float32") if args.tiny else (LLAMA3_8B, "bfloat16")

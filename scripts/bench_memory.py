@@ -57,7 +57,7 @@ def main() -> None:
     if unknown := [f for f in formats if f not in FLOAT_FORMATS + KV_FORMATS]:
         raise SystemExit(f"unknown --formats {unknown}: choose from {', '.join(FLOAT_FORMATS + KV_FORMATS)}")
 
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     rows = (
         read_workload(args.workload)
@@ -113,7 +113,7 @@ def run(args, rows: list[dict], config, kv_format: str, budget_bytes: int, sever
     import jax
 
     from jaxpage.attention import resolve_backend
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
     from jaxpage.sampling_params import SamplingParams
 
     page_size = 16

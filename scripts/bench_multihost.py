@@ -1,4 +1,4 @@
-"""What process 0's messages to the other processes cost (jaxpage.step_broadcast), on this machine.
+"""What process 0's messages to the other processes cost (jaxpage.worker.step_broadcast), on this machine.
 
     python scripts/bench_multihost.py [--processes 2] [--sizes 0,4096,32768,163840,655360] [--messages 50]
 
@@ -34,10 +34,10 @@ def parse_args():
 def run_process(args) -> None:
     import numpy as np
 
-    from jaxpage import distributed
+    from jaxpage.entrypoints import distributed
 
     distributed.initialize(f"127.0.0.1:{args.port}", args.processes, args.process_id)
-    from jaxpage.step_broadcast import Message, StepBroadcast
+    from jaxpage.worker.step_broadcast import Message, StepBroadcast
 
     channel = StepBroadcast()
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -69,13 +69,13 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxpage import parallel
     from jaxpage.benchmarks.hlo_collectives import executed
     from jaxpage.benchmarks.progress import log
     from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
     from jaxpage.models.llama import param_shapes
     from jaxpage.sampling_params import SamplingParams
+    from jaxpage.worker import parallel
 
     model = args.model
     if args.tiny:

@@ -53,10 +53,10 @@ def main() -> None:
     import jax
 
     from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
     from jaxpage.models import load_model
     from jaxpage.sampling_params import SamplingParams
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     text_ids = list(load_tokenizer(args.model)(TEXT_PATH.read_text()).input_ids)
     stride = (len(text_ids) - args.prompt_len) // args.requests

@@ -64,7 +64,7 @@ def percentiles(values: list[float]) -> dict:
 def local_engine(args, engine_args: dict):
     """LLM in this process, warmed up. Its prefix cache is off: it runs the saturation workload twice, and the
     low-load prompts alone, and must compute every prompt each time (the server sees each prompt once)."""
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
 
     llm = LLM(args.model, **engine_args, enable_prefix_caching=False)
     llm.engine.warmup()
@@ -240,7 +240,7 @@ def main() -> None:
     saturation = max(range(len(rates)), key=lambda i: rates[i][0])
     lowest = min(range(len(rates)), key=lambda i: rates[i][0])
 
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     # Every run its own seed, so that no run finds another's prompts in the server's prefix cache.

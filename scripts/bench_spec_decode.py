@@ -125,7 +125,7 @@ def write_early_exit_draft(model: str | None, num_layers: int) -> str:
 
     from jaxpage.models import load_model
     from jaxpage.models.orbax_checkpoint import save_checkpoint
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     config, params = load_model(model)
     if not 1 <= num_layers < config.num_layers:
@@ -174,9 +174,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="grounded,chat", help="comma-separated: grounded, chat")
     args = parser.parse_args()
 
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
     from jaxpage.sampling_params import SamplingParams
-    from jaxpage.tokenizer import encode_chat
+    from jaxpage.tokenizers.tokenizer import encode_chat
 
     common = dict(max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 1))
     configs = {"plain": None, "spec": args.speculative_config}

@@ -57,7 +57,7 @@ from jaxpage.benchmarks.workloads import describe, make_workload, read_workload,
 def run_jaxpage(model: str | None, rows: list[dict], args) -> tuple[dict, dict[str, list[int]]]:
     import jax
 
-    from jaxpage.llm import LLM
+    from jaxpage.entrypoints.llm import LLM
     from jaxpage.sampling_params import SamplingParams
 
     log("jaxpage: loading the model")
@@ -255,7 +255,7 @@ def main() -> None:
     import jax
     import torch
 
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     if args.workload:
         rows = read_workload(args.workload)

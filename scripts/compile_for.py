@@ -146,7 +146,7 @@ def print_program(report) -> None:
 
 def run_checks(build) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) for each of the script's checks (see the module docstring)."""
-    from jaxpage.kv_pool import POOL_BYTES_TOLERANCE
+    from jaxpage.worker.kv_pool import POOL_BYTES_TOLERANCE
 
     programs = build.programs
     failed = [p.program for p in programs if not p.compiled]

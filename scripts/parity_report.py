@@ -17,7 +17,7 @@ from jaxpage.benchmarks.hf_reference import PARITY_PROMPTS, hf_logits, load_hf_m
 from jaxpage.benchmarks.tiny_models import TINY_FAMILIES, write_tiny_model
 from jaxpage.models import forward, load_model
 from jaxpage.models.default_model import default_model_path
-from jaxpage.tokenizer import encode_prompt, load_tokenizer
+from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def tiny_dir(tiny_model_path, smollm2_path, tmp_path_factory):
     text. Prompts must be token ids below 96: the tokenizer's own ids are larger."""
     import shutil
 
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     family = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
     directory = tmp_path_factory.mktemp("tiny-engine")
@@ -99,7 +99,7 @@ FULL_VOCAB_FAMILY = TinyFamily(
 def full_vocab_dir(smollm2_path, tmp_path_factory) -> str:
     """A tiny random model with SmolLM2's full vocabulary (49152) and its tokenizer beside it: text prompts and chat
     templates run end to end."""
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny-full-vocab")
     write_tiny_model(FULL_VOCAB_FAMILY, directory)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from jaxpage.async_engine import AsyncEngine, EngineDeadError
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
 ARGS = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4, page_size=4, max_num_batched_tokens=32)

@@ -1,5 +1,5 @@
-"""Batch jobs (`jaxpage batch`, `jaxpage.batch.run_batch`): OpenAI batch lines in, one record per request out,
-bad lines recorded without stopping the job, and a killed job resumed to the same results."""
+"""Batch jobs (`jaxpage batch`, `jaxpage.entrypoints.batch.run_batch`): OpenAI batch lines in, one record per request
+out, bad lines recorded without stopping the job, and a killed job resumed to the same results."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from jaxpage.batch import BatchError, run_batch
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.batch import BatchError, run_batch
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=8)
@@ -145,7 +145,7 @@ def batch_command(tiny_dir, input_path, output_path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "jaxpage.cli",
+        "jaxpage.entrypoints.cli",
         "batch",
         str(input_path),
         str(output_path),

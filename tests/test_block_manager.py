@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxpage import block_manager
-from jaxpage.block_manager import NULL_PAGE, BlockManager
+from jaxpage.engine import block_manager
+from jaxpage.engine.block_manager import NULL_PAGE, BlockManager
 from jaxpage.sequence import Sequence
 
 

@@ -18,9 +18,9 @@ import pytest
 import websockets.sync.client
 from live_server import LiveServer, free_port
 
-from jaxpage.async_engine import AsyncEngine
-from jaxpage.llm import LLM
-from jaxpage.server import create_app
+from jaxpage.entrypoints.async_engine import AsyncEngine
+from jaxpage.entrypoints.llm import LLM
+from jaxpage.entrypoints.server import create_app
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import jaxpage
-from jaxpage import cli
-from jaxpage.cli import main
+from jaxpage.entrypoints import cli
+from jaxpage.entrypoints.cli import main
 from jaxpage.errors import ModelLoadError
 
 
@@ -89,8 +89,8 @@ def test_engine_flags_are_engine_config_s_arguments_with_its_defaults():
     # defaults and names, read back by engine_args.
     import dataclasses
 
-    from jaxpage.cli import _parser, engine_args
     from jaxpage.config import EngineConfig
+    from jaxpage.entrypoints.cli import _parser, engine_args
 
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     flagged = {name for name, f in fields.items() if f.metadata.get("cli")}
@@ -162,7 +162,7 @@ def test_failures_inside_a_command_are_one_line(monkeypatch, capsys, error, line
 # A command that writes N characters to stdout once the test has closed the pipe's reading end.
 WRITER = """
 import sys
-from jaxpage import cli
+from jaxpage.entrypoints import cli
 
 def write(args):
     sys.stdin.read()
@@ -199,7 +199,7 @@ def test_version_imports_no_jax():
     )
     assert result.returncode == 0
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()}
-    assert "jaxpage.cli" in imported
+    assert "jaxpage.entrypoints.cli" in imported
     assert not imported & {"jax", "transformers", "torch"}
 
 

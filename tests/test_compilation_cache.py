@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxpage.cli import CommandError, _parser
-from jaxpage.compilation_cache import compilation_cache_path
 from jaxpage.config import EngineConfig
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.cli import CommandError, _parser
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.worker.compilation_cache import compilation_cache_path
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=8)
 PROMPT = {"prompt_token_ids": [5, 9, 13]}

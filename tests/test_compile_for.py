@@ -20,8 +20,8 @@ from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
 from jaxpage.benchmarks.tiny_models import TINY_FAMILIES
 from jaxpage.config import CacheConfig, EngineConfig
-from jaxpage.pool_sizing import addressable_pages, kv_pool_pages
 from jaxpage.targets import TARGETS, available, get_target
+from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages
 
 TPU, GPU = TARGETS["tpu-v5e"], TARGETS["gpu-h200"]
 needs_tpu = pytest.mark.skipif(not available(TPU), reason="libtpu is not installed (pip install 'jaxpage[compile]')")

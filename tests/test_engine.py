@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
@@ -31,7 +31,7 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def hf_greedy(smollm2_path, smollm2_hf):
     """transformers' greedy continuations (NEW_TOKENS each, EOS ignored) of PROMPTS, one prompt at a time."""
-    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+    from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)
     results = []
@@ -92,7 +92,7 @@ def test_greedy_equals_transformers(variant, smollm2_path, hf_greedy):
 
 
 def test_chat_reply_equals_transformers(smollm2_path, smollm2_hf):
-    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+    from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
     llm = LLM(str(smollm2_path), max_model_len=256)
     messages = [{"role": "user", "content": "What is the capital of France?"}]

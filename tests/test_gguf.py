@@ -13,7 +13,7 @@ from hf_reference import PARITY_PROMPTS, TINY_FAMILIES, hf_logits, make_tiny_hf_
 from jaxpage.models import forward, load_model
 from jaxpage.models.gguf_loader import GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, load_gguf
 from jaxpage.models.weights import layer_tensor_specs
-from jaxpage.tokenizer import encode_prompt, load_tokenizer
+from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_FAMILIES = [

@@ -1,4 +1,4 @@
-"""jaxpage.gguf_file: it reads what gguf.GGUFReader reads, and refuses damaged files with a clear ModelLoadError.
+"""jaxpage.models.gguf_file: it reads what gguf.GGUFReader reads, and refuses damaged files with a clear ModelLoadError.
 
 Files are written with gguf.GGUFWriter (or, where the writer refuses, e.g. empty arrays, by hand); damaged files are
 made by patching bytes at offsets that gguf.GGUFReader reports for the intact file.
@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.gguf_file import MAX_ARRAY_NESTING, GGUFFile, read_gguf
 from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize
+from jaxpage.models.gguf_file import MAX_ARRAY_NESTING, GGUFFile, read_gguf
 
 V = gguf.GGUFValueType
 T = gguf.GGMLQuantizationType

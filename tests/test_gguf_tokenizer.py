@@ -25,8 +25,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.gguf_tokenizer import PRE_TOKENIZER_SPLITS, load_gguf_tokenizer
-from jaxpage.tokenizer import load_tokenizer
+from jaxpage.tokenizers.gguf_tokenizer import PRE_TOKENIZER_SPLITS, load_gguf_tokenizer
+from jaxpage.tokenizers.tokenizer import load_tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp's token types
 
@@ -231,7 +231,7 @@ def write_tokenizer_gguf(spec: VocabSpec, path: Path) -> None:
 class Case:
     path: Path
     size: int  # tokens in the file
-    built: object  # load_tokenizer's first call: built from the metadata by jaxpage.gguf_tokenizer
+    built: object  # load_tokenizer's first call: built from the metadata by jaxpage.tokenizers.gguf_tokenizer
     cached: object  # its second call: read back from the jaxpage cache
     reference: object  # transformers' GGUF conversion
     reference_only: set[str]
@@ -369,7 +369,7 @@ def test_building_and_using_the_default_tokenizer_imports_no_torch(smollm2_path,
     code = textwrap.dedent(
         f"""
         import sys
-        from jaxpage.tokenizer import load_tokenizer
+        from jaxpage.tokenizers.tokenizer import load_tokenizer
 
         for attempt in ("built", "cached"):
             tokenizer = load_tokenizer({str(smollm2_path)!r})

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxpage.batch import run_batch
 from jaxpage.config import EngineConfig
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.batch import run_batch
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.validation import describe
 

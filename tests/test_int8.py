@@ -12,9 +12,9 @@ import pytest
 from conftest import TINY_FAMILIES
 
 from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
-from jaxpage.cli import main
+from jaxpage.entrypoints.cli import main
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.errors import ModelLoadError
-from jaxpage.llm import LLM
 from jaxpage.models import forward, load_model
 from jaxpage.models.int8 import dequantize, int8_matmul, quantize
 from jaxpage.models.weights import contract_axes
@@ -104,7 +104,7 @@ def test_engine_tensor_parallel_and_checkpoint(tiny_dir, tmp_path):
 
 
 def test_default_model_perplexity_within_two_percent(smollm2_path):
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     token_ids = list(load_tokenizer(smollm2_path)(TEXT_PATH.read_text()).input_ids)
     assert len(token_ids) > 2000

@@ -13,13 +13,13 @@ import pytest
 from jax.sharding import NamedSharding
 from test_llm_api import GREEDY, PROMPTS, greedy_with_poisoned_free_pages, make_llm, token_prompts
 
-from jaxpage import parallel
 from jaxpage.benchmarks.perplexity import TEXT_PATH, teacher_forced
 from jaxpage.config import EngineConfig
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.kv_cache import KVCache
-from jaxpage.llm import LLM
 from jaxpage.models import load_model
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.worker import parallel
 
 FORMATS = {"int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
@@ -129,7 +129,7 @@ def smollm2_float32(smollm2_path):
 
 @pytest.fixture(scope="module")
 def alice_token_ids(smollm2_path):
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     return list(load_tokenizer(smollm2_path)(TEXT_PATH.read_text()).input_ids)
 

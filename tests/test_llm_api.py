@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.errors import ModelLoadError
 from jaxpage.kv_cache import KVCache
-from jaxpage.llm import LLM
-from jaxpage.model_runner import MAX_LOGPROBS
 from jaxpage.models import forward, load_model
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxpage.worker.model_runner import MAX_LOGPROBS
 
 PROMPTS = [[5, 9, 13, 2, 40], list(range(10, 60)), [77], [(7 * i) % 90 + 3 for i in range(23)]]
 
@@ -357,7 +357,7 @@ def test_incremental_detokenizer_across_multibyte_characters(smollm2_path):
 # loaded, and how many programs jax compiled (jax's log of compilations), as JSON.
 START_AND_GENERATE = """
 import json, logging, sys, jax
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 compiled = []
 class Count(logging.Handler):

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxpage.benchmarks.tiny_models import TINY_FAMILIES, write_tiny_model
-from jaxpage.cli import main
+from jaxpage.entrypoints.cli import main
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import load_model
 from jaxpage.models.orbax_checkpoint import MARKER_FILE, save_checkpoint

@@ -1,6 +1,7 @@
-"""Several hosts (jaxpage.distributed, jaxpage.step_broadcast): two processes on this machine, joined over 127.0.0.1
-by jax.distributed with JAX's CPU collectives, give one process's greedy completions; in one process, an engine
-that replays the leader's messages ends with the leader's KV pool, bit for bit; bad arguments are refused clearly."""
+"""Several hosts (jaxpage.entrypoints.distributed, jaxpage.worker.step_broadcast): two processes on this machine,
+joined over 127.0.0.1 by jax.distributed with JAX's CPU collectives, give one process's greedy completions; in one
+process, an engine that replays the leader's messages ends with the leader's KV pool, bit for bit; bad arguments are
+refused clearly."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import pytest
 from live_server import free_port
 from test_batch import ENGINE, PROMPTS, choices, completion_line, read_records, write_lines
 
-from jaxpage import distributed
-from jaxpage.cli import main
 from jaxpage.config import EngineConfig
-from jaxpage.llm import LLM
+from jaxpage.entrypoints import distributed
+from jaxpage.entrypoints.cli import main
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.step_broadcast import Message, StepBroadcast, pack, payload_words, unpack
+from jaxpage.worker.step_broadcast import Message, StepBroadcast, pack, payload_words, unpack
 
 REPETITIVE = [(p * 8)[:24] for p in PROMPTS]  # n-gram and draft-model drafts get accepted
 
@@ -28,7 +29,16 @@ REPETITIVE = [(p * 8)[:24] for p in PROMPTS]  # n-gram and draft-model drafts ge
 def batch_process(tiny_dir, input_path, output_path, port: int, process_id: int, devices: int, options: list):
     engine = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8"]
     hosts = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
-    command = [sys.executable, "-m", "jaxpage.cli", "batch", str(input_path), str(output_path), "--model", tiny_dir]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxpage.entrypoints.cli",
+        "batch",
+        str(input_path),
+        str(output_path),
+        "--model",
+        tiny_dir,
+    ]
     # Each process its own simulated devices (the tests' 8 would not be its host's).
     env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     return subprocess.Popen(

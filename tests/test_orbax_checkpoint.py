@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from conftest import TINY_FAMILIES
 
-from jaxpage.cli import main
+from jaxpage.entrypoints.cli import main
 from jaxpage.models import load_model
 from jaxpage.models.orbax_checkpoint import save_checkpoint
 
@@ -46,7 +46,7 @@ def test_convert_command_writes_a_loadable_checkpoint_with_tokenizer(smollm2_pat
     for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(theirs), np.asarray(ours))
 
-    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+    from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
     assert encode_prompt(load_tokenizer(tmp_path / "smollm2"), "Hi!", chat=True) == encode_prompt(
         load_tokenizer(smollm2_path), "Hi!", chat=True

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpage.output_processor import OutputProcessor, Request
+from jaxpage.engine.output_processor import OutputProcessor, Request
+from jaxpage.engine.scheduler import SequenceUpdate
 from jaxpage.outputs import CompletionOutput, RequestMetrics
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import SequenceUpdate
 from jaxpage.sequence import Sequence
 
 

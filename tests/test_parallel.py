@@ -10,11 +10,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpage import parallel
 from jaxpage.benchmarks.hlo_collectives import KINDS, executed
 from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.worker import parallel
 
 ARGS = dict(
     skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4, page_size=4, max_num_batched_tokens=32, num_pages=96

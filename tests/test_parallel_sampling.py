@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
 TINY_LLAMA = dict(

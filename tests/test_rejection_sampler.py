@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxpage.sampler import SamplingMetadata
+from jaxpage.sample.sampler import SamplingMetadata
 from jaxpage.spec_decode.verification import target_probs, verify_drafts
 
 VOCAB = 5

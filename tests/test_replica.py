@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpage.config import CacheConfig, EngineConfig
-from jaxpage.replica import Replica, choose_replica
-from jaxpage.scheduler import SchedulerConfig
+from jaxpage.engine.replica import Replica, choose_replica
+from jaxpage.engine.scheduler import SchedulerConfig
 from jaxpage.sequence import Sequence
 
 PAGE = 2

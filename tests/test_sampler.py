@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpage import sampler
-from jaxpage.sampler import SamplingMetadata, sample, sampling_metadata_from_params
+from jaxpage.sample import sampler
+from jaxpage.sample.sampler import SamplingMetadata, sample, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample, static_argnames="num_logprobs")

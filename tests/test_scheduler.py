@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxpage.block_manager import BlockManager
+from jaxpage.engine.block_manager import BlockManager
+from jaxpage.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import Scheduler, SchedulerConfig
 from jaxpage.sequence import Sequence, SequenceStatus
 
 PAGE_SIZE = 4

@@ -16,11 +16,11 @@ import openai
 import pytest
 from live_server import LiveServer, free_port
 
-from jaxpage.async_engine import AsyncEngine
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.async_engine import AsyncEngine
+from jaxpage.entrypoints.llm import LLM
+from jaxpage.entrypoints.server import create_app
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.server import create_app
-from jaxpage.tokenizer import encode_chat
+from jaxpage.tokenizers.tokenizer import encode_chat
 
 ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -338,7 +338,7 @@ def test_jaxpage_serve_refuses_bad_options_in_one_line():
 
 
 def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
-    from jaxpage.metrics import ServerMetrics
+    from jaxpage.entrypoints.metrics import ServerMetrics
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(full_vocab_dir, **ENGINE, speculative_config=spec)

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
-from jaxpage.llm import LLM
+from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import SequenceStatus
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from jaxpage.spec_decode.drafter import Draft
 from jaxpage.spec_decode.policy import EXPLORE_AFTER, MAX_EXPLORE_AFTER, SpeculationPolicy
-from jaxpage.step_shapes import StepShape
+from jaxpage.worker.step_shapes import StepShape
 
 
 def verify_shape(rows: int, k: int = 3) -> StepShape:

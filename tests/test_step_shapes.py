@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxpage.step_shapes import StepShape, bucket_for, powers_of_two, step_shapes
+from jaxpage.worker.step_shapes import StepShape, bucket_for, powers_of_two, step_shapes
 
 
 @given(st.integers(1, 4096), st.integers(1, 8192))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
-from jaxpage.parallel import POOL_SPEC, SCALE_SPEC
+from jaxpage.mesh_axes import POOL_SPEC, SCALE_SPEC
 from pallas_kernels import kv_quantization
 from pallas_kernels.impl import pad_head_dim
 

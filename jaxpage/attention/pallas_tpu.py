@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpage.attention.backend import AttentionBackend, PagedBatch
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
-from jaxpage.parallel import DATA_AXIS, TP_AXIS
+from jaxpage.mesh_axes import DATA_AXIS, TP_AXIS
 from pallas_kernels import kv_quantization
 from pallas_kernels.impl import (
     LANES,

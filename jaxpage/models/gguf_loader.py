@@ -15,8 +15,8 @@ import numpy as np
 
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
-from jaxpage.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_transposed
+from jaxpage.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxpage.models.weights import params_from_hf_tensors
 
 # GGUF general.architecture -> jaxpage architecture. Mistral models are written as "llama".

@@ -126,9 +126,9 @@ class Llama(nn.Module):
     Shapes are generic over the token axes: `token_ids` and `positions` are int32 [...] ([batch, seq] on
     the dense path, [tokens] on the paged path) and the hidden states are [..., hidden_size].
 
-    With `tp_axis` (tensor parallelism, see jaxpage.parallel) it is one shard's model, run under shard_map over that
-    mesh axis: `config` is the shard's (jaxpage.parallel.shard_config), the partial results of the o and down
-    projections and of the embedding are summed over the shards, and the logits are gathered whole.
+    With `tp_axis` (tensor parallelism, see jaxpage.worker.parallel) it is one shard's model, run under shard_map over
+    that mesh axis: `config` is the shard's (jaxpage.worker.parallel.shard_config), the partial results of the o and
+    down projections and of the embedding are summed over the shards, and the logits are gathered whole.
 
     `platform` is the one the model is compiled for (None: jax's default backend): int8 weights' LM head is
     multiplied the way that platform does it fastest (jaxpage.models.int8.lm_head_method).

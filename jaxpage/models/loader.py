@@ -66,7 +66,7 @@ def load_model(
               by `jaxpage convert`, or None for the default model (SmolLM2-135M-Instruct).
     dtype:    parameter dtype; default float32 on CPU, bfloat16 on GPU/TPU.
     sharding: where the parameters live: a Sharding, or a function of the config that gives a tree of them (one per
-              parameter: each device receives only its shards, see jaxpage.parallel); default the first device.
+              parameter: each device receives only its shards, see jaxpage.worker.parallel); default the first device.
     load_format: "auto" reads the weights; "dummy" reads only the config of a Hugging Face directory and makes
               random parameters on the device (vLLM's name: benchmarks of model shapes without their weights).
     quantization: None (the weights as they are) or "int8": every projection and the embedding in int8 with a

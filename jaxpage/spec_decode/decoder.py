@@ -14,12 +14,12 @@
 
 from __future__ import annotations
 
-from jaxpage.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
+from jaxpage.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.spec_decode.drafter import Drafter
 from jaxpage.spec_decode.policy import SpeculationPolicy
 from jaxpage.spec_decode.stats import SpecDecodingStats
-from jaxpage.step_shapes import StepShape
+from jaxpage.worker.step_shapes import StepShape
 
 
 class SpeculativeDecoder:

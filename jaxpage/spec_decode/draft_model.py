@@ -40,7 +40,7 @@ def check_draft_tokenizer(source: str, target_tokenizer) -> None:
     """ValueError when the draft model at `source` has a tokenizer whose vocabulary is not the target's (a draft
     without a tokenizer passes: its vocabulary size and special tokens were checked)."""
     from jaxpage.errors import ModelLoadError
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(source)

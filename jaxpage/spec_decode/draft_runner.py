@@ -18,17 +18,17 @@ import numpy as np
 from jax import lax
 
 from jaxpage.attention import PagedBatch
-from jaxpage.compilation_cache import CompiledShape
 from jaxpage.kv_cache import KVCache
-from jaxpage.model_runner import ModelRunner, fetch
 from jaxpage.models.llama import Llama
-from jaxpage.parallel import REPLICAS
-from jaxpage.sampler import SamplingMetadata, draw
-from jaxpage.scheduler import ScheduledSequence, SchedulerOutput
+from jaxpage.sample.sampler import SamplingMetadata, draw
+from jaxpage.sequence import ScheduledSequence, SchedulerOutput
 from jaxpage.spec_decode.verification import target_probs
-from jaxpage.step_broadcast import Header, Message, unpack
-from jaxpage.step_inputs import row_sampling
-from jaxpage.step_shapes import StepShape
+from jaxpage.worker.compilation_cache import CompiledShape
+from jaxpage.worker.model_runner import ModelRunner, fetch
+from jaxpage.worker.parallel import REPLICAS
+from jaxpage.worker.step_broadcast import Header, Message, unpack
+from jaxpage.worker.step_inputs import row_sampling
+from jaxpage.worker.step_shapes import StepShape
 
 DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
 

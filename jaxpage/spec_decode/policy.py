@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from jaxpage.spec_decode.drafter import Draft
-from jaxpage.step_shapes import StepShape
+from jaxpage.worker.step_shapes import StepShape
 
 PRIOR_ALPHA = 0.2  # weight of any draft in the average over all kinds (kinds not seen yet start from it)
 KIND_ALPHA = 0.1  # weight of a draft in its kind's average

@@ -2,7 +2,7 @@
 
 A speculating sequence brings k draft tokens d_1..d_k; one step of the target model gives its logits at k + 1
 positions (after the last accepted token, and after each draft token). Position j's distribution p_j is the
-target's after the request's temperature, top-k, top-p and min-p (jaxpage.sampler.filtered_weights), so that the
+target's after the request's temperature, top-k, top-p and min-p (jaxpage.sample.sampler.filtered_weights), so that the
 tokens that come out are distributed exactly as plain sampling from the target would give them (Leviathan et al.
 2023, Chen et al. 2023):
 
@@ -35,7 +35,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpage.sampler import GREEDY_TEMPERATURE, SamplingMetadata, filtered_weights, inverse_cdf, row_uniforms, sample
+from jaxpage.sample.sampler import (
+    GREEDY_TEMPERATURE,
+    SamplingMetadata,
+    filtered_weights,
+    inverse_cdf,
+    row_uniforms,
+    sample,
+)
 
 
 @jax.tree_util.register_dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.gguf_tokenizer import GGUF_TOKENIZER_BUILDER_VERSION, load_gguf_tokenizer
 from jaxpage.models.default_model import cache_dir
 from jaxpage.models.loader import resolve_source, source_format
+from jaxpage.tokenizers.gguf_tokenizer import GGUF_TOKENIZER_BUILDER_VERSION, load_gguf_tokenizer
 from jaxpage.validation import check_text, fail
 
 if TYPE_CHECKING:  # transformers takes most of a second to import: the functions that need it import it

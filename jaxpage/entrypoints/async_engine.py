@@ -30,8 +30,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
-from jaxpage.llm_engine import LLMEngine
-from jaxpage.output_processor import Request
+from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.engine.output_processor import Request
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 

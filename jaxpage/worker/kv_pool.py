@@ -1,6 +1,6 @@
 """The KV page pool on the device (vLLM's cache engine): its arrays, made zeroed by a compiled program, and the
 copy-on-write page copies. The layout is the attention backend's (jaxpage.attention); the pool is sized by
-jaxpage.pool_sizing."""
+jaxpage.worker.pool_sizing."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpage.compilation_cache import CompiledShape
 from jaxpage.kv_cache import KVCache, copy_pages
+from jaxpage.worker.compilation_cache import CompiledShape
 
 logger = logging.getLogger("jaxpage")
 

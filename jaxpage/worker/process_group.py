@@ -1,5 +1,5 @@
 """Joining the processes of several hosts (one JAX process per host, joined by `jax.distributed`), and which of
-them leads. The engine calls these; `jaxpage.distributed` is where users start the processes that follow.
+them leads. The engine calls these; `jaxpage.entrypoints.distributed` is where users start the processes that follow.
 
 `initialize(coordinator_address, num_processes, process_id)` calls `jax.distributed.initialize` when one of them is
 given or JAX_COORDINATOR_ADDRESS is set. Each left out is for JAX to find, as it does on a TPU pod, under SLURM or

@@ -1,8 +1,8 @@
 """Several devices: a JAX mesh with axes ("data", "model"), and how parameters and the KV pool are split over it.
 
 Data parallelism (axis "data") gives each replica its own range of the pool's pages and the whole model (see
-jaxpage.replica and jaxpage.executor.Executor.execute). Tensor parallelism splits the model as Megatron does, over
-the axis "model" (TP shards):
+jaxpage.engine.replica and jaxpage.worker.executor.Executor.execute). Tensor parallelism splits the model as Megatron
+does, over the axis "model" (TP shards):
     q/k/v projections and gate/up      by output columns (heads, intermediate features)
     o and down projections             by input rows (heads, intermediate features)
     embedding and LM head              by vocabulary
@@ -35,10 +35,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpage.config import ModelConfig
+from jaxpage.mesh_axes import DATA_AXIS, POOL_SPEC, SCALE_SPEC, TP_AXIS  # noqa: F401 (re-exported)
 
 MESH_AXES = ("data", "model")
-DATA_AXIS = "data"
-TP_AXIS = "model"
 REPLICAS = P(DATA_AXIS)  # the spec of arrays stacked over the data-parallel replicas: one each
 
 # The sharded axis of each parameter that is split (see jaxpage.models.llama for the tree); the rest is replicated.
@@ -75,10 +74,6 @@ _KV_PROJECTIONS = {
     for n in ("k_proj", "v_proj")
     for p in ("kernel", "bias", "scale")
 }
-# [layers, pages, page_size, kv_heads, head_dim]: each data-parallel replica its own range of pages (its page p is
-# page replica * pages_per_replica + p of the whole pool), each shard its KV heads.
-POOL_SPEC = P(None, DATA_AXIS, None, TP_AXIS, None)
-SCALE_SPEC = P(None, DATA_AXIS, None, TP_AXIS)  # 8-bit pages' scales: sharded like their pages
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices: list | None = None) -> Mesh:

@@ -16,7 +16,7 @@ import uuid
 
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.tokenizer import check_messages, encode_chat
+from jaxpage.tokenizers.tokenizer import check_messages, encode_chat
 from jaxpage.validation import check_text, describe, is_int
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

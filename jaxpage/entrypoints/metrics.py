@@ -15,7 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from jaxpage.llm_engine import LLMEngine
+from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
 
 PREFIX = "jaxpage:"

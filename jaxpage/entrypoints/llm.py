@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from tqdm import tqdm
 
 from jaxpage.config import EngineConfig
-from jaxpage.llm_engine import LLMEngine
+from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.tokenizer import encode_chat
+from jaxpage.tokenizers.tokenizer import encode_chat
 from jaxpage.validation import fail
 
 Prompt = str | dict

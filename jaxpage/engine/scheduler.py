@@ -33,53 +33,18 @@ sibling comes back the same way, forking the prompt again when a sibling runs.
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import numpy as np
 
-from jaxpage.block_manager import BlockManager
 from jaxpage.config import SchedulerConfig
-from jaxpage.sequence import Sequence, SequenceStatus
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_computed_tokens: int  # tokens already in the cache when the step starts
-    num_new_tokens: int  # tokens whose K/V this step computes, draft tokens included
-    draft_token_ids: tuple[int, ...] = ()  # speculative tokens after the sequence's last one, verified this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last known token, so its logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
-
-    @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledSequence:
-        return cls(seq, seq.num_computed_tokens, num_new_tokens, draft_token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    page_copies: list[tuple[int, int]]  # copy-on-write (src, dst) pages to copy, all at once, before the step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclasses.dataclass(frozen=True)
-class SequenceUpdate:
-    """What one step did to a sequence that sampled (Scheduler.update_from_output)."""
-
-    seq: Sequence
-    row: int  # its item's index in the step
-    token_ids: list[int]  # appended this step: accepted draft tokens, then the sampled one (cut at an ending one)
-    num_draft_tokens: int  # draft tokens verified (0 without speculative decoding)
-    num_accepted: int  # ... and accepted
-    finish_reason: str | None  # "stop" (a stop token id or EOS), "length", or None: it goes on
-    stop_reason: int | None  # the stop token id that ended it
+from jaxpage.engine.block_manager import BlockManager
+from jaxpage.sequence import (  # noqa: F401 (the step's types, re-exported)
+    ScheduledSequence,
+    SchedulerOutput,
+    Sequence,
+    SequenceStatus,
+    SequenceUpdate,
+)
 
 
 class Scheduler:
@@ -256,7 +221,7 @@ class Scheduler:
     def _finished_by(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish_reason, stop_reason) of a sequence whose last token is `token`: ("stop", token) for a stop token
         id, ("stop", None) for EOS, ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings
-        are the output processor's (jaxpage.output_processor)."""
+        are the output processor's (jaxpage.engine.output_processor)."""
         params = seq.sampling_params
         if params is not None and token in params.stop_token_ids:
             return "stop", token

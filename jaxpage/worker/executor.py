@@ -1,7 +1,7 @@
 """The one door to the device: every program the engine launches goes through an Executor.
 
 The executor holds the runners (0: the target model's ModelRunner, 1: a draft model's DraftModelRunner) and, with
-several hosts, the channel (jaxpage.step_broadcast). A runner launches each program through its door, which is
+several hosts, the channel (jaxpage.worker.step_broadcast). A runner launches each program through its door, which is
 the executor's `launch`: on process 0 the program is first told to the other processes, then run (ModelRunner.run).
 The other processes `follow`: each message they receive goes to the same ModelRunner.run, with the arrays unpacked
 after the runner's templates. So what process 0 runs and what the others replay are one dispatch.
@@ -21,12 +21,12 @@ import time
 import jax
 
 from jaxpage.attention import AttentionBackend
-from jaxpage.compilation_cache import CompilationCache, CompiledShape
 from jaxpage.config import EngineConfig
-from jaxpage.model_runner import ModelRunner, StepOutput, fetch
-from jaxpage.scheduler import SchedulerOutput
+from jaxpage.sequence import SchedulerOutput
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
-from jaxpage.step_broadcast import Message, StepBroadcast
+from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
+from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch
+from jaxpage.worker.step_broadcast import Message, StepBroadcast
 
 logger = logging.getLogger("jaxpage")
 
@@ -52,7 +52,7 @@ class Executor:
         compilation_cache: CompilationCache | None,
     ) -> Executor:
         """The engine's runners, their pools allocated: the target's, and a draft model's where `draft` (each a
-        (config, params) as it runs, jaxpage.parallel.as_run)."""
+        (config, params) as it runs, jaxpage.worker.parallel.as_run)."""
         spec = config.speculative_config
         args = dict(
             num_pages=num_pages,

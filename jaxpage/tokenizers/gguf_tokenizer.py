@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer, built from the file's metadata (read by `jaxpage.gguf_file`) with `tokenizers` alone.
+"""A GGUF file's tokenizer, built from the file's metadata (read by `jaxpage.models.gguf_file`) with `tokenizers` alone.
 
 transformers builds the same tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), but its GGUF reader
 imports torch, which jaxpage must not need at run time. This module reads llama.cpp's `tokenizer.*` keys itself and
@@ -29,7 +29,7 @@ from jaxpage.errors import ModelLoadError
 
 if TYPE_CHECKING:  # transformers takes most of a second to import: build_tokenizer imports it
     from transformers import PreTrainedTokenizerFast
-from jaxpage.gguf_file import read_gguf
+from jaxpage.models.gguf_file import read_gguf
 
 # Bump when what `load_gguf_tokenizer` builds changes: tokenizers cached from an older builder are then not reused.
 GGUF_TOKENIZER_BUILDER_VERSION = 1

@@ -11,8 +11,8 @@ import jax
 
 from jaxpage.attention import AttentionBackend
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
-from jaxpage.step_broadcast import StepBroadcast
 from jaxpage.validation import INT32_MAX
+from jaxpage.worker.step_broadcast import StepBroadcast
 
 logger = logging.getLogger("jaxpage")
 

@@ -4,11 +4,12 @@ A step is two programs, dispatched back to back: the forward pass (the model ove
 their K/V into the pool) and the sampler (the LM head over the rows that sample, sampling, log-probs). The full
 logits never leave the sampler; only token ids (and log-probs when asked) come back to the host.
 
-Every step is padded to one of a few shapes (jaxpage.step_shapes), each compiled once. Block tables have one width,
-ceil(max_model_len / page_size) pages: attention reads each table only up to its sequence's kv length, so a wider
+Every step is padded to one of a few shapes (jaxpage.worker.step_shapes), each compiled once. Block tables have one
+width, ceil(max_model_len / page_size) pages: attention reads each table only up to its sequence's kv length, so a wider
 table costs a few bytes, not time.
 `warmup()` compiles every shape; after it, no workload compiles anything new. With the persistent compilation
-cache (on by default, see jaxpage.compilation_cache) a later process loads them instead: no tracing, no compiling.
+cache (on by default, see jaxpage.worker.compilation_cache) a later process loads them instead: no tracing, no
+compiling.
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpage.attention import AttentionBackend, PagedAttention
-from jaxpage.compilation_cache import CompilationCache, CompiledShape, load_or_compile
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
-from jaxpage.kv_pool import COPY_CHUNK, KVPool, copy_chunks
 from jaxpage.models.llama import Llama, build, params_dtype
-from jaxpage.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
-from jaxpage.sampler import sample, sampled_logprobs
+from jaxpage.sample.sampler import sample, sampled_logprobs
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.spec_decode.verification import verify_drafts
-from jaxpage.step_broadcast import Header, Message, unpack
-from jaxpage.step_inputs import SampleInput, StepInput, StepInputs
-from jaxpage.step_shapes import StepShape, step_shapes
+from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, load_or_compile
+from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks
+from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
+from jaxpage.worker.step_broadcast import Header, Message, unpack
+from jaxpage.worker.step_inputs import SampleInput, StepInput, StepInputs
+from jaxpage.worker.step_shapes import StepShape, step_shapes
 
 logger = logging.getLogger("jaxpage")
 
@@ -92,14 +93,14 @@ class ModelRunner:
         self.params = params
         self.backend = backend
         self.dtype = dtype = params_dtype(params)  # the compute dtype
-        # Several devices (jaxpage.parallel): every program runs one shard's model per device under shard_map, each
-        # data-parallel replica on its own step (the step's arrays stacked over the replicas) and its own pages.
+        # Several devices (jaxpage.worker.parallel): every program runs one shard's model per device under shard_map,
+        # each data-parallel replica on its own step (the step's arrays stacked over the replicas) and its own pages.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.tensor_parallel_size = 1 if self.mesh is None else self.mesh.shape[TP_AXIS]
         self.data_parallel_size = 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
         self.pages_per_replica = num_pages
         # Every program this runner launches goes through `door` (kind, key, payload, flag, draft_probs), which
-        # calls `run`: jaxpage.executor.Executor makes it the one door to the device (several hosts hear of each
+        # calls `run`: jaxpage.worker.executor.Executor makes it the one door to the device (several hosts hear of each
         # launch there); alone, a runner's door is its `run`.
         self.door = self.run
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
@@ -139,7 +140,7 @@ class ModelRunner:
 
     @property
     def kv_cache(self) -> KVCache:
-        """The pool's arrays (jaxpage.kv_pool): every program that writes K/V takes them and gives them back."""
+        """The pool's arrays (jaxpage.worker.kv_pool): every program that writes K/V takes them and gives them back."""
         return self.pool.cache
 
     @kv_cache.setter
@@ -154,7 +155,7 @@ class ModelRunner:
     # ----- device side -----
 
     def _on_shards(self, fn, in_specs: tuple, out_specs, gather: bool = False):
-        """fn (whose first argument is the parameters) as each device runs it (jaxpage.parallel.on_shards)."""
+        """fn (whose first argument is the parameters) as each device runs it (jaxpage.worker.parallel.on_shards)."""
         if self.mesh is None:
             return fn
         return on_shards(fn, self.mesh, self._param_specs, in_specs, out_specs, gather)
@@ -234,7 +235,7 @@ class ModelRunner:
         return executable
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
-        """The program `what` (jaxpage.compilation_cache.load_or_compile), keyed by `static` (default: the model
+        """The program `what` (jaxpage.worker.compilation_cache.load_or_compile), keyed by `static` (default: the model
         config, the attention backend and what.shape) and the arguments' shapes and dtypes; logged."""
         static = (*((self.config, self.backend, what.shape) if static is None else static), self.tensor_parallel_size)
         devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
@@ -319,7 +320,7 @@ class ModelRunner:
         return None
 
     def unpack(self, header: Header, data: bytes):
-        """The payload of a message process 0 sent (jaxpage.step_broadcast), as `run` takes it."""
+        """The payload of a message process 0 sent (jaxpage.worker.step_broadcast), as `run` takes it."""
         if header.kind is Message.COPY:
             return unpack(data, (np.zeros(header.key, np.int32),) * 2)
         if header.kind is Message.FORWARD:

@@ -183,8 +183,8 @@ def _quiet_transformers() -> None:
 def _follows(args) -> bool:
     """Several hosts: joins the other processes. On a process other than 0, follows process 0's engine until it
     shuts down and returns True: the command's own job is process 0's."""
-    from jaxpage import distributed
     from jaxpage.config import EngineConfig
+    from jaxpage.entrypoints import distributed
 
     hosts = ("coordinator_address", "num_processes", "process_id")
     config = EngineConfig(**{name: getattr(args, name) for name in hosts})  # checks them
@@ -210,8 +210,8 @@ def _generate(args) -> None:
     _quiet_transformers()
     if _follows(args):
         return
-    from jaxpage.llm import LLM
-    from jaxpage.tokenizer import encode_prompt
+    from jaxpage.entrypoints.llm import LLM
+    from jaxpage.tokenizers.tokenizer import encode_prompt
 
     llm = LLM(max_num_seqs=1, **engine_args(args))
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
@@ -246,7 +246,7 @@ def _predict(args) -> None:
     import numpy as np
 
     from jaxpage.models import forward, load_model
-    from jaxpage.tokenizer import encode_prompt, load_tokenizer
+    from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
     start = time.perf_counter()
     config, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
@@ -271,7 +271,7 @@ def _convert(args) -> None:
     from jaxpage.models import load_model
     from jaxpage.models.loader import resolve_source, source_format
     from jaxpage.models.orbax_checkpoint import save_checkpoint
-    from jaxpage.tokenizer import load_tokenizer
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     if source_format(resolve_source(args.source)) == "orbax":
         raise ValueError(f"{args.source} is already a jaxpage checkpoint")
@@ -289,7 +289,7 @@ def _batch(args) -> None:
     _quiet_transformers()
     if _follows(args):
         return
-    from jaxpage.batch import BatchError, run_batch
+    from jaxpage.entrypoints.batch import BatchError, run_batch
 
     try:
         summary = run_batch(args.input, args.output, quiet=args.quiet, **engine_args(args))
@@ -308,7 +308,7 @@ def _serve(args) -> None:
             raise CommandError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
     if _follows(args):
         return
-    from jaxpage.server import serve
+    from jaxpage.entrypoints.server import serve
 
     serve(
         host=args.host,
@@ -376,5 +376,5 @@ def _stdout_closed() -> int:
     return EXIT_STDOUT_CLOSED
 
 
-if __name__ == "__main__":  # python -m jaxpage.cli (python -m jaxpage is the same)
+if __name__ == "__main__":  # python -m jaxpage.entrypoints.cli (python -m jaxpage is the same)
     sys.exit(main())

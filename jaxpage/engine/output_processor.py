@@ -1,4 +1,4 @@
-"""From what a step did to the sequences (jaxpage.scheduler.SequenceUpdate) to what callers see (RequestOutput):
+"""From what a step did to the sequences (jaxpage.engine.scheduler.SequenceUpdate) to what callers see (RequestOutput):
 detokenization, stop strings, logprobs and metrics. Host-only (no jax).
 
 The output processor owns the requests' outputs (their completions, text and metrics); it never writes a Sequence.
@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING
 
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.scheduler import ScheduledSequence, SequenceUpdate
-from jaxpage.sequence import Sequence
+from jaxpage.sequence import ScheduledSequence, Sequence, SequenceUpdate
 
-if TYPE_CHECKING:  # jaxpage.tokenizer imports the model loaders (jax): not at run time here
-    from jaxpage.tokenizer import IncrementalDetokenizer
+if TYPE_CHECKING:  # jaxpage.tokenizers.tokenizer imports the model loaders (jax): not at run time here
+    from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("jaxpage")
 
@@ -37,7 +36,7 @@ class Request:
     completions: list[CompletionOutput]
     metrics: RequestMetrics
     error: str | None = None
-    replica: int = 0  # the data-parallel replica it runs on (jaxpage.replica)
+    replica: int = 0  # the data-parallel replica it runs on (jaxpage.engine.replica)
 
     def output(self) -> RequestOutput:
         finished = all(c.finish_reason is not None for c in self.completions)

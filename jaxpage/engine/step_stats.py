@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpage.scheduler import ScheduledSequence, SchedulerOutput, SequenceUpdate
+from jaxpage.sequence import ScheduledSequence, SchedulerOutput, SequenceUpdate
 
 
 @dataclasses.dataclass(frozen=True)

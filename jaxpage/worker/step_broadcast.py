@@ -1,7 +1,7 @@
 """Several hosts: what process 0 runs next reaches every process, so that all run the same SPMD programs.
 
 Process 0 (the leader) schedules; before each program it launches with arrays it made on the host (a step, a
-page copy, a draft model's proposal, a pool reset) it sends a message (jaxpage.executor, the one door to the
+page copy, a draft model's proposal, a pool reset) it sends a message (jaxpage.worker.executor, the one door to the
 device): a header (what to run, on which runner, for which compiled shape) and the arrays, packed into bytes. The
 other processes (followers, in `LLMEngine.follow`) receive it, unpack the arrays after the same template (the
 runner's padding input of that shape) and launch the same program on their own devices. Messages travel by JAX's

@@ -32,7 +32,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from jaxpage.models.default_model import cache_dir
-from jaxpage.step_shapes import StepShape
+from jaxpage.worker.step_shapes import StepShape
 
 logger = logging.getLogger("jaxpage")
 

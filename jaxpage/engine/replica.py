@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpage.block_manager import BlockManager
 from jaxpage.config import CacheConfig, SchedulerConfig
-from jaxpage.scheduler import Scheduler
+from jaxpage.engine.block_manager import BlockManager
+from jaxpage.engine.scheduler import Scheduler
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """A step's host arrays: what the forward pass and the sampler take, padded to one of the step shapes
-(jaxpage.step_shapes), one replica's (`prepare`), or every data-parallel replica's stacked on a leading axis
+(jaxpage.worker.step_shapes), one replica's (`prepare`), or every data-parallel replica's stacked on a leading axis
 (`stacked`), as the programs over several devices take them."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import jax
 import numpy as np
 
 from jaxpage.attention import PagedBatch
-from jaxpage.sampler import SamplingMetadata, sampling_metadata_from_params
-from jaxpage.scheduler import SchedulerOutput
-from jaxpage.step_shapes import StepShape
+from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_params
+from jaxpage.sequence import SchedulerOutput
+from jaxpage.worker.step_shapes import StepShape
 
 
 @jax.tree_util.register_dataclass

@@ -12,11 +12,11 @@ import time
 import numpy as np
 
 from jaxpage.config import EngineConfig
-from jaxpage.output_processor import Request
+from jaxpage.engine.output_processor import Request
 from jaxpage.outputs import CompletionOutput, RequestMetrics
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence
-from jaxpage.tokenizer import IncrementalDetokenizer
+from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer
 from jaxpage.validation import ArgumentTypeError, check_number, check_text, describe, fail, is_int
 
 

@@ -1,0 +1,354 @@
+"""LLMEngine: requests in, one scheduled + jitted step at a time, RequestOutputs out (vLLM's engine API)."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable
+
+import jax
+
+from jaxpage.attention import resolve_backend
+from jaxpage.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig
+from jaxpage.engine.block_manager import BlockManager
+from jaxpage.engine.input_processor import InputProcessor
+from jaxpage.engine.output_processor import OutputProcessor, Request
+from jaxpage.engine.replica import Replica, Replicas, choose_replica
+from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
+from jaxpage.engine.step_stats import StepStats
+from jaxpage.models.llama import params_dtype
+from jaxpage.models.loader import load_model
+from jaxpage.outputs import RequestOutput
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.spec_decode.config import SpeculativeConfig
+from jaxpage.spec_decode.decoder import SpeculativeDecoder
+from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
+from jaxpage.spec_decode.draft_runner import DraftModelRunner
+from jaxpage.tokenizers.tokenizer import load_tokenizer
+from jaxpage.validation import describe
+from jaxpage.worker import parallel, process_group
+from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
+from jaxpage.worker.executor import Executor
+from jaxpage.worker.pool_sizing import engine_pool_pages, fit_max_model_len
+from jaxpage.worker.step_broadcast import Message, StepBroadcast
+
+logger = logging.getLogger("jaxpage")
+
+
+def load_models(load: LoadConfig, spec: SpeculativeConfig | None, mesh) -> tuple[ModelConfig, tuple, tuple | None]:
+    """(the model's config, the target's (config, params) as they run, a draft model's or None): loaded as `load`
+    and `spec` say, each device receiving its shards of the weights as they load (jaxpage.worker.parallel)."""
+    placement = None if mesh is None else parallel.placement(mesh)
+    model_config, params = load_model(
+        load.model, dtype=load.dtype, load_format=load.load_format, sharding=placement, quantization=load.quantization
+    )
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        draft = load_draft_model(spec.model, load.dtype, model_config, sharding=placement)
+        draft = parallel.as_run(*draft, mesh)
+    return model_config, parallel.as_run(model_config, params, mesh), draft
+
+
+class LLMEngine:
+    """The serving engine: `add_request`, then `step` until `has_unfinished_requests` is False."""
+
+    def __init__(self, config: EngineConfig):
+        # Several hosts (jaxpage.worker.process_group): every process builds process 0's engine; the others then
+        # `follow`.
+        hosts = config.part(ParallelConfig)
+        process_group.initialize(hosts.coordinator_address, hosts.num_processes, hosts.process_id)
+        self.channel = StepBroadcast() if jax.process_count() > 1 else None
+        if self.channel is not None:
+            config = self.channel.share_config(config)
+        self.is_leader = process_group.is_leader()
+        self._stopped = False
+        self.config = config
+        self.attention_backend = resolve_backend(config.attention_impl, config.kv_cache_dtype)
+        self.compilation_cache = None
+        if config.compilation_cache_dir is not None:
+            self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
+        parallel_config = config.part(ParallelConfig)
+        tp, dp = parallel_config.tensor_parallel_size, parallel_config.data_parallel_size
+        self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
+        self.model_config, target, draft = load_models(config.part(LoadConfig), config.speculative_config, self.mesh)
+        spec = config.speculative_config
+        # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
+        with concurrent.futures.ThreadPoolExecutor(1) as background:
+            # A follower never sees a request: it needs no tokenizer.
+            wanted = self.is_leader and not config.skip_tokenizer_init
+            tokenizer = background.submit(load_tokenizer, config.model) if wanted else None
+            self._start(config, target, draft)
+            self.tokenizer = tokenizer.result() if tokenizer else None
+        if draft is not None and self.tokenizer is not None:
+            check_draft_tokenizer(spec.model, self.tokenizer)
+        eos = set(self.model_config.eos_token_ids) | {getattr(self.tokenizer, "eos_token_id", None)} - {None}
+        self._scheduler_config = config.scheduler_config(self.max_model_len, frozenset(eos))
+        self.replicas = Replicas()  # one per data-parallel replica: its pages and scheduler state
+        self._new_replicas()
+        self.output_processor = OutputProcessor(self.tokenizer)
+        vocab = self.model_config.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, vocab, self.max_model_len, self._num_pages, config)
+        self._lock = threading.RLock()  # add, abort and step may come from different threads
+        self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
+        if self.channel is not None and self.is_leader:  # the followers must hear that it ends, at exit if not before
+            atexit.register(self.channel.stop)
+
+    def _start(self, config: EngineConfig, target: tuple, draft: tuple | None = None) -> None:
+        """Sizes and allocates the KV pool (and a draft model's), builds the runner(s). `target` and `draft`:
+        (config, params) as they run (jaxpage.worker.parallel.as_run)."""
+        target_config, params = target
+        model_max = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
+        dtype_bytes = params_dtype(params).itemsize
+        args = (config, self.attention_backend, self.model_config, target_config, dtype_bytes, draft, self.channel)
+        self._num_pages = num_pages = engine_pool_pages(*args, self.max_model_len)
+        pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
+        self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
+        spec = config.speculative_config
+        where = (self.mesh, self.channel, self.compilation_cache)
+        build = (config, self.attention_backend, target, draft, num_pages, self.max_model_len)
+        self.executor = Executor.build(*build, *where)
+        self.runner = self.executor.runners[0]
+        draft_runner = self.executor.runners[1] if draft is not None else None
+        self.spec_decoder = None
+        if spec is not None:
+            self.spec_decoder = SpeculativeDecoder(spec, self.max_model_len, self.runner, draft_runner)
+
+    @property
+    def draft_runner(self) -> DraftModelRunner | None:
+        """The draft model's runner (speculative decoding with method "draft_model"), else None."""
+        return None if self.spec_decoder is None else self.spec_decoder.draft_runner
+
+    @property
+    def spec_decoding_stats(self):
+        """vLLM's speculative decoding counters (jaxpage.spec_decode.stats), None without speculative decoding."""
+        return None if self.spec_decoder is None else self.spec_decoder.stats
+
+    @classmethod
+    def from_engine_args(cls, **engine_args) -> LLMEngine:
+        return cls(EngineConfig(**engine_args))
+
+    # ----- requests -----
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request. `prompt` is a string, {"prompt_token_ids": [...]} or {"prompt": "..."} (a dict may give
+        both, the text then only labels the output).
+
+        Everything is checked here, never inside `step()`: ValueError (ArgumentTypeError for a wrong type; both
+        name the field and the value), and nothing is queued, for a request_id that is not a non-empty string or
+        is in use, an empty or malformed prompt, text the tokenizer cannot take, token ids outside the vocabulary,
+        bad sampling params (checked again, in case they changed since they were built), top_k or stop token ids
+        beyond the vocabulary, or a request that can never fit max_model_len or the page pool.
+        """
+        self.add_prepared_requests([self.prepare_request(request_id, prompt, sampling_params, arrival_time)])
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """The checked and tokenized request, not yet queued: add_request's checks (but for a request_id in use,
+        which add_prepared_requests checks), without waiting for a step in progress."""
+        self._check_leader("add_request")
+        return self.input_processor.prepare(request_id, prompt, sampling_params, arrival_time)
+
+    def add_prepared_requests(self, requests: list[Request]) -> None:
+        """Queues prepared requests, all or none: ValueError, and nothing queued, if a request_id is in use (or
+        given twice)."""
+        with self._lock:
+            counts = collections.Counter(r.request_id for r in requests)
+            taken = sorted(i for i, n in counts.items() if n > 1 or self.has_request(i))
+            if taken:
+                raise ValueError(f"request_id {', '.join(map(describe, taken))} is already in use; nothing was queued")
+            for request in requests:
+                request.replica = choose_replica(self.replicas, request.prompt_token_ids)
+                self.output_processor.add(request)
+                for seq in request.seqs:
+                    self.replicas[request.replica].scheduler.add(seq)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Ends the request(s) now with finish_reason "abort" and frees their pages; unknown ids are ignored. The
+        next `step()` returns each one's final output (finished, "abort"), so a stream over it ends."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            for rid in ids:
+                request = self.output_processor.requests.get(rid) if isinstance(rid, str) else None
+                if request is not None:
+                    self._end_request(request, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether request_id is an unfinished request of this engine (an id add_request would refuse)."""
+        return request_id in self.output_processor.requests
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    def warmup(self) -> list[CompiledShape]:
+        """Compiles the step for every shape a workload can reach, so that serving compiles nothing; returns the
+        shapes compiled and the seconds each took (a shape already compiled is not compiled again)."""
+        self._check_leader("warmup")
+        if self.channel is not None:
+            self.channel.send(Message.WARMUP)
+        return self.executor.warmup()
+
+    # ----- several hosts -----
+
+    def _check_leader(self, what: str) -> None:
+        """Raises unless this process leads (process 0, or the only one): `what` is the leader's to call, or
+        after it shuts down."""
+        if self._stopped:
+            raise RuntimeError(f"{what}: the engine has shut down")
+        if not self.is_leader:
+            raise RuntimeError(
+                f"{what}: process {jax.process_index()} of {jax.process_count()} follows process 0, which takes the "
+                "requests; call follow() here"
+            )
+
+    def follow(self) -> None:
+        """On a process other than 0: runs every program process 0's engine launches, as it tells them (see
+        jaxpage.worker.step_broadcast), until it shuts down."""
+        if self.is_leader:
+            raise RuntimeError("follow: this is process 0, which leads; the other processes follow it")
+        self.executor.follow()
+        self._stopped = True
+
+    def shutdown(self) -> None:
+        """Ends the engine: step and add_request refuse after it. With several hosts, process 0's shutdown tells the
+        others, whose `follow` returns (at exit, if not called before)."""
+        with self._lock:
+            if self.channel is not None:
+                self.channel.stop()
+            self._stopped = True
+
+    # ----- the step -----
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step, schedule -> execute -> update; returns the outputs of the requests that progressed or ended
+        (aborted ones included).
+
+        A request whose own post-processing fails (its detokenization, say) ends with finish_reason "error" and
+        RequestOutput.error saying why; the others go on. If the device step itself fails, no request can be
+        blamed: every unfinished request ends with that error, the pool is made anew, and the engine serves on.
+        """
+        with self._lock:
+            self._check_leader("step")
+            start = time.perf_counter()
+            # Speculative decoding runs without data parallelism: on the one replica.
+            drafts = self.spec_decoder.propose(self.scheduler) if self.spec_decoder is not None else None
+            steps = [r.scheduler.schedule(drafts if i == 0 else None) for i, r in enumerate(self.replicas)]
+            if not any(o.scheduled for o in steps):
+                return self.output_processor.take_ended()
+            scheduled = time.perf_counter()
+            every = [item for o in steps for item in o.scheduled]
+            num_sampled = sum(item.samples for item in every)  # before the new tokens are appended
+            self.output_processor.mark_scheduled(every, time.time())
+            try:
+                results, draft_computed = self._execute(steps)
+            except Exception as e:  # not a request's fault: every request was checked when it was added
+                logger.exception("engine step failed; every unfinished request ends with this error")
+                self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
+                return self.output_processor.take_ended()
+            updates = [
+                (update, result)
+                for replica, output, result in zip(self.replicas, steps, results, strict=True)
+                for update in replica.scheduler.update_from_output(
+                    output, result.token_ids, result.num_accepted, draft_computed
+                )
+            ]
+            if self.spec_decoder is not None:
+                self.spec_decoder.observe(results[0].shape, results[0].device_s, [u for u, _ in updates])
+                for update, _ in updates:
+                    if update.finish_reason is not None:
+                        self.spec_decoder.forget(update.seq.seq_id)
+            outputs, ended = self.output_processor.process(updates, time.time())
+            for replica, seq in ended:  # ended by a stop string or their request's failure
+                self._finish_seq(replica, seq)
+            host_s = (scheduled - start, time.perf_counter() - scheduled)  # scheduling; the rest, the device's included
+            self.last_step_stats = StepStats.of(
+                steps, results, [u for u, _ in updates], num_sampled, *host_s, self.model_config.sliding_window
+            )
+            return outputs
+
+    def _execute(self, steps: list[SchedulerOutput]) -> tuple[list, dict[int, int] | None]:
+        """Runs the scheduled step of every replica on the device (a draft model's drafts first, where it drafts):
+        (each replica's StepOutput, the draft model's computed tokens by seq_id or None)."""
+        started = time.perf_counter()
+        draft_probs = draft_computed = None
+        if self.spec_decoder is not None:
+            steps[0], draft_probs, draft_computed = self.spec_decoder.draft(steps[0])
+        results = self.executor.execute(steps, draft_probs)
+        if draft_probs is not None:  # the step's seconds include the draft model's
+            results[0] = dataclasses.replace(results[0], device_s=time.perf_counter() - started - results[0].prepare_s)
+        return results, draft_computed
+
+    def _end_request(self, request: Request, finish_reason: str, error: str | None = None) -> None:
+        """Ends a request outside the normal flow ("abort" or "error"): its unfinished samples stop, its pages are
+        freed, and its final output waits for the next `step()` to return it."""
+        for seq in self.output_processor.end(request, finish_reason, error):
+            self._finish_seq(request.replica, seq)
+
+    def _fail_all(self, error: str) -> None:
+        """After a failed device step: every unfinished request ends with `error`, and the page pool and its
+        bookkeeping start afresh (the failed step may have consumed the donated pool)."""
+        for request in list(self.output_processor.requests.values()):
+            self._end_request(request, "error", error)
+        self._new_replicas()
+        self.executor.reset()
+
+    def _new_replicas(self) -> None:
+        """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
+        c = self.config
+        self.replicas[:] = [
+            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config)
+            for _ in range(c.data_parallel_size)
+        ]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (with data parallelism, the first replica's: see `replicas`)."""
+        return self.replicas[0].scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The page bookkeeping (with data parallelism, the first replica's: see `replicas`)."""
+        return self.replicas[0].block_manager
+
+    def num_running(self) -> int:
+        return self.replicas.num_running()
+
+    def num_waiting(self) -> int:
+        return self.replicas.num_waiting()
+
+    def kv_cache_usage(self) -> float:
+        """The share of the KV pages in use (the null pages not counted), over every replica."""
+        return self.replicas.kv_cache_usage()
+
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there), over every replica."""
+        return self.replicas.prefix_cache_counts()
+
+    def _finish_seq(self, replica: int, seq: Sequence) -> None:
+        """Ends a sequence the scheduler did not end itself (a stop string, an abort, a failure)."""
+        if seq.status is not SequenceStatus.FINISHED:
+            self.replicas[replica].scheduler.finish(seq)
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(seq.seq_id)

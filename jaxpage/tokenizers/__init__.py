@@ -1,0 +1,1 @@
+"""Tokenizers (Hugging Face, GGUF), chat templates, incremental detokenization."""
