@@ -300,3 +300,28 @@ def test_no_module_imports_one_from_a_layer_above_it():
                 if target.startswith("jaxpage") and layer_of(target) > layer_of(name):
                     upward.append(f"{name} -> {target}")
     assert upward == []
+
+
+def test_only_the_scheduler_writes_a_sequence():
+    # One writer per piece of state (issue 27): a Sequence's tokens, computed counts and status are written by the
+    # scheduler (schedule, update_from_output) and the block manager it owns (counts as pages are matched, forked or
+    # freed), nowhere else: not the engine, the output processor, the proposers or the runners.
+    fields = {"token_ids", "num_computed_tokens", "num_draft_computed_tokens", "status", "block_table", "group"}
+    writers = set()
+    for name, path in project_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "append_token":
+                    writers.add(name)
+            for target in targets:
+                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(element, ast.Attribute) and element.attr in fields:
+                        owner = element.value
+                        if not (isinstance(owner, ast.Name) and owner.id == "self"):  # a Sequence's own fields
+                            writers.add(name)
+    assert writers <= {"jaxpage.engine.scheduler", "jaxpage.engine.block_manager", "jaxpage.engine.input_processor"}
