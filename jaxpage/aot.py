@@ -28,8 +28,8 @@ from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.models.llama import param_shapes
-from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.targets import Target
+from jaxpage.worker.executor import make_runners
 from jaxpage.worker.model_runner import ModelRunner
 from jaxpage.worker.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
 from jaxpage.worker.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages
@@ -162,20 +162,10 @@ def build(
     num_pages = addressable_pages(backend, placed[0][0], num_pages, cache, tp)
     pool_tokens = (num_pages - 1) * engine.page_size
     max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
-    runner_args = dict(
-        num_pages=num_pages,
-        page_size=engine.page_size,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        num_speculative_tokens=num_speculative_tokens,
-        max_verify_rows=engine.max_num_seqs if num_speculative_tokens else 0,
-        mesh=mesh,
-        compile_only=True,
+    sized = (num_pages, max_model_len, mesh, num_speculative_tokens)
+    runners = make_runners(
+        engine, backend, placed[0], placed[1] if draft is not None else None, *sized, compile_only=True
     )
-    runners = [ModelRunner(*placed[0], backend, **runner_args, draft_probs=draft is not None)]
-    if draft is not None:
-        runners.append(DraftModelRunner(*placed[1], backend, **runner_args))
     return TargetBuild(
         target, placed[0][0], engine, dtype, backend, max_model_len, num_pages, weight_bytes, token_bytes, runners
     )

@@ -145,7 +145,7 @@ def batch_command(tiny_dir, input_path, output_path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "jaxpage.entrypoints.cli",
+        "jaxpage",
         "batch",
         str(input_path),
         str(output_path),

@@ -32,7 +32,7 @@ def batch_process(tiny_dir, input_path, output_path, port: int, process_id: int,
     command = [
         sys.executable,
         "-m",
-        "jaxpage.entrypoints.cli",
+        "jaxpage",
         "batch",
         str(input_path),
         str(output_path),

@@ -34,7 +34,7 @@ from jaxpage.tokenizers.tokenizer import load_tokenizer
 from jaxpage.validation import describe
 from jaxpage.worker import parallel, process_group
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
-from jaxpage.worker.executor import Executor
+from jaxpage.worker.executor import Executor, make_runners
 from jaxpage.worker.pool_sizing import engine_pool_pages, fit_max_model_len
 from jaxpage.worker.step_broadcast import Message, StepBroadcast
 
@@ -113,9 +113,9 @@ class LLMEngine:
         pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         spec = config.speculative_config
-        where = (self.mesh, self.channel, self.compilation_cache)
-        build = (config, self.attention_backend, target, draft, num_pages, self.max_model_len)
-        self.executor = Executor.build(*build, *where)
+        k = 0 if spec is None else spec.num_speculative_tokens
+        sized = (num_pages, self.max_model_len, self.mesh, k, self.compilation_cache)
+        self.executor = Executor(make_runners(config, self.attention_backend, target, draft, *sized), self.channel)
         self.runner = self.executor.runners[0]
         draft_runner = self.executor.runners[1] if draft is not None else None
         self.spec_decoder = None

@@ -31,44 +31,45 @@ from jaxpage.worker.step_broadcast import Message, StepBroadcast
 logger = logging.getLogger("jaxpage")
 
 
+def make_runners(
+    config: EngineConfig,
+    backend: AttentionBackend,
+    target: tuple,
+    draft: tuple | None,
+    num_pages: int,
+    max_model_len: int,
+    mesh: jax.sharding.Mesh | None,
+    num_speculative_tokens: int = 0,
+    compilation_cache: CompilationCache | None = None,
+    compile_only: bool = False,
+) -> list[ModelRunner]:
+    """The target's ModelRunner, and a draft model's DraftModelRunner where `draft` (each a (config, params) as it
+    runs, jaxpage.worker.parallel.as_run), with the engine's step shapes (verify steps where num_speculative_tokens).
+    compile_only: for a chip this host lacks (jaxpage.aot)."""
+    args = dict(
+        num_pages=num_pages,
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        compilation_cache=compilation_cache,
+        num_speculative_tokens=num_speculative_tokens,
+        max_verify_rows=config.max_num_seqs if num_speculative_tokens else 0,
+        mesh=mesh,
+        compile_only=compile_only,
+    )
+    runners = [ModelRunner(*target, backend, **args, draft_probs=draft is not None)]
+    if draft is not None:
+        runners.append(DraftModelRunner(*draft, backend, **args))
+    return runners
+
+
 class Executor:
     def __init__(self, runners: list[ModelRunner], channel: StepBroadcast | None = None):
         self.runners = runners
         self.channel = channel
         for index, runner in enumerate(runners):
             runner.door = functools.partial(self.launch, index)
-
-    @classmethod
-    def build(
-        cls,
-        config: EngineConfig,
-        backend: AttentionBackend,
-        target: tuple,
-        draft: tuple | None,
-        num_pages: int,
-        max_model_len: int,
-        mesh: jax.sharding.Mesh | None,
-        channel: StepBroadcast | None,
-        compilation_cache: CompilationCache | None,
-    ) -> Executor:
-        """The engine's runners, their pools allocated: the target's, and a draft model's where `draft` (each a
-        (config, params) as it runs, jaxpage.worker.parallel.as_run)."""
-        spec = config.speculative_config
-        args = dict(
-            num_pages=num_pages,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            compilation_cache=compilation_cache,
-            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-            max_verify_rows=0 if spec is None else config.max_num_seqs,
-            mesh=mesh,
-        )
-        runners = [ModelRunner(*target, backend, **args, draft_probs=draft is not None)]
-        if draft is not None:
-            runners.append(DraftModelRunner(*draft, backend, **args))
-        return cls(runners, channel)
 
     def launch(self, runner: int, kind: Message, key: int, payload=None, flag: int = 0, draft_probs=None):
         """Runs a program of runner `runner` (ModelRunner.run), told first to the processes that follow this one."""
