@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import json, sys, time
 args = json.loads(sys.argv[1])
-from jaxpage.entrypoints.llm import LLM
+from jaxpage import LLM  # the name every revision has
 from jaxpage.sampling_params import SamplingParams
 engine = LLM(
     args["model"],
