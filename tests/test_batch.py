@@ -13,6 +13,7 @@ import time
 import pytest
 
 from jaxpage.entrypoints.batch import BatchError, run_batch
+from jaxpage.entrypoints.cli import main
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
@@ -179,19 +180,21 @@ def test_a_killed_job_resumes_to_the_same_results(tiny_dir, tmp_path):
     assert all(choices(records[k]) == choices(whole[k]) for k in whole)
 
 
-def test_cli_exit_code_is_nonzero_only_when_the_job_cannot_run(tiny_dir, tmp_path):
-    result = subprocess.run(
-        batch_command(tiny_dir, tmp_path / "none.jsonl", tmp_path / "o.jsonl"), capture_output=True, text=True
-    )
-    assert result.returncode == 2 and "cannot read the input" in result.stderr
+def run_cli(command: list[str], capsys) -> tuple[int, str]:
+    """`jaxpage ...` (batch_command's arguments) run in this process, as the command does: (exit status, stderr)."""
+    status = main(command[3:])
+    return status, capsys.readouterr().err
+
+
+def test_cli_exit_code_is_nonzero_only_when_the_job_cannot_run(tiny_dir, tmp_path, capsys):
+    status, stderr = run_cli(batch_command(tiny_dir, tmp_path / "none.jsonl", tmp_path / "o.jsonl"), capsys)
+    assert status == 2 and "cannot read the input" in stderr
     write_lines(tmp_path / "in.jsonl", ["{", completion_line("ok", [1, 2])])
-    result = subprocess.run(
-        batch_command(tiny_dir, tmp_path / "in.jsonl", tmp_path / "o.jsonl"), capture_output=True, text=True
-    )
-    assert result.returncode == 0 and "1 succeeded, 1 failed" in result.stderr
+    status, stderr = run_cli(batch_command(tiny_dir, tmp_path / "in.jsonl", tmp_path / "o.jsonl"), capsys)
+    assert status == 0 and "1 succeeded, 1 failed" in stderr
 
 
-def test_cli_speculative_config_gives_the_same_greedy_results(tiny_dir, tmp_path):
+def test_cli_speculative_config_gives_the_same_greedy_results(tiny_dir, tmp_path, capsys):
     """`jaxpage batch --speculative-config JSON`: the same greedy completions as without, and the speculative
     counters in the summary line."""
     lines = [completion_line(f"r{i}", (p * 8)[:24], max_tokens=24) for i, p in enumerate(PROMPTS)]
@@ -200,15 +203,14 @@ def test_cli_speculative_config_gives_the_same_greedy_results(tiny_dir, tmp_path
     results = {}
     for name, extra in (("plain", []), ("spec", ["--speculative-config", spec])):
         out = tmp_path / f"{name}.jsonl"
-        command = batch_command(tiny_dir, tmp_path / "in.jsonl", out) + extra
-        result = subprocess.run(command, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        assert ("speculative decoding:" in result.stderr) == (name == "spec"), result.stderr
+        status, stderr = run_cli(batch_command(tiny_dir, tmp_path / "in.jsonl", out) + extra, capsys)
+        assert status == 0, stderr
+        assert ("speculative decoding:" in stderr) == (name == "spec"), stderr
         results[name] = {k: choices(r) for k, r in read_records(out).items()}
     assert results["spec"] == results["plain"] and len(results["plain"]) == len(PROMPTS)
 
 
-def test_cli_parallel_layouts_give_the_same_greedy_results(tiny_dir, tmp_path):
+def test_cli_parallel_layouts_give_the_same_greedy_results(tiny_dir, tmp_path, capsys):
     """`jaxpage batch --tensor-parallel-size 2` and `--data-parallel-size 2` over the simulated devices
     (tests/conftest.py): the same greedy completions as one device; a size the devices cannot hold is refused with a
     clear message."""
@@ -221,16 +223,13 @@ def test_cli_parallel_layouts_give_the_same_greedy_results(tiny_dir, tmp_path):
         ("dp2", ["--data-parallel-size", "2"]),
     ):
         out = tmp_path / f"{name}.jsonl"
-        result = subprocess.run(
-            batch_command(tiny_dir, tmp_path / "in.jsonl", out) + options, capture_output=True, text=True
-        )
-        assert result.returncode == 0, result.stderr
+        status, stderr = run_cli(batch_command(tiny_dir, tmp_path / "in.jsonl", out) + options, capsys)
+        assert status == 0, stderr
         results[name] = {k: choices(r) for k, r in read_records(out).items()}
     assert results["tp2"] == results["dp2"] == results["one"] and len(results["one"]) == len(PROMPTS)
     command = batch_command(tiny_dir, tmp_path / "in.jsonl", tmp_path / "x.jsonl") + ["--tensor-parallel-size", "16"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 2, result.stderr
-    assert "tensor_parallel_size 16 needs 16 devices" in result.stderr and "Traceback" not in result.stderr
+    status, stderr = run_cli(command, capsys)
+    assert status == 2 and "tensor_parallel_size 16 needs 16 devices" in stderr and "Traceback" not in stderr
 
 
 def test_default_model_chat_and_completion(smollm2_path, tmp_path):
