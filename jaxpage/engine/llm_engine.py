@@ -73,8 +73,7 @@ class LLMEngine:
         self.compilation_cache = None
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
-        parallel_config = config.part(ParallelConfig)
-        tp, dp = parallel_config.tensor_parallel_size, parallel_config.data_parallel_size
+        tp, dp = config.tensor_parallel_size, config.data_parallel_size
         self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
         self.model_config, target, draft = load_models(config.part(LoadConfig), config.speculative_config, self.mesh)
         spec = config.speculative_config
@@ -274,17 +273,15 @@ class LLMEngine:
                     output, result.token_ids, result.num_accepted, draft_computed
                 )
             ]
+            seq_updates = [update for update, _ in updates]
             if self.spec_decoder is not None:
-                self.spec_decoder.observe(results[0].shape, results[0].device_s, [u for u, _ in updates])
-                for update, _ in updates:
-                    if update.finish_reason is not None:
-                        self.spec_decoder.forget(update.seq.seq_id)
+                self.spec_decoder.observe(results[0].shape, results[0].device_s, seq_updates)
             outputs, ended = self.output_processor.process(updates, time.time())
             for replica, seq in ended:  # ended by a stop string or their request's failure
                 self._finish_seq(replica, seq)
             host_s = (scheduled - start, time.perf_counter() - scheduled)  # scheduling; the rest, the device's included
             self.last_step_stats = StepStats.of(
-                steps, results, [u for u, _ in updates], num_sampled, *host_s, self.model_config.sliding_window
+                steps, results, seq_updates, num_sampled, *host_s, self.model_config.sliding_window
             )
             return outputs
 

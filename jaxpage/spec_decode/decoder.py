@@ -9,7 +9,7 @@
    records: nothing here writes a Sequence).
 3. The target verifies inside its step (jaxpage.spec_decode.verification).
 4. `observe(shape, seconds, updates)` after the scheduler's update: the policy's step times and acceptance, and
-   vLLM's counters (`stats`).
+   vLLM's counters (`stats`); `forget` for a sequence ended outside a step's update.
 """
 
 from __future__ import annotations
@@ -59,13 +59,16 @@ class SpeculativeDecoder:
         return self.draft_runner.propose(output)
 
     def observe(self, shape: StepShape, seconds: float, updates: list[SequenceUpdate]) -> None:
-        """After a step of `shape` that took `seconds` on the device: its verified drafts' acceptance."""
+        """After a step of `shape` that took `seconds` on the device: its verified drafts' acceptance; the
+        sequences the step ended are forgotten."""
         self.policy.observe_step(shape, seconds)
         for update in updates:
             if update.num_draft_tokens:
                 self.stats.observe_draft(update.num_draft_tokens, update.num_accepted)
                 kind = self._kinds[update.seq.seq_id]
                 self.policy.observe_draft(update.seq.seq_id, kind, update.num_draft_tokens, update.num_accepted)
+            if update.finish_reason is not None:
+                self.forget(update.seq.seq_id)
 
     def forget(self, seq_id: int) -> None:
         """A sequence ended: its acceptance estimate goes."""
