@@ -31,6 +31,18 @@ import tempfile
 import time
 from pathlib import Path
 
+TINY_CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,16 +83,15 @@ def main() -> None:
 
     from jaxpage.benchmarks.hlo_collectives import executed
     from jaxpage.benchmarks.progress import log
-    from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.models.llama import param_shapes
     from jaxpage.sampling_params import SamplingParams
     from jaxpage.worker import parallel
 
     model = args.model
-    if args.tiny:
-        family = TinyFamily("tp-bench", "LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2))
-        model = str(write_tiny_model(family, Path(tempfile.mkdtemp(prefix="jaxpage-bench-parallel-"))))
+    if args.tiny:  # random weights (load_format="dummy") in a tiny Llama's shape
+        model = tempfile.mkdtemp(prefix="jaxpage-bench-parallel-")
+        (Path(model) / "config.json").write_text(json.dumps(TINY_CONFIG))
     default = "1x1,2x1,4x1,8x1,1x2,2x2" if args.tiny else "1x1,3x1,1x2,3x2"
     layouts = [tuple(int(n) for n in layout.split("x")) for layout in (args.layouts or default).split(",")]
     rng = np.random.default_rng(0)
@@ -90,6 +101,7 @@ def main() -> None:
         max_num_seqs=args.requests,
         max_num_batched_tokens=256,
         compilation_cache_dir=None,
+        load_format="dummy" if args.tiny else "auto",
     )
     log(f"{len(jax.devices())} {jax.devices()[0].platform} devices; layouts TPxDP: {layouts}")
     rows, reference = [], None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 # TINY_COMMON_CONFIG and TINY_FAMILIES are imported from here by test_config and test_orbax_checkpoint.
-from jaxpage.benchmarks.tiny_models import TINY_COMMON_CONFIG, TINY_FAMILIES, TinyFamily, write_tiny_model
+from tiny_models import TINY_COMMON_CONFIG, TINY_FAMILIES, TinyFamily, write_tiny_model
 
 __all__ = ["TINY_COMMON_CONFIG", "TINY_FAMILIES"]
 

@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
+from tiny_models import TINY_FAMILIES
 
 from jaxpage import aot
 from jaxpage.attention import resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
-from jaxpage.benchmarks.tiny_models import TINY_FAMILIES
 from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.targets import TARGETS, available, get_target
 from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages

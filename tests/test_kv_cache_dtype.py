@@ -73,8 +73,7 @@ def test_kernels_give_the_xla_path_s_greedy_tokens(tiny_dir, attention_impl):
 
 def test_tensor_parallel_shards_pages_and_scales_by_kv_head(tmp_path):
     from test_parallel import ARGS, family
-
-    from jaxpage.benchmarks.tiny_models import write_tiny_model
+    from tiny_models import write_tiny_model
 
     path = str(write_tiny_model(family(2), tmp_path))
     prompts = [[(5 * i + j) % 90 + 3 for j in range(4 + 7 * i)] for i in range(4)]

@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from tiny_models import TINY_FAMILIES, write_tiny_model
 
-from jaxpage.benchmarks.tiny_models import TINY_FAMILIES, write_tiny_model
 from jaxpage.entrypoints.cli import main
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import load_model

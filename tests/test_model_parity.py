@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import transformers
 from hf_reference import TINY_COMMON_CONFIG, TINY_FAMILIES, hf_logits, load_tiny_hf_model
+from tiny_models import tiny_config, write_tiny_model
 
-from jaxpage.benchmarks.tiny_models import tiny_config, write_tiny_model
 from jaxpage.config import ModelConfig
 from jaxpage.models import forward, load_model
 

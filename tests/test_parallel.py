@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny_models import TinyFamily, write_tiny_model
 
 from jaxpage.benchmarks.hlo_collectives import KINDS, executed
-from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.worker import parallel

@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 from scipy import stats
+from tiny_models import TinyFamily, write_tiny_model
 
-from jaxpage.benchmarks.tiny_models import TinyFamily, write_tiny_model
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import SequenceStatus

@@ -7,9 +7,23 @@ import math
 import time
 from pathlib import Path
 
-from jaxpage.benchmarks.hf_reference import load_hf_model
 from jaxpage.benchmarks.measure import cpu_seconds, machine_load
 from jaxpage.benchmarks.progress import log
+
+
+def load_hf_model(path: Path, attn_implementation: str | None = None):
+    """transformers' float32 model, in eval mode, from a .gguf file (dequantized by transformers) or an HF
+    directory."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    kwargs = dict(dtype=torch.float32, attn_implementation=attn_implementation)
+    if path.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    return model.eval()
 
 
 def hf_source(model: str | None) -> Path:

@@ -1,8 +1,8 @@
 """Max |logit difference| between jaxpage and transformers, per tiny test family and on SmolLM2.
 
-    python scripts/parity_report.py
+    python tests/parity_report.py
 
-Uses the tiny random families the tests use (jaxpage.benchmarks.tiny_models: float32, a 24-token prompt) and the
+Uses the tiny random families the tests use (tests/tiny_models.py: float32, a 24-token prompt) and the
 default model on three real prompts; needs the test extras (torch). Prints one line per model.
 """
 
@@ -12,9 +12,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from hf_reference import PARITY_PROMPTS, hf_logits, load_hf_model, load_tiny_hf_model
+from tiny_models import TINY_FAMILIES, write_tiny_model
 
-from jaxpage.benchmarks.hf_reference import PARITY_PROMPTS, hf_logits, load_hf_model, load_tiny_hf_model
-from jaxpage.benchmarks.tiny_models import TINY_FAMILIES, write_tiny_model
 from jaxpage.models import forward, load_model
 from jaxpage.models.default_model import default_model_path
 from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
