@@ -106,8 +106,10 @@ def test_engine_tensor_parallel_and_checkpoint(tiny_dir, tmp_path):
 def test_default_model_perplexity_within_two_percent(smollm2_path):
     from jaxpage.tokenizers.tokenizer import load_tokenizer
 
-    token_ids = list(load_tokenizer(smollm2_path)(TEXT_PATH.read_text()).input_ids)
-    assert len(token_ids) > 2000
+    # Two 512-token windows of the text: measured here float32 25.35, int8 25.51 (+0.63%); the whole text (2718
+    # tokens) gives +0.63% too.
+    token_ids = list(load_tokenizer(smollm2_path)(TEXT_PATH.read_text()).input_ids)[:1025]
+    assert len(token_ids) == 1025
     base = perplexity(*load_model(smollm2_path), token_ids)
     int8 = perplexity(*load_model(smollm2_path, quantization="int8"), token_ids)
     assert base < 40 and int8 <= base * 1.02, (base, int8)

@@ -65,10 +65,12 @@ def test_pool_layout_and_sizing_use_the_real_bytes(tiny_dir, kv_cache_dtype, cap
 
 @pytest.mark.parametrize("attention_impl", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
 def test_kernels_give_the_xla_path_s_greedy_tokens(tiny_dir, attention_impl):
-    # One chunked prompt and decodes; the TPU kernel reads 8-bit pages whose head_dim is padded to 128.
-    want = greedy(make_llm(tiny_dir, kv_cache_dtype="int8", max_num_batched_tokens=32))
+    # A chunked prompt beside a short one, then decodes; the TPU kernel reads 8-bit pages whose head_dim is padded to
+    # 128. (Each step runs every layer's kernel in an interpreter: few steps.)
+    prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = greedy(make_llm(tiny_dir, kv_cache_dtype="int8", max_num_batched_tokens=32), prompts, params)
     llm = make_llm(tiny_dir, kv_cache_dtype="int8", attention_impl=attention_impl, max_num_batched_tokens=32)
-    assert greedy(llm) == want
+    assert greedy(llm, prompts, params) == want
 
 
 def test_tensor_parallel_shards_pages_and_scales_by_kv_head(tmp_path):

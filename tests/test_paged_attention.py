@@ -21,6 +21,7 @@ from test_ragged_paged_attention import (
     make_batch,
     sm_scale,
     while_loops,
+    with_impls,
 )
 
 from pallas_kernels.gpu_decode_attention import gpu_decode_attention
@@ -65,8 +66,8 @@ def assert_close(layout: Layout, got: jax.Array, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, atol=layout.atol, rtol=0 if layout.dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+# In the interpreter the TPU kernel runs MHA, MQA and bfloat16 with head_dim 128.
+@pytest.mark.parametrize(("layout", "impl"), with_impls(LAYOUTS, [LAYOUTS[0], LAYOUTS[3], LAYOUTS[4]]), ids=str)
 def test_matches_reference_with_poisoned_pages(layout, impl):
     # Every slot that holds no live position (stale slots, the null page, spare pages) is NaN.
     batch = make_batch(layout, decode_case(layout.page_size), poison=True)

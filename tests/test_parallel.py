@@ -59,16 +59,18 @@ def test_simulated_devices():
     assert len(jax.devices()) == 8  # tests/conftest.py
 
 
-# Biases (q/k/v/o and MLP) with 2 KV heads; tied embeddings with 1 (the LM head is the vocabulary-split embedding).
+# Tied embeddings with 1 KV head over 8 shards (the LM head is the vocabulary-split embedding; the KV head copied to
+# every shard); biases (q/k/v/o and MLP) with 2 KV heads over 4 shards (each copied to 2); 8 KV heads over 2 shards
+# (4 on each) and over 8 (1 on each).
 @pytest.mark.parametrize(
-    ("kv_heads", "extra"),
-    [(1, dict(tie_word_embeddings=True)), (2, dict(attention_bias=True, mlp_bias=True)), (8, {})],
+    ("kv_heads", "extra", "tp_sizes"),
+    [(1, dict(tie_word_embeddings=True), (8,)), (2, dict(attention_bias=True, mlp_bias=True), (4,)), (8, {}, (2, 8))],
     ids=["kv1-tied", "kv2-biases", "kv8"],
 )
-def test_greedy_tokens_equal_one_device(model_dir, kv_heads, extra):
+def test_greedy_tokens_equal_one_device(model_dir, kv_heads, extra, tp_sizes):
     directory = model_dir(kv_heads, **extra)
     want = greedy(LLM(directory, **ARGS))
-    for tp in (2, 4, 8):
+    for tp in tp_sizes:
         llm = LLM(directory, **ARGS, tensor_parallel_size=tp)
         assert greedy(llm) == want, f"tensor_parallel_size {tp}"
         pool = llm.engine.runner.kv_cache.k

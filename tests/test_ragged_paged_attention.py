@@ -28,6 +28,15 @@ def kernel(backend: str) -> dict:
 
 # Every implementation of the public functions: the XLA implementation and the Pallas TPU and GPU kernels.
 IMPLS = {"xla": dict(impl="xla"), "pallas-tpu": kernel("tpu"), "pallas-gpu": kernel("gpu")}
+
+
+def with_impls(cases: list, tpu_few: list) -> list:
+    """(case, impl) pairs: every case with the XLA implementation and the GPU kernel; with the TPU kernel every case
+    where it runs natively, only `tpu_few` where it is interpreted (seconds a call: a few edge cases suffice)."""
+    tpu_cases = tpu_few if IMPLS["pallas-tpu"]["interpret"] else cases
+    return [(case, impl) for case in cases for impl in IMPLS if impl != "pallas-tpu" or case in tpu_cases]
+
+
 # Given a pool whose head_dim is not a multiple of 128, the TPU kernels pad it (and warn: a copy per call). The sweeps
 # here do that on purpose; `test_padded_pool_gives_the_same_result` covers the padded layout the engine allocates.
 pytestmark = pytest.mark.filterwarnings("ignore:the TPU kernels need the KV pool's head_dim padded")
