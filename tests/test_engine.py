@@ -30,15 +30,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def hf_greedy(smollm2_path, smollm2_hf):
-    """transformers' greedy continuations (NEW_TOKENS each, EOS ignored) of PROMPTS, one prompt at a time."""
+    """transformers' greedy continuations (NEW_TOKENS each, EOS ignored) of PROMPTS, in one left-padded batch:
+    measured here the same tokens as one prompt at a time (hf_greedy_continuation) for every prompt, in 5.5 s
+    instead of 23 (a float32 decode step of this model reads its 0.5 GB of weights whatever the batch)."""
     from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)
-    results = []
-    for prompt in PROMPTS:
-        ids = encode_prompt(tokenizer, prompt)
-        results.append(hf_greedy_continuation(smollm2_hf, ids, NEW_TOKENS))
-    return results
+    return hf_greedy_batch(smollm2_hf, [encode_prompt(tokenizer, prompt) for prompt in PROMPTS], NEW_TOKENS)
 
 
 def hf_greedy_continuation(model, ids: list[int], num_tokens: int) -> list[int]:
@@ -52,6 +50,26 @@ def hf_greedy_continuation(model, ids: list[int], num_tokens: int) -> list[int]:
             tokens.append(token)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """hf_greedy_continuation of several prompts at once: padded on the left, masked, each row's positions from 0."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens = []
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _ in range(num_tokens):
+            token = out.logits[:, -1].argmax(-1)
+            tokens.append(token)
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], -1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                token[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values
+            )
+    return torch.stack(tokens, 1).tolist()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
