@@ -31,29 +31,18 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def hf_greedy(smollm2_path, smollm2_hf):
     """transformers' greedy continuations (NEW_TOKENS each, EOS ignored) of PROMPTS, in one left-padded batch:
-    measured here the same tokens as one prompt at a time (hf_greedy_continuation) for every prompt, in 5.5 s
-    instead of 23 (a float32 decode step of this model reads its 0.5 GB of weights whatever the batch)."""
+    measured here the same tokens as one prompt at a time for every prompt, in 5.5 s instead of 23 (a float32
+    decode step of this model reads its 0.5 GB of weights whatever the batch)."""
     from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_path)
-    return hf_greedy_batch(smollm2_hf, [encode_prompt(tokenizer, prompt) for prompt in PROMPTS], NEW_TOKENS)
+    return hf_greedy_tokens(smollm2_hf, [encode_prompt(tokenizer, prompt) for prompt in PROMPTS], NEW_TOKENS)
 
 
-def hf_greedy_continuation(model, ids: list[int], num_tokens: int) -> list[int]:
-    """Plain argmax decoding with transformers' KV cache. (generate's min_new_tokens would mask EOS, which
-    vLLM's ignore_eos does not: it only keeps going after EOS.)"""
-    tokens = []
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-        for _ in range(num_tokens):
-            token = int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
-
-
-def hf_greedy_batch(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """hf_greedy_continuation of several prompts at once: padded on the left, masked, each row's positions from 0."""
+def hf_greedy_tokens(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Plain argmax decoding with transformers' KV cache, every prompt in one batch: padded on the left, masked, each
+    row's positions from 0. (generate's min_new_tokens would mask EOS, which vLLM's ignore_eos does not: it only
+    keeps going after EOS.)"""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -117,7 +106,7 @@ def test_chat_reply_equals_transformers(smollm2_path, smollm2_hf):
     [output] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16))
     ids = encode_prompt(load_tokenizer(smollm2_path), messages[0]["content"], chat=True)
     assert output.prompt_token_ids == ids
-    expected = hf_greedy_continuation(smollm2_hf, ids, 16)
+    [expected] = hf_greedy_tokens(smollm2_hf, [ids], 16)
     completion = output.outputs[0]
     if completion.finish_reason == "stop":  # <|im_end|>: the reply ended before 16 tokens
         expected = expected[: len(completion.token_ids)]
