@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxpage.sample.logits_controls import LogitsControls
 from jaxpage.sampling_params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     sampling_params: SamplingParams | None = None  # None: greedy
     seed: int = 0  # the request's seed (drawn by the engine when the request gives none)
+    # What changes its logits before sampling (a grammar's matcher, biases, penalties...); None: nothing.
+    controls: LogitsControls | None = None
     group: tuple[Sequence, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):
@@ -62,7 +65,10 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
+        """Commits a token (the scheduler does, in update_from_output); a grammar's matcher follows it."""
         self.token_ids.append(token_id)
+        if self.controls is not None:
+            self.controls.accept(token_id)
 
 
 @dataclasses.dataclass(frozen=True)

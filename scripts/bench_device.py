@@ -105,7 +105,7 @@ def compiler_estimate(engine, batch: int, kv_len: int, param_bytes: int, kv_toke
 
     runner = engine.runner
     shape = runner.inputs.smallest_shape("decode", batch)
-    programs = (runner.executables[shape], runner.samplers[shape.sample_rows, shape.num_draft_positions])
+    programs = (runner.executables[shape], runner.samplers[shape.sample_rows, shape.num_draft_positions, 0])
     layer_bytes = aot.placed_bytes(runner.kv_cache.k) // engine.model_config.num_layers  # a copy this large: the pool
     reports = [aot.describe(str(shape), "forward", 0.0, program, layer_bytes) for program in programs]
     flops = [r.flops for r in reports]

@@ -133,7 +133,7 @@ def main() -> None:
         tokens_in_pool = runner.pages_per_replica * runner.kv_cache.page_size  # what one device holds pages of
         shape = next(s for s in runner.shapes if s.kind == "decode")
         forward = executed(runner.executables[shape].as_text())
-        sampler = executed(runner.samplers[shape.sample_rows, 0].as_text())
+        sampler = executed(runner.samplers[shape.sample_rows, 0, 0].as_text())
         decode_s = record_decode_steps(engine)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         start = time.perf_counter()

@@ -130,10 +130,11 @@ def test_no_compilation_after_warmup(tiny_dir):
     warmed = llm.engine.warmup()
     compiled = runner.num_compilations
     rows = {shape.sample_rows for shape in runner.shapes}
-    assert compiled == len(runner.shapes) + len(rows)
+    assert compiled == len(runner.shapes) + 3 * len(rows)  # samplers: plain, with masks and biases, with penalties
     assert [c.program for c in warmed].count("copy") == 1 and len(warmed) == compiled + 1
     assert sorted(c.shape for c in warmed if c.program == "forward") == sorted(runner.shapes)
-    assert sorted(c.shape for c in warmed if c.program == "sample") == sorted(rows)
+    for sampler in ("sample", "sample+masks", "sample+penalties"):
+        assert sorted(c.shape for c in warmed if c.program == sampler) == sorted(rows)
     assert llm.engine.warmup() == []  # nothing left to compile
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 96, rng.integers(1, 100)).tolist() for _ in range(20)]
@@ -144,6 +145,10 @@ def test_no_compilation_after_warmup(tiny_dir):
             max_tokens=int(rng.integers(1, 27)),
             logprobs=2 if i % 3 == 0 else None,
             ignore_eos=True,
+            # Logits processors in some rows: a step runs the sampler variant its rows need, each warmed up.
+            logit_bias={5: 3.0} if i % 4 == 1 else None,
+            allowed_token_ids=list(range(10, 60)) if i % 5 == 2 else None,
+            presence_penalty=0.5 if i % 7 == 3 else 0.0,
         )
         for i in range(20)
     ]
@@ -425,7 +430,7 @@ def test_the_full_logits_never_leave_the_step(tiny_dir):
     hidden, pool = llm.engine.model_config.hidden_size, runner.kv_cache.k.shape
     for shape, program in runner.executables.items():
         assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(shape.sample_rows, hidden), pool, pool]
-    for (rows, k), program in runner.samplers.items():
+    for (rows, k, _), program in runner.samplers.items():
         top = (rows, k + 1, MAX_LOGPROBS)  # k = 0: one token per row (k > 0: verifying k draft tokens)
         assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(rows, k + 1), (rows,), (rows, k + 1), top, top]
 

@@ -266,9 +266,10 @@ def test_no_class_over_300_lines_and_no_function_over_80():
 LAYERS = [
     # what every layer shares: arguments and configs, errors, checks, outputs, the sequences and a step's plan
     ["jaxpage.config", "jaxpage.errors", "jaxpage.validation", "jaxpage.outputs", "jaxpage.sampling_params"]
-    + ["jaxpage.sequence", "jaxpage.kv_cache", "jaxpage.mesh_axes", "jaxpage.targets", "jaxpage.spec_decode.config"],
+    + ["jaxpage.sequence", "jaxpage.kv_cache", "jaxpage.mesh_axes", "jaxpage.targets", "jaxpage.spec_decode.config"]
+    + ["jaxpage.sample.logits_controls"],  # a sequence's logits processors (host side), which its sequence holds
     # the model and what it computes with
-    ["jaxpage.models", "jaxpage.tokenizers", "jaxpage.attention", "jaxpage.sample"]
+    ["jaxpage.models", "jaxpage.tokenizers", "jaxpage.attention", "jaxpage.sample", "jaxpage.structured"]
     + ["jaxpage.spec_decode.ngram", "jaxpage.spec_decode.stats", "jaxpage.spec_decode.verification"]
     + ["jaxpage.spec_decode.draft_model"],
     ["jaxpage.worker", "jaxpage.spec_decode.draft_runner"],  # the device side

@@ -135,8 +135,8 @@ def test_nothing_compiles_after_warmup(model_dir, tp, dp):
     layers = llm.engine.model_config.num_layers
     for shape, forward in runner.executables.items():
         assert executed(forward.as_text()) == executed_counts(all_reduce=2 * layers + 1), shape
-    for rows_k, sampler in runner.samplers.items():
-        assert executed(sampler.as_text()) == executed_counts(all_gather=1), rows_k
+    for key, sampler in runner.samplers.items():
+        assert executed(sampler.as_text()) == executed_counts(all_gather=1), key
     llm.generate(prompts(), GREEDY)
     llm.generate(prompts(3), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=1))
     assert runner.num_compilations == compiled

@@ -14,18 +14,31 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.engine.output_processor import Request
 from jaxpage.outputs import CompletionOutput, RequestMetrics
+from jaxpage.sample.logits_controls import LogitsControls
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence
+from jaxpage.structured.grammar import GrammarCompiler
 from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer
 from jaxpage.validation import ArgumentTypeError, check_number, check_text, describe, fail, is_int
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, num_pages: int, config: EngineConfig):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        num_pages: int,
+        config: EngineConfig,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         """num_pages: a replica's pool, the null page included; config: the engine's (its page_size, and the seed
-        of the seeds drawn for requests that bring none)."""
+        of the seeds drawn for requests that bring none); eos_token_ids: what min_tokens holds back and grammars
+        end with."""
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, list(eos_token_ids)) if tokenizer else None
         self.max_model_len = max_model_len
         self.page_size = config.page_size
         self.num_pages = num_pages
@@ -46,16 +59,7 @@ class InputProcessor:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             fail("sampling_params", "a SamplingParams or None", params, wrong_type=True)
-        params.validate()
-        vocab = self.vocab_size
-        if params.top_k > vocab:
-            fail("SamplingParams.top_k", f"at most the vocabulary size {vocab} (0 or -1: all tokens)", params.top_k)
-        if any(t >= vocab for t in params.stop_token_ids):
-            fail("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", params.stop_token_ids)
-        if self.tokenizer is None and params.stop:
-            raise ValueError(
-                "stop strings need the tokenizer, which skip_tokenizer_init leaves out: use stop_token_ids"
-            )
+        bad_words, grammar = self._check_params(params)
         if arrival_time is not None:
             arrival_time = check_number("arrival_time", arrival_time, "a finite time in seconds", lambda t: t >= 0)
         text, token_ids = self._prompt_tokens(prompt)
@@ -75,7 +79,18 @@ class InputProcessor:
                 params.seed + index if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
                 for index in range(params.n)
             ]
-            seqs = [Sequence(next(self._seq_ids), token_ids, sampling_params=params, seed=seed) for seed in seeds]
+            seqs = [
+                Sequence(
+                    next(self._seq_ids),
+                    token_ids,
+                    sampling_params=params,
+                    seed=seed,
+                    controls=LogitsControls.of(
+                        params, self.vocab_size, self.eos_token_ids, bad_words, grammar.deep_copy() if grammar else None
+                    ),
+                )
+                for seed in seeds
+            ]
         if len(seqs) > 1:  # the n samples compute the prompt once and share its pages (see Scheduler)
             for seq in seqs:
                 seq.group = tuple(seqs)
@@ -95,6 +110,42 @@ class InputProcessor:
             [CompletionOutput(i, "", [], 0.0 if logprobs else None, [] if logprobs else None) for i in range(params.n)],
             RequestMetrics(arrival_time or time.time()),
         )
+
+    def _check_params(self, params: SamplingParams) -> tuple[list[list[int]], object | None]:
+        """Checks the sampling params against this model and tokenizer: (the bad words' spellings as token ids, the
+        grammar's compiled matcher or None)."""
+        params.validate()
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            fail("SamplingParams.top_k", f"at most the vocabulary size {vocab} (0 or -1: all tokens)", params.top_k)
+        if any(t >= vocab for t in params.stop_token_ids):
+            fail("SamplingParams.stop_token_ids", f"token ids in [0, {vocab})", params.stop_token_ids)
+        for field, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            if ids and max(ids) >= vocab:
+                fail(f"SamplingParams.{field}", f"token ids in [0, {vocab})", sorted(t for t in ids if t >= vocab))
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                "stop strings need the tokenizer, which skip_tokenizer_init leaves out: use stop_token_ids"
+            )
+        for field, used in (("bad_words", params.bad_words), ("structured_outputs", params.structured_outputs)):
+            if self.tokenizer is None and used:
+                raise ValueError(f"SamplingParams.{field} needs the tokenizer, which skip_tokenizer_init leaves out")
+        bad_words = self._bad_word_token_ids(params.bad_words)
+        # Compiles the grammar here, in the caller's thread (cached by spec): a spec that does not compile is
+        # refused before anything is queued, and a slow one delays only its own request.
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        return bad_words, grammar
+
+    def _bad_word_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's spellings as token ids, as vLLM makes them: the word as it is and after a space (the
+        same word mid-sentence), without special tokens; a spelling beyond the vocabulary is dropped."""
+        spellings = []
+        for word in bad_words:
+            for text in dict.fromkeys((word, " " + word.lstrip())):
+                ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids and max(ids) < self.vocab_size and ids not in spellings:
+                    spellings.append(ids)
+        return spellings
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""

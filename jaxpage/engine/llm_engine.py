@@ -92,7 +92,9 @@ class LLMEngine:
         self._new_replicas()
         self.output_processor = OutputProcessor(self.tokenizer)
         vocab = self.model_config.vocab_size
-        self.input_processor = InputProcessor(self.tokenizer, vocab, self.max_model_len, self._num_pages, config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, vocab, self.max_model_len, self._num_pages, config, frozenset(eos)
+        )
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
         if self.channel is not None and self.is_leader:  # the followers must hear that it ends, at exit if not before

@@ -220,12 +220,16 @@ class Scheduler:
 
     def _finished_by(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish_reason, stop_reason) of a sequence whose last token is `token`: ("stop", token) for a stop token
-        id, ("stop", None) for EOS, ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings
+        id, ("stop", None) for EOS (neither while the output is shorter than min_tokens) or a complete grammar,
+        ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings
         are the output processor's (jaxpage.engine.output_processor)."""
         params = seq.sampling_params
-        if params is not None and token in params.stop_token_ids:
+        early = params is not None and len(seq.output_token_ids) < params.min_tokens  # stop ids cannot end it yet
+        if params is not None and token in params.stop_token_ids and not early:
             return "stop", token
-        if (params is None or not params.ignore_eos) and token in self.config.eos_token_ids:
+        if (params is None or not params.ignore_eos) and token in self.config.eos_token_ids and not early:
+            return "stop", None
+        if seq.controls is not None and seq.controls.grammar_ended:
             return "stop", None
         max_tokens = params.max_tokens if params is not None else None
         if max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens:

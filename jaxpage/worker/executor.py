@@ -25,7 +25,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.sequence import SchedulerOutput
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
-from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch
+from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch, step_flag
 from jaxpage.worker.step_broadcast import Message, StepBroadcast
 
 logger = logging.getLogger("jaxpage")
@@ -88,10 +88,11 @@ class Executor:
             runner.copy_pages(copies)
         start = time.perf_counter()
         shape = runner.inputs.shape_for(*outputs)
-        prepared = [runner.inputs.prepare(output, shape) for output in outputs]
+        level = runner.inputs.processor_level(*outputs)
+        prepared = [runner.inputs.prepare(output, shape, level) for output in outputs]
         step, sample_input = runner.inputs.stacked(prepared)
         dispatched = time.perf_counter()
-        flag = draft_probs is not None
+        flag = step_flag(level, draft_probs is not None)
         key = runner.shapes.index(shape)
         token_ids, num_accepted, logprobs = self.launch(0, Message.STEP, key, (step, sample_input), flag, draft_probs)
         want_logprobs = any(bool(s.want_logprobs) for _, s in prepared)

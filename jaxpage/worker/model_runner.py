@@ -30,6 +30,7 @@ from jaxpage.attention import AttentionBackend, PagedAttention
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
 from jaxpage.models.llama import Llama, build, params_dtype
+from jaxpage.sample.logits_processors import apply_logits_processors
 from jaxpage.sample.sampler import sample, sampled_logprobs
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.spec_decode.verification import verify_drafts
@@ -37,7 +38,7 @@ from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, lo
 from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
 from jaxpage.worker.step_broadcast import Header, Message, unpack
-from jaxpage.worker.step_inputs import SampleInput, StepInput, StepInputs
+from jaxpage.worker.step_inputs import NO_PROCESSORS, PROCESSOR_LEVELS, SampleInput, StepInput, StepInputs
 from jaxpage.worker.step_shapes import StepShape, step_shapes
 
 logger = logging.getLogger("jaxpage")
@@ -64,6 +65,50 @@ class StepOutput:
     shape: StepShape  # what the step was padded to
     prepare_s: float = 0.0  # host: building the step's arrays
     device_s: float = 0.0  # dispatch until the sampled tokens are back on the host
+
+
+def sample_rows(logits: jax.Array, inputs: SampleInput) -> tuple:
+    """The sampler's work on the LM head's logits [R * (k + 1), V] float32: logits processors, then sampling (k = 0)
+    or the verification of each row's k drafts, then the log-probs when some row asks (see
+    ModelRunner._sample_on_shard for what it returns)."""
+    rows, k = inputs.draft_tokens.shape
+    # Grammar masks, biases and penalties change what is sampled; log-probs stay the model's (vLLM's default).
+    processed = logits if inputs.logits is None else apply_logits_processors(logits, inputs.logits)
+    if k == 0:
+        token_ids = sample(processed, inputs.sampling).token_ids[:, None]
+        num_accepted = jnp.zeros(rows, jnp.int32)
+    else:
+        verified = verify_drafts(
+            processed.reshape(rows, k + 1, -1),
+            inputs.sampling,
+            inputs.draft_tokens,
+            inputs.num_drafts,
+            inputs.draft_probs,
+        )
+        token_ids, num_accepted = verified.token_ids, verified.num_accepted
+    flat_logits, flat_ids = logits, jnp.maximum(token_ids, 0).reshape(-1)
+    top = min(MAX_LOGPROBS, flat_logits.shape[-1])  # a vocabulary can be smaller than MAX_LOGPROBS
+    no_logprobs = (
+        jnp.zeros(rows * (k + 1), jnp.float32),
+        jnp.zeros((rows * (k + 1), top), jnp.int32),
+        jnp.zeros((rows * (k + 1), top), jnp.float32),
+    )
+    logprobs = lax.cond(inputs.want_logprobs, lambda: sampled_logprobs(flat_logits, flat_ids, top), lambda: no_logprobs)
+    logprobs = tuple(x.reshape(rows, k + 1, *x.shape[1:]) for x in logprobs)
+    return token_ids, num_accepted, logprobs
+
+
+def step_flag(level: int, with_draft_probs: bool) -> int:
+    """A STEP message's flag: the sampler's level of logits processors, and whether it takes a draft model's
+    distributions."""
+    return 2 * level + int(with_draft_probs)
+
+
+def sampler_name(rows: int, k: int, level: int) -> CompiledShape:
+    """How the compile log names a sampler program: ("sample", rows) or ("verify", (rows, k)), with the level of
+    logits processors after a "+" ("sample+masks", "verify+penalties")."""
+    suffix = ("", "+masks", "+penalties")[level]
+    return CompiledShape(f"verify{suffix}", (rows, k)) if k else CompiledShape(f"sample{suffix}", rows)
 
 
 class ModelRunner:
@@ -122,7 +167,9 @@ class ModelRunner:
         # Verify steps take the draft model's distributions where draft_probs (else point masses).
         draft_vocab = config.vocab_size if draft_probs else 0
         stack = self.mesh is not None
-        self.inputs = StepInputs(self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab)
+        self.inputs = StepInputs(
+            self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab, config.vocab_size
+        )
         self.models = {  # by the shapes' max_q_len
             q_len: build(
                 shard,
@@ -134,7 +181,8 @@ class ModelRunner:
             for q_len in {0, 1} | {s.max_q_len for s in self.shapes}
         }
         self.executables: dict[StepShape, jax.stages.Compiled] = {}  # the forward pass of each step shape
-        self.samplers: dict[tuple[int, int], jax.stages.Compiled] = {}  # LM head and sampler, by (rows, k)
+        # LM head and sampler, by (rows, k, logits processors' level: jaxpage.worker.step_inputs.PROCESSOR_LEVELS)
+        self.samplers: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
         self._sample = jax.jit(self._sample_fn)
 
@@ -183,28 +231,7 @@ class ModelRunner:
         drafts are verified (jaxpage.spec_decode.verification). The full logits never leave this function; the log-probs
         are computed only when some row asks for them."""
         logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)  # [R * (k + 1), V] float32
-        rows, k = inputs.draft_tokens.shape
-        if k == 0:
-            token_ids = sample(logits, inputs.sampling).token_ids[:, None]
-            num_accepted = jnp.zeros(rows, jnp.int32)
-        else:
-            logits = logits.reshape(rows, k + 1, -1)
-            verified = verify_drafts(
-                logits, inputs.sampling, inputs.draft_tokens, inputs.num_drafts, inputs.draft_probs
-            )
-            token_ids, num_accepted = verified.token_ids, verified.num_accepted
-        flat_logits, flat_ids = logits.reshape(rows * (k + 1), -1), jnp.maximum(token_ids, 0).reshape(-1)
-        top = min(MAX_LOGPROBS, flat_logits.shape[-1])  # a vocabulary can be smaller than MAX_LOGPROBS
-        no_logprobs = (
-            jnp.zeros(rows * (k + 1), jnp.float32),
-            jnp.zeros((rows * (k + 1), top), jnp.int32),
-            jnp.zeros((rows * (k + 1), top), jnp.float32),
-        )
-        logprobs = lax.cond(
-            inputs.want_logprobs, lambda: sampled_logprobs(flat_logits, flat_ids, top), lambda: no_logprobs
-        )
-        logprobs = tuple(x.reshape(rows, k + 1, *x.shape[1:]) for x in logprobs)
-        return token_ids, num_accepted, logprobs
+        return sample_rows(logits, inputs)
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
@@ -216,11 +243,11 @@ class ModelRunner:
         self.executables[shape] = executable
         return executable
 
-    def compile_sampler(self, shape: StepShape) -> jax.stages.Compiled:
-        """The LM head and sampler (or verification) of `shape`'s sample rows and k, as `compile` gets the forward
-        pass."""
+    def compile_sampler(self, shape: StepShape, level: int = NO_PROCESSORS) -> jax.stages.Compiled:
+        """The LM head and sampler (or verification) of `shape`'s sample rows and k, with logits processors as
+        `level` says, as `compile` gets the forward pass."""
         rows, k = shape.sample_rows, shape.num_draft_positions
-        _, inputs = self.inputs.padding(shape)
+        _, inputs = self.inputs.padding(shape, level)
         hidden_shape = (rows * (k + 1), self.config.hidden_size)
         if self.mesh is not None:
             hidden_shape = (self.data_parallel_size, *hidden_shape)
@@ -229,9 +256,9 @@ class ModelRunner:
             where = self._replicated if self.mesh is None else NamedSharding(self.mesh, REPLICAS)
         hidden = jax.ShapeDtypeStruct(hidden_shape, self.dtype, sharding=where)
         args = (self.params, hidden, self._abstract(inputs))
-        what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
+        what = sampler_name(rows, k, level)
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
-        self.samplers[rows, k] = executable
+        self.samplers[rows, k, level] = executable
         return executable
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
@@ -258,17 +285,18 @@ class ModelRunner:
     def warmup_programs(self) -> list[tuple[CompiledShape, Callable[[], jax.stages.Compiled]]]:
         """Every program warm-up compiles, as (what it is, a function that returns it compiled: at its first call
         compiled or loaded, later the same program), in warm-up's order: the pool's fill (compiled when the runner
-        is built, unless compile_only), the forward pass of each step shape with its sampler (each sampler shape
-        once), the page copy."""
+        is built, unless compile_only), the forward pass of each step shape with its samplers (each sampler shape
+        once, in each variant of logits processors), the page copy."""
         programs = [self._pool_warmup()]
         samplers = set()
         for shape in self.shapes:
             programs.append((CompiledShape("forward", shape), functools.partial(self._forward_program, shape)))
             rows, k = shape.sample_rows, shape.num_draft_positions
-            if (rows, k) not in samplers:
-                samplers.add((rows, k))
-                what = CompiledShape("verify", (rows, k)) if k else CompiledShape("sample", rows)
-                programs.append((what, functools.partial(self._sampler_program, shape)))
+            for level in PROCESSOR_LEVELS:
+                if (rows, k, level) not in samplers:
+                    samplers.add((rows, k, level))
+                    program = functools.partial(self._sampler_program, shape, level)
+                    programs.append((sampler_name(rows, k, level), program))
         programs.append((CompiledShape("copy", COPY_CHUNK), self.pool.copy_program))
         return programs
 
@@ -278,14 +306,15 @@ class ModelRunner:
     def _forward_program(self, shape: StepShape) -> jax.stages.Compiled:
         return self.executables.get(shape) or self.compile(shape)
 
-    def _sampler_program(self, shape: StepShape) -> jax.stages.Compiled:
-        return self.samplers.get((shape.sample_rows, shape.num_draft_positions)) or self.compile_sampler(shape)
+    def _sampler_program(self, shape: StepShape, level: int = NO_PROCESSORS) -> jax.stages.Compiled:
+        key = (shape.sample_rows, shape.num_draft_positions, level)
+        return self.samplers.get(key) or self.compile_sampler(shape, level)
 
     # ----- host side -----
 
-    def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput) -> tuple:
+    def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput, level: int) -> tuple:
         """The step's forward pass and sampler, launched (see _sample_on_shard for what they return)."""
-        forward, sampler = self._forward_program(shape), self._sampler_program(shape)
+        forward, sampler = self._forward_program(shape), self._sampler_program(shape, level)
         hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
         return sampler(self.params, hidden, sample_input)
 
@@ -303,7 +332,8 @@ class ModelRunner:
     def run(self, kind: Message, key: int, payload, flag: int = 0, draft_probs=None):
         """Launches the program of message `kind` (key: a step shape's index, or a count) with its host-made arrays
         `payload`: a STEP returns the sampler's device arrays (see _sample_on_shard); others return None. flag
-        (STEP): with `draft_probs`, a draft model's distributions, already on the device."""
+        (STEP, see step_flag): the sampler's level of logits processors, and whether it takes `draft_probs`, a draft
+        model's distributions, already on the device."""
         if kind is Message.RESET:
             self.pool.cache = self.pool.allocate()
         elif kind is Message.COPY:
@@ -312,9 +342,10 @@ class ModelRunner:
             _, self.kv_cache = self._forward_program(self.shapes[key])(self.params, self.kv_cache, payload)
         elif kind is Message.STEP:
             step, sample_input = payload
-            if flag:
+            level, with_draft_probs = divmod(flag, 2)
+            if with_draft_probs:
                 sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
-            return self._run_step(self.shapes[key], step, sample_input)
+            return self._run_step(self.shapes[key], step, sample_input, level)
         else:
             raise ValueError(f"a model runner cannot run message {kind.name}")
         return None
@@ -326,7 +357,7 @@ class ModelRunner:
         if header.kind is Message.FORWARD:
             return unpack(data, self.inputs.template(self.shapes[header.key])[0])
         if header.kind is Message.STEP:
-            return unpack(data, self.inputs.template(self.shapes[header.key]))
+            return unpack(data, self.inputs.template(self.shapes[header.key], header.flag // 2))
         return None
 
     def payload_sizes(self) -> set[int]:
@@ -337,8 +368,9 @@ class ModelRunner:
 
         sizes = {2 * COPY_CHUNK * np.dtype(np.int32).itemsize}
         for shape in self.shapes:
-            step, sample_input = self.inputs.template(shape)
-            sizes |= {size(step), size((step, sample_input))}
+            for level in PROCESSOR_LEVELS:
+                step, sample_input = self.inputs.template(shape, level)
+                sizes |= {size(step), size((step, sample_input))}
         return sizes
 
     @property

@@ -11,8 +11,12 @@ import jax
 import numpy as np
 
 from jaxpage.attention import PagedBatch
+from jaxpage.sample.logits_controls import bitmask_words
+from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
 from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_params
-from jaxpage.sequence import SchedulerOutput
+from jaxpage.sampling_params import SamplingParams
+from jaxpage.sequence import ScheduledSequence, SchedulerOutput
+from jaxpage.structured.bitmask import fill_grammar_bitmasks
 from jaxpage.worker.step_shapes import StepShape
 
 
@@ -33,6 +37,13 @@ class SampleInput:
     draft_tokens: jax.Array  # [R, k] int32: each row's draft tokens (k = 0: a plain step, one token per row)
     num_drafts: jax.Array  # [R] int32 in [0, k]: how many of its k are real
     draft_probs: jax.Array | None = None  # [R, k, V] float32 the draft model's distributions; None: point masses
+    logits: LogitsInputs | None = None  # [R * (k + 1)] rows of logits processors; None: no row uses any
+
+
+# What a step's sampler applies to the logits before sampling (its program's variant): nothing, bitmasks and biases,
+# or those and penalties (which take every row's tokens). A step takes the least its rows need.
+NO_PROCESSORS, MASKS, PENALTIES = 0, 1, 2
+PROCESSOR_LEVELS = (NO_PROCESSORS, MASKS, PENALTIES)
 
 
 def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
@@ -55,11 +66,15 @@ class StepInputs:
         data_parallel_size: int,
         stack: bool,
         draft_vocab_size: int = 0,
+        vocab_size: int = 0,
     ):
         """stack: the programs take arrays stacked over the replicas (they run on a mesh); draft_vocab_size: verify
-        steps take a draft model's distributions over that vocabulary (0: point masses)."""
+        steps take a draft model's distributions over that vocabulary (0: point masses); vocab_size: the model's
+        (the width of the logits processors' bitmasks)."""
         self.shapes = shapes
         self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         # Block tables have one width: attention reads each only up to its sequence's kv length.
         self.block_table_width = math.ceil(max_model_len / page_size)
         self.data_parallel_size = data_parallel_size
@@ -85,9 +100,21 @@ class StepInputs:
             s for s in self.shapes if s.kind == kind and (s.num_tokens if kind == "mixed" else s.num_rows) >= size
         )
 
-    def prepare(self, output: SchedulerOutput, shape: StepShape) -> tuple[StepInput, SampleInput]:
+    @staticmethod
+    def processor_level(*outputs: SchedulerOutput) -> int:
+        """The sampler variant the step (every replica's part of it) needs: PENALTIES if a sampling row uses a
+        penalty, else MASKS if one has other logits processors, else NO_PROCESSORS."""
+        controls = [item.seq.controls for o in outputs for item in o.scheduled if item.samples and item.seq.controls]
+        if any(c.uses_penalties for c in controls):
+            return PENALTIES
+        return MASKS if controls else NO_PROCESSORS
+
+    def prepare(
+        self, output: SchedulerOutput, shape: StepShape, level: int = NO_PROCESSORS
+    ) -> tuple[StepInput, SampleInput]:
         """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's (with a draft model's
-        distributions, for a verify step with drafts from a draft model)."""
+        distributions, for a verify step with drafts from a draft model), with logits processors' arrays as
+        `level` says (see processor_level)."""
         items = output.scheduled
         page_size = self.page_size
         k = shape.num_draft_positions
@@ -129,22 +156,71 @@ class StepInputs:
         )
         attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
         step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1))
-        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts)
+        logits = self.logits_inputs(items, shape.sample_rows, k, level) if level != NO_PROCESSORS else None
+        return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, logits=logits)
 
-    def padding(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
+    def logits_inputs(self, items: list[ScheduledSequence], num_rows: int, k: int, level: int) -> LogitsInputs:
+        """The logits processors' arrays of the sampling items (jaxpage.sample.logits_controls), a row per item and
+        position: row i * (k + 1) + j is item i's token after its first j draft tokens (so a row's grammar mask,
+        bad words, min_tokens and penalties count those drafts). Rows of items without controls allow everything
+        and change nothing."""
+        positions = k + 1
+        n = num_rows * positions
+        allowed = np.full((n, bitmask_words(self.vocab_size)), -1, np.int32)
+        bias_ids = np.zeros((n, SamplingParams.MAX_LOGIT_BIAS), np.int32)
+        bias_values = np.zeros((n, SamplingParams.MAX_LOGIT_BIAS), np.float32)
+        penalties = None
+        if level == PENALTIES:
+            penalties = PenaltyInputs(
+                np.full((n, self.max_model_len), -1, np.int32),
+                np.zeros(n, np.int32),
+                np.zeros(n, np.float32),
+                np.zeros(n, np.float32),
+                np.ones(n, np.float32),
+            )
+        controlled = [(i, item) for i, item in enumerate(items) if item.samples and item.seq.controls is not None]
+        grammar_rows = [
+            (item.seq.controls.matcher, i * positions, list(item.draft_token_ids))
+            for i, item in controlled
+            if item.seq.controls.matcher is not None
+        ]
+        fill_grammar_bitmasks(grammar_rows, allowed)
+        for i, item in controlled:
+            seq, controls, drafts = item.seq, item.seq.controls, list(item.draft_token_ids)
+            output = seq.output_token_ids
+            for j in range(positions):
+                row = i * positions + j
+                context = drafts[: min(j, len(drafts))]
+                if j > len(drafts):  # past the row's drafts: verification does not use it; keep it sane
+                    allowed[row] = allowed[i * positions + len(drafts)]
+                controls.restrict(allowed[row], output + context)
+                count = len(controls.bias_ids)
+                bias_ids[row, :count] = controls.bias_ids
+                bias_values[row, :count] = controls.bias_values
+                if penalties is not None and controls.uses_penalties:
+                    tokens = (seq.token_ids + context)[: self.max_model_len]
+                    penalties.token_ids[row, : len(tokens)] = tokens
+                    penalties.num_prompt_tokens[row] = seq.num_prompt_tokens
+                    penalties.presence[row] = controls.presence_penalty
+                    penalties.frequency[row] = controls.frequency_penalty
+                    penalties.repetition[row] = controls.repetition_penalty
+        return LogitsInputs(allowed, bias_ids, bias_values, penalties)
+
+    def padding(self, shape: StepShape, level: int = NO_PROCESSORS) -> tuple[StepInput, SampleInput]:
         """A step of `shape` with no sequence in it (for every replica, stacked, on several devices), with a draft
-        model's distributions (zeros) where its verify steps take them."""
-        step, inputs = self.template(shape)
+        model's distributions (zeros) where its verify steps take them, and logits processors' arrays as `level`
+        says."""
+        step, inputs = self.template(shape, level)
         k = shape.num_draft_positions
         if self.draft_vocab_size and k:
             probs = np.zeros((shape.sample_rows, k, self.draft_vocab_size), np.float32)
             inputs = dataclasses.replace(inputs, draft_probs=self.stacked([probs] * self.data_parallel_size))
         return step, inputs
 
-    def template(self, shape: StepShape) -> tuple[StepInput, SampleInput]:
+    def template(self, shape: StepShape, level: int = NO_PROCESSORS) -> tuple[StepInput, SampleInput]:
         """The arrays of a step of `shape` with no sequence in it, for every replica (stacked, on several devices),
-        without a draft model's distributions."""
-        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape)
+        without a draft model's distributions, with logits processors' arrays as `level` says."""
+        empty = self.prepare(SchedulerOutput(scheduled=[], page_copies=[]), shape, level)
         return self.stacked([empty] * self.data_parallel_size)
 
     def stacked(self, per_replica: list):

@@ -1,0 +1,121 @@
+"""Penalties, logit_bias, allowed_token_ids, bad_words and min_tokens through the engine, against greedy decoding
+with the cache-free forward pass and a numpy statement of vLLM's formulas (the device function itself is checked
+formula by formula in tests/test_logits_processors.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpage.entrypoints.llm import LLM
+from jaxpage.models import forward, load_model
+from jaxpage.sampling_params import SamplingParams
+
+PROMPTS = [[5, 9, 13, 2, 40, 9, 9], list(range(10, 40)), [77, 77, 3], [(7 * i) % 90 + 3 for i in range(23)]]
+EOS = 2  # the tiny model's
+
+
+def reference_logits(logits: np.ndarray, prompt: list[int], output: list[int], p: SamplingParams) -> np.ndarray:
+    """vLLM's order and formulas, in numpy: allowed_token_ids and bad words (one-token ones; the tiny vocabulary
+    spells no longer ones), min_tokens, logit_bias, then repetition, frequency and presence penalties."""
+    logits = logits.astype(np.float32).copy()
+    vocab = len(logits)
+    if p.allowed_token_ids is not None:
+        keep = np.zeros(vocab, bool)
+        keep[p.allowed_token_ids] = True
+        logits[~keep] = -np.inf
+    if len(output) < p.min_tokens:
+        logits[[EOS, *p.stop_token_ids]] = -np.inf
+    for token, bias in (p.logit_bias or {}).items():
+        logits[token] += np.float32(bias)
+    counts = np.bincount(output, minlength=vocab)[:vocab]
+    seen = (np.bincount(prompt, minlength=vocab)[:vocab] > 0) | (counts > 0)
+    penalty = np.where(seen, np.float32(p.repetition_penalty), np.float32(1.0))
+    logits = np.where(logits > 0, logits / penalty, logits * penalty)
+    logits -= np.float32(p.frequency_penalty) * counts
+    logits -= np.float32(p.presence_penalty) * (counts > 0)
+    return logits
+
+
+def reference_greedy(model_dir, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Greedy tokens under each request's controls, every prompt in one right-padded batch (one compiled shape)."""
+    config, weights = load_model(model_dir)
+    num_tokens = max(p.max_tokens for p in params)
+    tokens = [list(p) for p in prompts]
+    width = max(map(len, prompts)) + num_tokens
+    for _ in range(num_tokens):
+        ids = np.array([t + [0] * (width - len(t)) for t in tokens], np.int32)
+        mask = np.array([[1] * len(t) + [0] * (width - len(t)) for t in tokens], np.int32)
+        logits = np.asarray(forward(config, weights, ids, attention_mask=mask))
+        for row, (t, prompt, p) in enumerate(zip(tokens, prompts, params, strict=True)):
+            output = t[len(prompt) :]
+            t.append(int(reference_logits(logits[row, len(t) - 1], prompt, output, p).argmax()))
+    return [t[len(prompt) :][: p.max_tokens] for t, prompt, p in zip(tokens, prompts, params, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
+
+
+CONTROLLED = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=1.5),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=0.5, logit_bias={17: 2.5}),
+    SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=[2, 11, 23, 35, 47, 59], min_tokens=8),
+]
+
+
+def test_penalties_and_biases_match_vllm_formulas(llm, tiny_dir):
+    """Each request with its own controls, in one batch (rows with and without penalties, a plain one too): the
+    greedy tokens of the cache-free forward pass under the numpy formulas."""
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[2]]
+    params = [*CONTROLLED, plain]
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    expected = reference_greedy(tiny_dir, prompts, params)
+    assert got == expected
+    assert got[0] != got[4]  # the presence penalty changed prompt 2's output (plain, it repeats one token)
+    assert set(got[3]) <= {2, 11, 23, 35, 47, 59} and 2 not in got[3][:8]
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(llm):
+    # The biased token is EOS / a stop id: it would end the output at once; min_tokens keeps it out until then.
+    for params in (
+        SamplingParams(temperature=0, max_tokens=20, logit_bias={EOS: 100}, min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=20, logit_bias={30: 100}, stop_token_ids=[30], min_tokens=4),
+    ):
+        completion = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params)[0].outputs[0]
+        assert len(completion.token_ids) == params.min_tokens + 1 and completion.finish_reason == "stop"
+
+
+def test_bad_words_are_never_generated(llm):
+    """A one-token bad word is masked everywhere; a longer one only where its other tokens end the output."""
+    engine = llm.engine
+    tokenizer = engine.tokenizer
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate([{"prompt_token_ids": PROMPTS[3]}], plain)[0].outputs[0].token_ids
+    word = tokenizer.decode([free[0]])  # a token the tiny model picks first (ids < 96 spell single characters)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word])
+    banned = llm.generate([{"prompt_token_ids": PROMPTS[3]}], params)[0].outputs[0].token_ids
+    assert free[0] not in banned and banned != free
+
+
+def test_out_of_vocabulary_ids_are_refused_by_name(llm):
+    engine = llm.engine
+    for field, value in (("allowed_token_ids", [5, 500]), ("logit_bias", {500: 1.0})):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} must be token ids in"):
+            engine.add_request("x", {"prompt_token_ids": [5]}, SamplingParams(**{field: value}))
+    assert not engine.has_unfinished_requests()
+    for field, value, message in (
+        ("presence_penalty", 2.5, r"in \[-2, 2\]"),
+        ("frequency_penalty", -3, r"in \[-2, 2\]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("min_tokens", 20, "at most max_tokens"),
+        ("logit_bias", {i: 1.0 for i in range(301)}, "at most 300"),
+        ("allowed_token_ids", [], "non-empty"),
+        ("prompt_logprobs", 21, r"in \[0, 20\]"),
+    ):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} must be .*{message}"):
+            SamplingParams(**{field: value})
+    assert SamplingParams(logit_bias={"7": 500, 8: -1e9}).logit_bias == {7: 100.0, 8: -100.0}  # clipped, ids as ints
