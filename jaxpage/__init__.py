@@ -18,13 +18,14 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from jaxpage.engine.llm_engine import LLMEngine
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.outputs import CompletionOutput, RequestOutput
-    from jaxpage.sampling_params import SamplingParams
+    from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 # name -> the module that defines it; imported when the name is first looked up.
 _LAZY_NAMES = {
     "LLM": "jaxpage.entrypoints.llm",
     "LLMEngine": "jaxpage.engine.llm_engine",
     "SamplingParams": "jaxpage.sampling_params",
+    "StructuredOutputsParams": "jaxpage.sampling_params",
     "EngineConfig": "jaxpage.config",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
@@ -34,6 +35,7 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "EngineConfig",
     "RequestOutput",
     "CompletionOutput",

@@ -44,3 +44,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why the request failed at run time (its finish_reason is "error"); None otherwise
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {its id and the top ids: Logprob}
+    # (log-probs of the model's distribution given the tokens before it); None unless asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -88,6 +88,30 @@ class ScheduledSequence:
         return cls(seq, seq.num_computed_tokens, num_new_tokens, draft_token_ids)
 
 
+# Prompt tokens a step can give log-probs of (SamplingParams.prompt_logprobs): the forward pass hands the sampler
+# side this many hidden rows every step (a fixed shape), and the scheduler keeps such prompts' chunks within it.
+PROMPT_LOGPROB_TOKENS = 128
+
+
+def prompt_logprob_rows(items: list[ScheduledSequence]) -> list[tuple[int, int, int]]:
+    """The step's rows of prompt log-probs, in order: (item index, the token's index in the step, the prompt
+    position it predicts). A prompt token's log-prob is read off the hidden state of the token before it, so an
+    item computing prompt tokens [c, c + n) gives those of positions c + 1 .. min(c + n, L - 1) (L: prompt length;
+    position 0 has none). Only items whose request asks for prompt_logprobs."""
+    rows = []
+    start = 0
+    for index, item in enumerate(items):
+        params = item.seq.sampling_params
+        if params is not None and params.prompt_logprobs is not None:
+            first, last = (
+                item.num_computed_tokens,
+                min(item.num_computed_tokens + item.num_new_tokens, item.seq.num_prompt_tokens - 1),
+            )
+            rows += [(index, start + p - first, p + 1) for p in range(first, last)]
+        start += item.num_new_tokens
+    return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]

@@ -18,6 +18,7 @@ from jaxpage.errors import ModelLoadError
 from jaxpage.kv_cache import KVCache
 from jaxpage.models import forward, load_model
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.sequence import PROMPT_LOGPROB_TOKENS
 from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer, load_tokenizer
 from jaxpage.worker.model_runner import MAX_LOGPROBS
 
@@ -130,7 +131,8 @@ def test_no_compilation_after_warmup(tiny_dir):
     warmed = llm.engine.warmup()
     compiled = runner.num_compilations
     rows = {shape.sample_rows for shape in runner.shapes}
-    assert compiled == len(runner.shapes) + 3 * len(rows)  # samplers: plain, with masks and biases, with penalties
+    # Samplers: plain, with masks and biases, with penalties; and the prompt log-probs program.
+    assert compiled == len(runner.shapes) + 3 * len(rows) + 1
     assert [c.program for c in warmed].count("copy") == 1 and len(warmed) == compiled + 1
     assert sorted(c.shape for c in warmed if c.program == "forward") == sorted(runner.shapes)
     for sampler in ("sample", "sample+masks", "sample+penalties"):
@@ -149,6 +151,7 @@ def test_no_compilation_after_warmup(tiny_dir):
             logit_bias={5: 3.0} if i % 4 == 1 else None,
             allowed_token_ids=list(range(10, 60)) if i % 5 == 2 else None,
             presence_penalty=0.5 if i % 7 == 3 else 0.0,
+            prompt_logprobs=3 if i % 6 == 5 else None,
         )
         for i in range(20)
     ]
@@ -429,7 +432,8 @@ def test_the_full_logits_never_leave_the_step(tiny_dir):
     runner.warmup()
     hidden, pool = llm.engine.model_config.hidden_size, runner.kv_cache.k.shape
     for shape, program in runner.executables.items():
-        assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(shape.sample_rows, hidden), pool, pool]
+        rows = [(shape.sample_rows, hidden), (PROMPT_LOGPROB_TOKENS, hidden)]  # the sampler's, the prompt log-probs'
+        assert [x.shape for x in jax.tree.leaves(program.out_info)] == [*rows, pool, pool]
     for (rows, k, _), program in runner.samplers.items():
         top = (rows, k + 1, MAX_LOGPROBS)  # k = 0: one token per row (k > 0: verifying k draft tokens)
         assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(rows, k + 1), (rows,), (rows, k + 1), top, top]

@@ -58,6 +58,14 @@ def test_a_stop_string_inside_the_step_s_tokens_ends_the_completion_at_the_token
     assert not processor.requests
 
 
+def test_no_stop_string_ends_an_output_shorter_than_min_tokens():
+    processor, seq = processor_with_request(SamplingParams(stop=["b"], min_tokens=3))
+    (out,), ended = process(processor, seq, "abab")  # the first "b" is token 2 (<= min_tokens), the second token 4
+    completion = out.outputs[0]
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == ("aba", "stop", "b")
+    assert len(completion.token_ids) == 4 and ended == [(0, seq)]
+
+
 def test_text_that_could_start_a_stop_string_is_held_back():
     processor, seq = processor_with_request(SamplingParams(stop=["xyz"]))
     (out,), ended = process(processor, seq, "abx")

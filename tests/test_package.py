@@ -18,6 +18,7 @@ import jaxpage
 VLLM_NAMES = {
     "LLM": "jaxpage.entrypoints.llm",
     "SamplingParams": "jaxpage.sampling_params",
+    "StructuredOutputsParams": "jaxpage.sampling_params",
     "LLMEngine": "jaxpage.engine.llm_engine",
     "EngineConfig": "jaxpage.config",
     "RequestOutput": "jaxpage.outputs",
@@ -31,7 +32,8 @@ import importlib, json, sys
 import jaxpage
 
 heavy = [m for m in ("jax", "transformers", "torch") if m in sys.modules]
-from jaxpage import LLM, SamplingParams, LLMEngine, EngineConfig, RequestOutput, CompletionOutput
+from jaxpage import LLM, SamplingParams, StructuredOutputsParams, LLMEngine, EngineConfig
+from jaxpage import RequestOutput, CompletionOutput
 
 resolved = {name: globals()[name] is getattr(importlib.import_module(module), name) for name, module in NAMES.items()}
 print(json.dumps({"heavy": heavy, "resolved": resolved, "jax": "jax" in sys.modules}))

@@ -119,3 +119,35 @@ def test_out_of_vocabulary_ids_are_refused_by_name(llm):
         with pytest.raises(ValueError, match=f"SamplingParams.{field} must be .*{message}"):
             SamplingParams(**{field: value})
     assert SamplingParams(logit_bias={"7": 500, 8: -1e9}).logit_bias == {7: 100.0, 8: -100.0}  # clipped, ids as ints
+
+
+def test_prompt_logprobs_equal_the_forward_pass(llm, tiny_dir):
+    """vLLM's format (None for the first token, then the token's and the top k's log-probs and ranks), equal to
+    the cache-free forward pass's log_softmax within 1e-4: for a prompt prefilled in chunks (100 tokens, 64 a
+    step), one whose prefix another request left in the prefix cache, and a request with n = 2."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    long_prompt = rng.integers(3, 96, 100).tolist()
+    cached_prefix = rng.integers(3, 96, 40).tolist()
+    llm.generate([{"prompt_token_ids": cached_prefix + [7]}], SamplingParams(max_tokens=1))  # caches its pages
+    prompts = [long_prompt, cached_prefix + [9, 10, 11], [5], [8, 9, 10, 11]]
+    params = [SamplingParams(max_tokens=2, prompt_logprobs=k, n=n) for k, n in ((5, 1), (0, 1), (3, 1), (20, 2))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    config, weights = load_model(tiny_dir)
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        logprobs = np.asarray(jax.nn.log_softmax(forward(config, weights, np.array([prompt], np.int32))[0], axis=-1))
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for position in range(1, len(prompt)):
+            expected = logprobs[position - 1]
+            entry = out.prompt_logprobs[position]
+            token = prompt[position]
+            top = np.argsort(-expected, kind="stable")[: p.prompt_logprobs]
+            assert set(entry) == {token, *top.tolist()}
+            assert entry[token].rank == 1 + int((expected > expected[token]).sum())
+            for tid, logprob in entry.items():
+                assert abs(logprob.logprob - expected[tid]) < 1e-4, (position, tid)
+            for rank, tid in enumerate(top, 1):
+                assert entry[int(tid)].rank == rank or tid == token
+    assert llm.engine.block_manager.num_used_pages == 0

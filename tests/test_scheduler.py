@@ -362,6 +362,9 @@ def one_decoding_sequence(params=None, eos=frozenset(), max_model_len=None, prom
         (SamplingParams(max_tokens=None), frozenset(), 8, [5], ("length", None, 2)),
         # a stop token id that is also EOS, at max_tokens: "stop" with the token, as vLLM says
         (SamplingParams(max_tokens=2, stop_token_ids=[5]), frozenset({5}), None, [5], ("stop", 5, 2)),
+        # min_tokens: neither EOS nor a stop token id ends an output shorter than it (the sampler masks them there)
+        (SamplingParams(max_tokens=None, min_tokens=3), frozenset({5}), None, [5, 5], ("stop", None, 3)),
+        (SamplingParams(max_tokens=None, min_tokens=4, stop_token_ids=[6]), frozenset(), None, [6, 6], (None, None, 3)),
     ],
 )
 def test_the_update_appends_sampled_tokens_and_ends_by_token_or_length(params, eos, max_model_len, tokens, expected):
@@ -402,3 +405,65 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_sequence_there():
     assert result.token_ids == [8, 9] and (result.finish_reason, result.stop_reason) == ("stop", 9)
     assert seq.output_token_ids == [100, 8, 9] and seq.status is SequenceStatus.FINISHED
     assert scheduler.block_manager.num_used_pages == 0 and not scheduler.running
+
+
+class StoppingMatcher:
+    """An llguidance matcher's surface, for a grammar that is complete after `length` tokens."""
+
+    def __init__(self, length: int):
+        self.length, self.consumed = length, []
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed.append(token)
+        return True
+
+    def is_stopped(self) -> bool:
+        return len(self.consumed) >= self.length
+
+    def is_error(self) -> bool:
+        return False
+
+
+def test_a_sequence_ends_when_its_grammar_is_complete_and_its_matcher_follows_every_committed_token():
+    from jaxpage.sample.logits_controls import LogitsControls
+
+    matcher = StoppingMatcher(length=3)
+    scheduler, seq = one_decoding_sequence(SamplingParams(max_tokens=None))
+    seq.controls = LogitsControls(vocab_size=200, matcher=matcher)
+    matcher.consumed.append(100)  # the first token, committed before the controls were attached here
+    output = scheduler.schedule({seq.seq_id: [8, 9]})
+    (result,) = scheduler.update_from_output(output, np.array([[8, 9, 10]], np.int32), np.array([2]))
+    assert matcher.consumed == [100, 8, 9]  # the grammar completes at 9: the sampled 10 is not taken
+    assert (result.token_ids, result.finish_reason, result.stop_reason) == ([8, 9], "stop", None)
+    assert seq.status is SequenceStatus.FINISHED
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    budget=st.integers(8, 400),
+    asks=st.lists(st.booleans(), min_size=4, max_size=4),
+)
+def test_prompt_logprob_rows_cover_each_prompt_position_once_within_the_step_limit(prompt_lens, budget, asks):
+    """A request asking for prompt log-probs gets a row for each prompt position 1 .. L - 1, once (no preemption
+    here), never more than PROMPT_LOGPROB_TOKENS rows a step; it takes nothing from the prefix cache."""
+    from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, prompt_logprob_rows
+
+    scheduler = make_scheduler(num_pages=400, max_num_seqs=4, max_tokens=budget)
+    shared = list(range(1, 301))
+    seqs = []
+    for i, length in enumerate(prompt_lens):
+        params = SamplingParams(max_tokens=2, prompt_logprobs=1 if asks[i] else None)
+        seqs.append(Sequence(i, shared[:length], sampling_params=params))  # prompts share their prefix
+        scheduler.add(seqs[-1])
+    seen = {seq.seq_id: [] for seq in seqs}
+    while unfinished(scheduler):
+        output = scheduler.schedule()
+        rows = prompt_logprob_rows(output.scheduled)
+        assert len(rows) <= PROMPT_LOGPROB_TOKENS
+        for index, _, position in rows:
+            seen[output.scheduled[index].seq.seq_id].append(position)
+        update(scheduler, output)
+    for seq in seqs:
+        expected = list(range(1, seq.num_prompt_tokens)) if seq.sampling_params.prompt_logprobs is not None else []
+        assert seen[seq.seq_id] == expected  # from position 1: none of its prompt came from the prefix cache

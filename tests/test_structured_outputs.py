@@ -199,6 +199,8 @@ def test_speculative_decoding_checks_drafts_against_the_grammar(full_vocab_dir):
     plain = make_llm(full_vocab_dir)
     speculating = make_llm(full_vocab_dir, speculative_config=spec_config)
     speculating.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    speculating.engine.warmup()
+    compiled = speculating.engine.runner.num_compilations
     repeated = 'Answer {"name": "ab", "age": 12, "pet": "cat"} {"name": "ab", "age": 12, "pet": "cat"} again'
     specs = [SPECS[0], SPECS[3], StructuredOutputsParams(regex="(ab|cd){1,20}")]
     params = [SamplingParams(temperature=0, max_tokens=50, structured_outputs=s) for s in specs]
@@ -210,6 +212,8 @@ def test_speculative_decoding_checks_drafts_against_the_grammar(full_vocab_dir):
         assert_follows(speculating, spec, g.outputs[0])
     stats = speculating.engine.spec_decoding_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert speculating.engine.runner.num_compilations == compiled  # verify steps with masks were warmed up too
+    assert speculating.engine.block_manager.num_used_pages == 0
 
 
 def test_default_model_answers_validate_against_every_schema(smollm2_path):

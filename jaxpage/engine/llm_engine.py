@@ -268,6 +268,8 @@ class LLMEngine:
                 logger.exception("engine step failed; every unfinished request ends with this error")
                 self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
                 return self.output_processor.take_ended()
+            for output, result in zip(steps, results, strict=True):
+                self.output_processor.record_prompt_logprobs(output.scheduled, result)
             updates = [
                 (update, result)
                 for replica, output, result in zip(self.replicas, steps, results, strict=True)

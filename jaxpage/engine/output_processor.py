@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.sequence import ScheduledSequence, Sequence, SequenceUpdate
+from jaxpage.sequence import ScheduledSequence, Sequence, SequenceUpdate, prompt_logprob_rows
 
 if TYPE_CHECKING:  # jaxpage.tokenizers.tokenizer imports the model loaders (jax): not at run time here
     from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer
@@ -37,12 +37,21 @@ class Request:
     metrics: RequestMetrics
     error: str | None = None
     replica: int = 0  # the data-parallel replica it runs on (jaxpage.engine.replica)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # a slot per prompt token when asked
 
     def output(self) -> RequestOutput:
         finished = all(c.finish_reason is not None for c in self.completions)
         outputs = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in self.completions]
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.metrics, self.error
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            finished,
+            self.metrics,
+            self.error,
+            prompt_logprobs,
         )
 
 
@@ -64,6 +73,25 @@ class OutputProcessor:
         for item in items:
             metrics = self.request_of_seq[item.seq.seq_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
+
+    def record_prompt_logprobs(self, items: list[ScheduledSequence], result) -> None:
+        """Keeps the prompt log-probs a step computed (result: its StepOutput) in their requests, by prompt position;
+        a position computed again (after a preemption) is overwritten with the same values."""
+        if result.prompt_logprobs is None:
+            return
+        target, rank, top_ids, top_values = result.prompt_logprobs
+        decode = self.tokenizer.decode if self.tokenizer else lambda ids: None
+        for row, (index, _, position) in enumerate(prompt_logprob_rows(items)):
+            request = self.request_of_seq.get(items[index].seq.seq_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            token = request.prompt_token_ids[position]
+            entry = {token: Logprob(float(target[row]), int(rank[row]), decode([token]))}
+            for r, (tid, value) in enumerate(zip(top_ids[row], top_values[row], strict=True)):
+                if r == request.params.prompt_logprobs:
+                    break
+                entry.setdefault(int(tid), Logprob(float(value), r + 1, decode([int(tid)])))
+            request.prompt_logprobs[position] = entry
 
     def process(
         self, updates: list[tuple[SequenceUpdate, object]], now: float
@@ -112,7 +140,8 @@ class OutputProcessor:
             completion.text = detokenizer.text if detokenizer else ""
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
-            if not (ended_by_token and position == last) and self._stop_string(completion, params, delta):
+            early = len(completion.token_ids) <= params.min_tokens  # vLLM: no stop string ends it before min_tokens
+            if not (ended_by_token and position == last) and not early and self._stop_string(completion, params, delta):
                 return update.finish_reason is None
         if update.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason

@@ -39,6 +39,7 @@ import numpy as np
 from jaxpage.config import SchedulerConfig
 from jaxpage.engine.block_manager import BlockManager
 from jaxpage.sequence import (  # noqa: F401 (the step's types, re-exported)
+    PROMPT_LOGPROB_TOKENS,
     ScheduledSequence,
     SchedulerOutput,
     Sequence,
@@ -56,6 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.num_prefix_query_tokens = 0  # tokens of the sequences admitted after a prefix-cache lookup
+        self._prompt_logprob_rows = PROMPT_LOGPROB_TOKENS  # left in the step being scheduled
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
@@ -84,6 +86,7 @@ class Scheduler:
     def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
         """The next step. `drafts`: draft tokens by seq_id, for decoding sequences, when `can_draft()`."""
         budget = self.config.max_num_batched_tokens
+        self._prompt_logprob_rows = PROMPT_LOGPROB_TOKENS  # prompt tokens this step may give log-probs of
         scheduled: list[ScheduledSequence] = []
         preempted = False
         drafts = drafts or {}
@@ -95,6 +98,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:  # its prompt's log-probs wait for the next step
+                continue
             draft = tuple(drafts.get(seq.seq_id, ()))[: budget - num_new]
             if draft and self.block_manager.allocate_slots(seq, num_new + len(draft)):
                 scheduled.append(ScheduledSequence.of(seq, num_new + len(draft), draft))
@@ -127,7 +132,9 @@ class Scheduler:
                 key=lambda s: s.num_computed_tokens,
                 default=None,
             )
-            if sibling is None:
+            if sibling is None and seq.sampling_params is not None and seq.sampling_params.prompt_logprobs is not None:
+                hits = queried = 0  # every prompt token's log-prob is computed: nothing comes from the prefix cache
+            elif sibling is None:
                 hits = self.block_manager.match_prefix(seq)
                 queried = seq.num_tokens if self.block_manager.enable_prefix_caching else 0
             elif sibling.num_computed_tokens >= shared:
@@ -136,6 +143,8 @@ class Scheduler:
             else:
                 continue  # the sibling is computing the prompt: fork from it once it has
             num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                continue
             if not self.block_manager.allocate_slots(seq, num_new):
                 self.block_manager.free(seq)  # give back the shared pages; try again next step
                 break
@@ -152,13 +161,18 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq to compute this step: what the budget allows, but a prompt stops before its last token
-        while a sibling waits to fork it."""
+        while a sibling waits to fork it, and a prompt whose log-probs are asked for computes no more of them than
+        the step has rows of prompt log-probs left (PROMPT_LOGPROB_TOKENS a step; it takes them)."""
         num_new = min(seq.num_uncomputed_tokens, budget)
         shared = seq.num_prompt_tokens - 1
         if seq.num_computed_tokens < shared and any(
             s.status is SequenceStatus.WAITING and s is not seq for s in seq.group
         ):
             num_new = min(num_new, shared - seq.num_computed_tokens)
+        params = seq.sampling_params
+        if params is not None and params.prompt_logprobs is not None and seq.num_computed_tokens < shared:
+            num_new = min(num_new, self._prompt_logprob_rows)
+            self._prompt_logprob_rows -= min(seq.num_computed_tokens + num_new, shared) - seq.num_computed_tokens
         return num_new
 
     def _preempt(self, seq: Sequence) -> None:

@@ -109,6 +109,21 @@ def sampled_logprobs(
     return sampled, top_ids.astype(jnp.int32), top_values
 
 
+def target_logprobs(
+    logits: jax.Array,  # [P, V] float32
+    targets: jax.Array,  # [P] int32
+    num: int,  # static, 1 <= num <= V
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Of each row's distribution log_softmax(logits): (the target token's log-prob [P], its rank [P] (1: the most
+    likely; ties share the better rank), the `num` most likely tokens [P, num] int32 and their log-probs [P, num]).
+    Prompt log-probs: the target is the prompt's next token."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target = jnp.take_along_axis(logprobs, targets[:, None], axis=1)[:, 0]
+    rank = jnp.sum(logprobs > target[:, None], axis=-1, dtype=jnp.int32) + 1
+    top_values, top_ids = lax.top_k(logprobs, num)
+    return target, rank, top_ids.astype(jnp.int32), top_values
+
+
 def _sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     """[S] int32 token ids of float32 logits [S, vocab]: the general path, for any mix of rows."""
     return draw(filtered_weights(logits, metadata), metadata)

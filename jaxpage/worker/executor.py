@@ -22,7 +22,7 @@ import jax
 
 from jaxpage.attention import AttentionBackend
 from jaxpage.config import EngineConfig
-from jaxpage.sequence import SchedulerOutput
+from jaxpage.sequence import SchedulerOutput, prompt_logprob_rows
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
 from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch, step_flag
@@ -101,15 +101,35 @@ class Executor:
         if runner.mesh is None:  # one replica: give its results the replica axis they have on several devices
             token_ids, num_accepted = token_ids[None], num_accepted[None]
             logprobs = tuple(x if x is None else x[None] for x in logprobs)
+        prompt_logprobs = self._prompt_logprobs(outputs)
         device_s = time.perf_counter() - dispatched
         results = []
         for r, output in enumerate(outputs):
             count = len(output.scheduled)
             mine = tuple(x if x is None else x[r, :count] for x in logprobs)
+            prompt = None if prompt_logprobs is None else tuple(x[r] for x in prompt_logprobs)
             results.append(
-                StepOutput(token_ids[r, :count], num_accepted[r, :count], *mine, shape, dispatched - start, device_s)
+                StepOutput(
+                    token_ids[r, :count],
+                    num_accepted[r, :count],
+                    *mine,
+                    shape,
+                    dispatched - start,
+                    device_s,
+                    prompt,
+                )
             )
         return results
+
+    def _prompt_logprobs(self, outputs: list[SchedulerOutput]) -> tuple | None:
+        """After a step: the prompt log-probs its items asked for (see StepOutput.prompt_logprobs), each array with
+        a leading replica axis; None when no item asked (nothing is launched)."""
+        if not any(prompt_logprob_rows(output.scheduled) for output in outputs):
+            return None
+        runner = self.runners[0]
+        targets = runner.inputs.stacked([runner.inputs.prompt_targets(output) for output in outputs])
+        arrays = tuple(fetch(x) for x in self.launch(0, Message.PROMPT_LOGPROBS, 0, targets))
+        return arrays if runner.mesh is not None else tuple(x[None] for x in arrays)
 
     def reset(self) -> None:
         """Every runner's pool afresh (after a failed step, whose donated pool may be gone)."""

@@ -31,13 +31,14 @@ from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
 from jaxpage.models.llama import Llama, build, params_dtype
 from jaxpage.sample.logits_processors import apply_logits_processors
-from jaxpage.sample.sampler import sample, sampled_logprobs
+from jaxpage.sample.sampler import sample, sampled_logprobs, target_logprobs
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.sequence import PROMPT_LOGPROB_TOKENS
 from jaxpage.spec_decode.verification import verify_drafts
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, load_or_compile
 from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
-from jaxpage.worker.step_broadcast import Header, Message, unpack
+from jaxpage.worker.step_broadcast import Header, Message
 from jaxpage.worker.step_inputs import NO_PROCESSORS, PROCESSOR_LEVELS, SampleInput, StepInput, StepInputs
 from jaxpage.worker.step_shapes import StepShape, step_shapes
 
@@ -65,6 +66,9 @@ class StepOutput:
     shape: StepShape  # what the step was padded to
     prepare_s: float = 0.0  # host: building the step's arrays
     device_s: float = 0.0  # dispatch until the sampled tokens are back on the host
+    # Prompt log-probs, a row each of jaxpage.sequence.prompt_logprob_rows(the step's items): the prompt token's
+    # log-prob [rows], its rank [rows], the top MAX_LOGPROBS ids [rows, top] and their log-probs; None: none asked.
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def sample_rows(logits: jax.Array, inputs: SampleInput) -> tuple:
@@ -185,6 +189,8 @@ class ModelRunner:
         self.samplers: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnums=(3,))
         self._sample = jax.jit(self._sample_fn)
+        self.prompt_logprobs_program: jax.stages.Compiled | None = None
+        self.prompt_hidden: jax.Array | None = None  # the latest step's hidden rows for prompt log-probs
 
     @property
     def kv_cache(self) -> KVCache:
@@ -198,7 +204,7 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         """Programs compiled (or loaded from the persistent cache) so far: forward shapes and sampler shapes."""
-        return len(self.executables) + len(self.samplers)
+        return len(self.executables) + len(self.samplers) + (self.prompt_logprobs_program is not None)
 
     # ----- device side -----
 
@@ -209,21 +215,30 @@ class ModelRunner:
         return on_shards(fn, self.mesh, self._param_specs, in_specs, out_specs, gather)
 
     def _forward_fn(self, params, kv_cache: KVCache, step: StepInput, max_q_len: int):
-        """(hidden states [R * (k + 1), hidden] of the tokens the sampler's rows use, kv_cache with the step's
-        K/V)."""
+        """(hidden states [R * (k + 1), hidden] of the tokens the sampler's rows use, those [PROMPT_LOGPROB_TOKENS,
+        hidden] of the tokens that give prompt log-probs, kv_cache with the step's K/V)."""
 
         def forward(params, kv_cache, step):
             hidden, kv_cache = self.models[max_q_len].apply(
                 {"params": params}, step.token_ids, step.positions, step.attention, kv_cache
             )
-            return hidden[step.logits_indices], kv_cache
+            return hidden[step.logits_indices], hidden[step.prompt_indices], kv_cache
 
         pool = self._pool_specs
-        return self._on_shards(forward, (pool, REPLICAS), (REPLICAS, pool))(params, kv_cache, step)
+        return self._on_shards(forward, (pool, REPLICAS), (REPLICAS, REPLICAS, pool))(params, kv_cache, step)
 
     def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
         sample = self._on_shards(self._sample_on_shard, (REPLICAS, REPLICAS), REPLICAS, gather=self._gather_replicas)
         return sample(params, hidden, inputs)
+
+    def _prompt_logprobs_fn(self, params, hidden: jax.Array, targets: jax.Array):
+        """jaxpage.sample.sampler.target_logprobs of the LM head's logits [P, V] over the hidden rows [P, hidden]."""
+
+        def on_shard(params, hidden, targets):
+            logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)
+            return target_logprobs(logits, targets, min(MAX_LOGPROBS, logits.shape[-1]))
+
+        return self._on_shards(on_shard, (REPLICAS, REPLICAS), REPLICAS, self._gather_replicas)(params, hidden, targets)
 
     def _sample_on_shard(self, params, hidden: jax.Array, inputs: SampleInput):
         """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
@@ -248,18 +263,31 @@ class ModelRunner:
         `level` says, as `compile` gets the forward pass."""
         rows, k = shape.sample_rows, shape.num_draft_positions
         _, inputs = self.inputs.padding(shape, level)
-        hidden_shape = (rows * (k + 1), self.config.hidden_size)
-        if self.mesh is not None:
-            hidden_shape = (self.data_parallel_size, *hidden_shape)
-        where = None
-        if self.compile_only:  # where the forward pass leaves it
-            where = self._replicated if self.mesh is None else NamedSharding(self.mesh, REPLICAS)
-        hidden = jax.ShapeDtypeStruct(hidden_shape, self.dtype, sharding=where)
-        args = (self.params, hidden, self._abstract(inputs))
+        args = (self.params, self._hidden_rows(rows * (k + 1)), self._abstract(inputs))
         what = sampler_name(rows, k, level)
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
         self.samplers[rows, k, level] = executable
         return executable
+
+    def compile_prompt_logprobs(self) -> jax.stages.Compiled:
+        """The prompt log-probs program (LM head over PROMPT_LOGPROB_TOKENS hidden rows), got as `compile` does."""
+        if self.prompt_logprobs_program is None:
+            hidden, targets = self._hidden_rows(PROMPT_LOGPROB_TOKENS), self.inputs.prompt_targets_template()
+            args, program = (self.params, hidden, self._abstract(targets)), jax.jit(self._prompt_logprobs_fn)
+            what = CompiledShape("prompt_logprobs", PROMPT_LOGPROB_TOKENS)
+            self.prompt_logprobs_program = self._load_or_compile(what, args, lambda: program.lower(*args).compile())
+        return self.prompt_logprobs_program
+
+    def _hidden_rows(self, rows: int) -> jax.ShapeDtypeStruct:
+        """What the forward pass hands a program that takes `rows` of its hidden states (stacked over the replicas
+        on several devices), and where it leaves them."""
+        shape = (rows, self.config.hidden_size)
+        if self.mesh is not None:
+            shape = (self.data_parallel_size, *shape)
+        where = None
+        if self.compile_only:
+            where = self._replicated if self.mesh is None else NamedSharding(self.mesh, REPLICAS)
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=where)
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
         """The program `what` (jaxpage.worker.compilation_cache.load_or_compile), keyed by `static` (default: the model
@@ -297,6 +325,7 @@ class ModelRunner:
                     samplers.add((rows, k, level))
                     program = functools.partial(self._sampler_program, shape, level)
                     programs.append((sampler_name(rows, k, level), program))
+        programs.append((CompiledShape("prompt_logprobs", PROMPT_LOGPROB_TOKENS), self.compile_prompt_logprobs))
         programs.append((CompiledShape("copy", COPY_CHUNK), self.pool.copy_program))
         return programs
 
@@ -315,7 +344,7 @@ class ModelRunner:
     def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput, level: int) -> tuple:
         """The step's forward pass and sampler, launched (see _sample_on_shard for what they return)."""
         forward, sampler = self._forward_program(shape), self._sampler_program(shape, level)
-        hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
+        hidden, self.prompt_hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
         return sampler(self.params, hidden, sample_input)
 
     def reset_kv_cache(self) -> None:
@@ -339,39 +368,26 @@ class ModelRunner:
         elif kind is Message.COPY:
             self.pool.copy(*payload)
         elif kind is Message.FORWARD:
-            _, self.kv_cache = self._forward_program(self.shapes[key])(self.params, self.kv_cache, payload)
+            _, _, self.kv_cache = self._forward_program(self.shapes[key])(self.params, self.kv_cache, payload)
         elif kind is Message.STEP:
             step, sample_input = payload
             level, with_draft_probs = divmod(flag, 2)
             if with_draft_probs:
                 sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
             return self._run_step(self.shapes[key], step, sample_input, level)
+        elif kind is Message.PROMPT_LOGPROBS:
+            return self.compile_prompt_logprobs()(self.params, self.prompt_hidden, payload)
         else:
             raise ValueError(f"a model runner cannot run message {kind.name}")
         return None
 
     def unpack(self, header: Header, data: bytes):
         """The payload of a message process 0 sent (jaxpage.worker.step_broadcast), as `run` takes it."""
-        if header.kind is Message.COPY:
-            return unpack(data, (np.zeros(header.key, np.int32),) * 2)
-        if header.kind is Message.FORWARD:
-            return unpack(data, self.inputs.template(self.shapes[header.key])[0])
-        if header.kind is Message.STEP:
-            return unpack(data, self.inputs.template(self.shapes[header.key], header.flag // 2))
-        return None
+        return self.inputs.unpack(header, data)
 
     def payload_sizes(self) -> set[int]:
         """The bytes of every message's arrays this runner can send (for StepBroadcast.warmup)."""
-
-        def size(tree) -> int:
-            return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
-
-        sizes = {2 * COPY_CHUNK * np.dtype(np.int32).itemsize}
-        for shape in self.shapes:
-            for level in PROCESSOR_LEVELS:
-                step, sample_input = self.inputs.template(shape, level)
-                sizes |= {size(step), size((step, sample_input))}
-        return sizes
+        return self.inputs.payload_sizes()
 
     @property
     def _replicated(self):

@@ -39,6 +39,7 @@ class Message(enum.IntEnum):
     FORWARD = 6  # the forward pass alone (a draft model catching up); key: the step shape's index
     RESET = 7  # a fresh pool after a failed step
     STOP = 8  # the leader's engine shut down
+    PROMPT_LOGPROBS = 9  # prompt log-probs from the latest step's hidden rows; payload: the prompt tokens asked about
 
 
 @dataclasses.dataclass(frozen=True)

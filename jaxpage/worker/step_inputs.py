@@ -15,8 +15,10 @@ from jaxpage.sample.logits_controls import bitmask_words
 from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
 from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_params
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.sequence import ScheduledSequence, SchedulerOutput
+from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput, prompt_logprob_rows
 from jaxpage.structured.bitmask import fill_grammar_bitmasks
+from jaxpage.worker.kv_pool import COPY_CHUNK
+from jaxpage.worker.step_broadcast import Header, Message, unpack
 from jaxpage.worker.step_shapes import StepShape
 
 
@@ -27,6 +29,7 @@ class StepInput:
     positions: jax.Array  # [T] int32
     attention: PagedBatch
     logits_indices: jax.Array  # [R * (k + 1)] int32, the tokens whose logits each sampler row uses (k: see SampleInput)
+    prompt_indices: jax.Array  # [PROMPT_LOGPROB_TOKENS] int32, the tokens whose hidden states give prompt log-probs
 
 
 @jax.tree_util.register_dataclass
@@ -155,9 +158,52 @@ class StepInputs:
             for item in items
         )
         attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
-        step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1))
+        prompt_indices = np.zeros(PROMPT_LOGPROB_TOKENS, np.int32)
+        rows = prompt_logprob_rows(items)
+        assert len(rows) <= PROMPT_LOGPROB_TOKENS, len(rows)  # the scheduler keeps them within
+        prompt_indices[: len(rows)] = [token for _, token, _ in rows]
+        step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1), prompt_indices)
         logits = self.logits_inputs(items, shape.sample_rows, k, level) if level != NO_PROCESSORS else None
         return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, logits=logits)
+
+    def prompt_targets(self, output: SchedulerOutput) -> np.ndarray:
+        """[PROMPT_LOGPROB_TOKENS] int32: the prompt token each row of prompt log-probs is asked about (0 past
+        them), in prompt_logprob_rows' order."""
+        targets = np.zeros(PROMPT_LOGPROB_TOKENS, np.int32)
+        rows = prompt_logprob_rows(output.scheduled)
+        targets[: len(rows)] = [output.scheduled[i].seq.token_ids[position] for i, _, position in rows]
+        return targets
+
+    def prompt_targets_template(self):
+        """A PROMPT_LOGPROBS message's arrays: each replica's prompt targets (prompt_targets), stacked."""
+        return self.stacked([np.zeros(PROMPT_LOGPROB_TOKENS, np.int32)] * self.data_parallel_size)
+
+    def unpack(self, header: Header, data: bytes):
+        """The arrays of a message process 0 sent (jaxpage.worker.step_broadcast), as ModelRunner.run takes them;
+        None for a message without any."""
+        if header.kind is Message.COPY:
+            return unpack(data, (np.zeros(header.key, np.int32),) * 2)
+        if header.kind is Message.FORWARD:
+            return unpack(data, self.template(self.shapes[header.key])[0])
+        if header.kind is Message.STEP:  # flag: 2 * the level of logits processors + (with draft model probs)
+            return unpack(data, self.template(self.shapes[header.key], header.flag // 2))
+        if header.kind is Message.PROMPT_LOGPROBS:
+            return unpack(data, self.prompt_targets_template())
+        return None
+
+    def payload_sizes(self) -> set[int]:
+        """The bytes of the arrays of every message a runner can send (jaxpage.worker.step_broadcast): page copies,
+        forward passes, steps (with each level of logits processors), prompt log-probs."""
+
+        def size(tree) -> int:
+            return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+        sizes = {2 * COPY_CHUNK * np.dtype(np.int32).itemsize, size(self.prompt_targets_template())}
+        for shape in self.shapes:
+            for level in PROCESSOR_LEVELS:
+                step, sample_input = self.template(shape, level)
+                sizes |= {size(step), size((step, sample_input))}
+        return sizes
 
     def logits_inputs(self, items: list[ScheduledSequence], num_rows: int, k: int, level: int) -> LogitsInputs:
         """The logits processors' arrays of the sampling items (jaxpage.sample.logits_controls), a row per item and
