@@ -75,7 +75,9 @@ class ProgramReport:
     """One program built for the target: what the chip's compiler made of it (bytes per device)."""
 
     program: str  # "forward decode(T=4, S=4, R=8)", "sample rows=8", "pool (...)", ...
-    kind: str  # CompiledShape.program: "pool", "forward", "sample", "verify", "propose", "copy"
+    # CompiledShape.program: "pool", "forward", "sample", "verify" (+masks, +penalties: with logits processors),
+    # "prompt_logprobs", "propose", "copy"
+    kind: str
     seconds: float  # lowering and compiling
     error: str | None = None  # the compiler's error; None: compiled
     argument_bytes: int = 0

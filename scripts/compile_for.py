@@ -174,7 +174,7 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
 
 def collectives_check(build) -> tuple[str, bool, str]:
     """Megatron's collectives: 2 all-reduces per layer + 1 for the embedding in every forward pass of the target
-    model, and an all-gather of the logits in every sampler."""
+    model, and an all-gather of the logits in every sampler (with logits processors or not) and prompt log-probs."""
     layers = build.model.num_layers
     wrong = []
     for p in build.programs:
@@ -182,7 +182,8 @@ def collectives_check(build) -> tuple[str, bool, str]:
             continue
         if p.kind == "forward" and p.collectives.get("all-reduce") != 2 * layers + 1:
             wrong.append(f"{p.program}: {p.collectives}")
-        if p.kind in ("sample", "verify") and p.collectives.get("all-gather", 0) < 1:
+        logits = p.kind.split("+")[0] in ("sample", "verify", "prompt_logprobs")  # an LM head over the shards
+        if logits and p.collectives.get("all-gather", 0) < 1:
             wrong.append(f"{p.program}: {p.collectives}")
     detail = "; ".join(wrong) or f"forward: {2 * layers + 1} all-reduces, samplers: the logits' all-gather"
     return ("tensor-parallel collectives as designed", not wrong, detail)

@@ -143,8 +143,10 @@ def test_a_tiny_models_programs_compile_for_a_tpu(tiny_model_path, kv_cache_dtyp
     aot.compile_all(build)
     assert build.backend.name == "pallas_tpu" and build.dtype.name == "bfloat16"
     kinds = [p.kind for p in build.programs]
-    assert kinds == ["pool", "forward", "sample", "forward", "forward", "verify", "forward", "verify", "forward",
-                     "verify", "copy"]  # fmt: skip
+    samplers = ["sample", "sample+masks", "sample+penalties"]  # plain, with logits processors, with penalties too
+    verifiers = ["verify", "verify+masks", "verify+penalties"]
+    assert kinds == ["pool", "forward", *samplers, "forward", "forward", *verifiers, "forward", *verifiers, "forward",
+                     *verifiers, "prompt_logprobs", "copy"]  # fmt: skip
     _checked(build)
 
 

@@ -30,10 +30,11 @@ def make_llm(tiny_dir, **engine_args) -> LLM:
     return LLM(tiny_dir, **args)
 
 
-def dense_greedy(tiny_dir, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def dense_greedy(tiny_dir, prompts: list[list[int]], num_tokens: int, process=None) -> list[list[int]]:
     """Greedy decoding with the cache-free forward pass (checked against transformers elsewhere), every prompt in
     one batch right-padded to the longest it will grow to: one shape, compiled once (causal attention keeps the
-    padding after a row's tokens out of its logits)."""
+    padding after a row's tokens out of its logits). process(logits [V], row, output so far): what to take the
+    argmax of instead of a row's logits."""
     config, params = load_model(tiny_dir)
     tokens = [list(p) for p in prompts]
     width = max(map(len, prompts)) + num_tokens
@@ -41,8 +42,11 @@ def dense_greedy(tiny_dir, prompts: list[list[int]], num_tokens: int) -> list[li
         ids = np.array([t + [0] * (width - len(t)) for t in tokens], np.int32)
         mask = np.array([[1] * len(t) + [0] * (width - len(t)) for t in tokens], np.int32)
         logits = np.asarray(forward(config, params, ids, attention_mask=mask))
-        for row, t in enumerate(tokens):
-            t.append(int(logits[row, len(t) - 1].argmax()))
+        for row, (t, prompt) in enumerate(zip(tokens, prompts, strict=True)):
+            row_logits = logits[row, len(t) - 1]
+            if process is not None:
+                row_logits = process(row_logits, row, t[len(prompt) :])
+            t.append(int(row_logits.argmax()))
     return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
 
 

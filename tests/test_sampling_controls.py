@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_llm_api import dense_greedy
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.models import forward, load_model
@@ -38,19 +39,13 @@ def reference_logits(logits: np.ndarray, prompt: list[int], output: list[int], p
 
 
 def reference_greedy(model_dir, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """Greedy tokens under each request's controls, every prompt in one right-padded batch (one compiled shape)."""
-    config, weights = load_model(model_dir)
-    num_tokens = max(p.max_tokens for p in params)
-    tokens = [list(p) for p in prompts]
-    width = max(map(len, prompts)) + num_tokens
-    for _ in range(num_tokens):
-        ids = np.array([t + [0] * (width - len(t)) for t in tokens], np.int32)
-        mask = np.array([[1] * len(t) + [0] * (width - len(t)) for t in tokens], np.int32)
-        logits = np.asarray(forward(config, weights, ids, attention_mask=mask))
-        for row, (t, prompt, p) in enumerate(zip(tokens, prompts, params, strict=True)):
-            output = t[len(prompt) :]
-            t.append(int(reference_logits(logits[row, len(t) - 1], prompt, output, p).argmax()))
-    return [t[len(prompt) :][: p.max_tokens] for t, prompt, p in zip(tokens, prompts, params, strict=True)]
+    """Greedy tokens of the cache-free forward pass under each request's controls (reference_logits)."""
+
+    def process(logits, row, output):
+        return reference_logits(logits, prompts[row], output, params[row])
+
+    tokens = dense_greedy(model_dir, prompts, max(p.max_tokens for p in params), process)
+    return [t[: p.max_tokens] for t, p in zip(tokens, params, strict=True)]
 
 
 @pytest.fixture(scope="module")
