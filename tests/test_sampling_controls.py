@@ -146,3 +146,41 @@ def test_prompt_logprobs_equal_the_forward_pass(llm, tiny_dir):
             for rank, tid in enumerate(top, 1):
                 assert entry[int(tid)].rank == rank or tid == token
     assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_a_rows_bitmask_on_the_host():
+    """LogitsControls.restrict: allowed_token_ids, one-token bad words everywhere, a longer bad word's last token
+    only after its other tokens, EOS and stop ids only from min_tokens on; contradictory constraints leave EOS."""
+    from jaxpage.sample.logits_controls import LogitsControls, token_bitmask
+    from jaxpage.sample.logits_processors import unpack_bitmask
+
+    vocab = 70
+
+    def allowed(controls, output, grammar=None) -> set[int]:
+        mask = token_bitmask(range(vocab) if grammar is None else grammar, vocab)
+        controls.restrict(mask, output)
+        return set(np.flatnonzero(np.asarray(unpack_bitmask(mask[None], vocab))[0]).tolist())
+
+    params = SamplingParams(allowed_token_ids=list(range(10, 40)) + [2], min_tokens=2, stop_token_ids=[12])
+    controls = LogitsControls.of(params, vocab, [2], bad_word_token_ids=[[20], [30, 31]])
+    assert allowed(controls, [10]) == set(range(10, 40)) - {12, 20}  # EOS and the stop id wait for min_tokens
+    assert allowed(controls, [10, 11]) == set(range(10, 40)) - {20} | {2}
+    assert allowed(controls, [10, 30]) == set(range(10, 40)) - {20, 31} | {2}  # 30 then 31 is a bad word
+    assert allowed(controls, [10, 11], grammar=[50, 51]) == {2}  # nothing the grammar takes is allowed: EOS
+    assert LogitsControls.of(SamplingParams(), vocab, [2], []) is None  # nothing changes plain requests' logits
+
+
+def test_speculative_decoding_keeps_the_controlled_greedy_tokens(llm, tiny_dir):
+    """Verify steps apply each position's penalties, biases, allowed tokens and min_tokens (the history includes
+    the drafts before it): greedy tokens as without speculation, with drafts accepted along the way."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    speculating = LLM(
+        tiny_dir, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8, speculative_config=spec
+    )
+    speculating.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    repetitive = [[7, 8, 9, 10] * 5, [30, 31, 30, 31, 30], PROMPTS[2], PROMPTS[0]]
+    requests = [{"prompt_token_ids": p} for p in repetitive]
+    expected = [o.outputs[0].token_ids for o in llm.generate(requests, CONTROLLED)]
+    got = [o.outputs[0].token_ids for o in speculating.generate(requests, CONTROLLED)]
+    assert got == expected
+    assert speculating.engine.spec_decoding_stats.num_accepted_tokens > 0

@@ -7,6 +7,7 @@ the grammar makes them valid); the default model's answers to 24 schemas must al
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -192,19 +193,26 @@ def test_every_token_follows_random_schemas(llm, properties, data, seed):
         assert_follows(llm, spec, completion)
 
 
-def test_speculative_decoding_checks_drafts_against_the_grammar(full_vocab_dir):
-    """n-gram drafts are verified under each position's grammar mask: greedy output is the same with and without
-    speculation, every token follows the grammar, and drafts were accepted along the way."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_checks_drafts_against_the_grammar(full_vocab_dir, method):
+    """Drafts (n-gram lookup's, or a draft model's: the target itself, which knows no grammar) are verified under
+    each position's grammar mask: greedy output is the same with and without speculation, every token follows the
+    grammar, and drafts were accepted along the way."""
     spec_config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        spec_config = {"method": "draft_model", "model": full_vocab_dir, "num_speculative_tokens": 3}
     plain = make_llm(full_vocab_dir)
     speculating = make_llm(full_vocab_dir, speculative_config=spec_config)
     speculating.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
     speculating.engine.warmup()
     compiled = speculating.engine.runner.num_compilations
     repeated = 'Answer {"name": "ab", "age": 12, "pet": "cat"} {"name": "ab", "age": 12, "pet": "cat"} again'
-    specs = [SPECS[0], SPECS[3], StructuredOutputsParams(regex="(ab|cd){1,20}")]
+    # What the model writes unconstrained, as one branch of a regex: drafts the grammar accepts (a draft model's too).
+    free = plain.generate("Tell me", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    own = StructuredOutputsParams(regex=f"({re.escape(free.text)})|(nothing)")
+    specs = [SPECS[0], SPECS[3], StructuredOutputsParams(regex="(ab|cd){1,20}"), own]
     params = [SamplingParams(temperature=0, max_tokens=50, structured_outputs=s) for s in specs]
-    texts = [repeated, "(ab,cd,ab,cd,ab,cd", "abababababcdcdcd"]
+    texts = [repeated, "(ab,cd,ab,cd,ab,cd", "abababababcdcdcd", "Tell me"]
     expected = plain.generate(texts, params, use_tqdm=False)
     got = speculating.generate(texts, params, use_tqdm=False)
     for e, g, spec in zip(expected, got, specs, strict=True):

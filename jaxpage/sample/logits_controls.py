@@ -49,6 +49,7 @@ class LogitsControls:
     bad_word_sequences: tuple[tuple[int, ...], ...] = ()  # bad words of several tokens
     min_tokens: int = 0
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked until the output has min_tokens tokens
+    eos_token_ids: tuple[int, ...] = ()  # what a row whose constraints contradict each other is left with
     bias_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     bias_values: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
     presence_penalty: float = 0.0
@@ -83,6 +84,7 @@ class LogitsControls:
             tuple(tuple(w) for w in bad_word_token_ids if len(w) > 1),
             params.min_tokens,
             tuple(sorted(stop_ids)),
+            tuple(sorted(eos_token_ids)),
             np.fromiter(bias.keys(), np.int32, len(bias)),
             np.fromiter(bias.values(), np.float32, len(bias)),
             params.presence_penalty,
@@ -109,15 +111,15 @@ class LogitsControls:
     def restrict(self, mask: np.ndarray, output_token_ids: list[int]) -> None:
         """Applies everything but the grammar to a bitmask row (in place; the grammar's mask, or all ones, is
         already there), for the token after `output_token_ids`. A row left with no token allows EOS alone (the
-        constraints contradict each other: the sequence ends)."""
+        constraints contradict each other, e.g. allowed_token_ids the grammar never accepts: the sequence ends)."""
         if self.allowed is not None:
             mask &= self.allowed
         banned = [w[-1] for w in self.bad_word_sequences if _ends_with(output_token_ids, w[:-1])]
         if len(output_token_ids) < self.min_tokens:
             banned += self.min_tokens_stop_ids
         clear_bits(mask, banned)
-        if not mask.any():
-            mask[:] = token_bitmask(self.min_tokens_stop_ids or [0], self.vocab_size)
+        if not mask.any() and self.eos_token_ids:
+            mask[:] = token_bitmask(self.eos_token_ids, self.vocab_size)
 
 
 def _ends_with(tokens: list[int], suffix: tuple[int, ...]) -> bool:
