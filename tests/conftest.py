@@ -33,6 +33,7 @@ SLOWEST_FILES_FIRST = [
     "test_parallel.py",
     "test_engine.py",
     "test_spec_decode_draft_model.py",
+    "test_structured_outputs.py",
     "test_ragged_paged_attention.py",
     "test_quantized_kv_attention.py",
     "test_kv_cache_dtype.py",

@@ -189,10 +189,18 @@ def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, 
     ]
     assert _compile_for_script().main(argv) == 0
     printed = capsys.readouterr().out
-    assert "pallas_gpu attention" in printed and "5/5 programs compiled" in printed
+    assert "pallas_gpu attention" in printed and "8/8 programs compiled" in printed
     assert "decode step ESTIMATE (roofline, not measured), batch 1" in printed
     report = json.loads(out.read_text())
-    assert [p["kind"] for p in report["programs"]] == ["pool", "forward", "sample", "forward", "copy"]
+    samplers = ["sample", "sample+masks", "sample+penalties"]
+    assert [p["kind"] for p in report["programs"]] == [
+        "pool",
+        "forward",
+        *samplers,
+        "forward",
+        "prompt_logprobs",
+        "copy",
+    ]
     assert all(c["passed"] for c in report["checks"]), report["checks"]
     assert report["pool_bytes_compiled"] == pytest.approx(report["pool_bytes_arithmetic"], rel=0.02)
     roofline = report["decode_roofline_estimates"][0]
