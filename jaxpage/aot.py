@@ -188,12 +188,15 @@ def placed_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def compile_all(build: TargetBuild, on_program=None) -> list[ProgramReport]:
+def compile_all(build: TargetBuild, on_program=None, kinds: set[str] | None = None) -> list[ProgramReport]:
     """Compiles every program of `build`'s runners (a failure is reported, and the others still compile); calls
-    on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order."""
+    on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order. kinds: only
+    the programs of these kinds (ProgramReport.kind), e.g. {"pool", "forward", "copy"}: those that touch the pool."""
     for index, runner in enumerate(build.runners):
         pool_array_bytes = placed_bytes(runner.kv_cache.k) // runner.config.num_layers  # one layer of K
         for what, get in runner.warmup_programs():
+            if kinds is not None and what.program not in kinds:
+                continue
             label = str(what).split(":")[0] + (" (draft model)" if index else "")
             start = time.perf_counter()
             try:

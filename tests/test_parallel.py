@@ -140,13 +140,20 @@ def test_nothing_compiles_after_warmup(model_dir, tp, dp):
     assert executed(runner.prompt_logprobs_program.as_text()) == executed_counts(all_gather=1)
     llm.generate(prompts(), GREEDY)
     llm.generate(prompts(3), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=1))
+    # Logits processors and prompt log-probs in some rows (at DP 2, in one replica's rows and not the other's: the
+    # replicas' steps stack to the variant the step needs).
+    controlled = SamplingParams(
+        temperature=0, max_tokens=5, presence_penalty=1.0, logit_bias={3: 2.0}, prompt_logprobs=2
+    )
+    outputs = llm.generate(prompts(3), [controlled, GREEDY, SamplingParams(max_tokens=5, allowed_token_ids=[3, 4])])
+    assert len(outputs[0].prompt_logprobs) == len(prompts(3)[0]["prompt_token_ids"])
+    assert set(outputs[2].outputs[0].token_ids) <= {3, 4}
     assert runner.num_compilations == compiled
 
 
 def test_sampling_matches_one_device(model_dir):
     """Seeded random sampling sees the whole vocabulary on every shard: the same tokens as one device; so do
-    logits processors (penalties, biases, allowed tokens) and prompt log-probs, at TP 4 and at TP 2 x DP 2 (whose
-    replicas' steps are stacked: one replica may use them, the other not)."""
+    logits processors (penalties, biases, allowed tokens) and prompt log-probs."""
     directory = model_dir(8)
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=8, seed=3, logprobs=2)
     controlled = [
@@ -156,19 +163,18 @@ def test_sampling_matches_one_device(model_dir):
     ]
     one = LLM(directory, **ARGS)
     want, want_controlled = one.generate(prompts(3), params), one.generate(prompts(3), controlled)
-    for layout in (dict(tensor_parallel_size=4), dict(tensor_parallel_size=2, data_parallel_size=2)):
-        llm = LLM(directory, **ARGS, **layout)
-        got = llm.generate(prompts(3), params)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)
-        got = llm.generate(prompts(3), controlled)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want_controlled]
-        for (position, g), w in zip(enumerate(got[0].prompt_logprobs), want_controlled[0].prompt_logprobs, strict=True):
-            assert (g is None) == (w is None) == (position == 0)
-            if g is not None:
-                assert g.keys() == w.keys()
-                np.testing.assert_allclose([v.logprob for v in g.values()], [v.logprob for v in w.values()], atol=1e-4)
+    llm = LLM(directory, **ARGS, tensor_parallel_size=4)
+    got = llm.generate(prompts(3), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)
+    got = llm.generate(prompts(3), controlled)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want_controlled]
+    for position, (g, w) in enumerate(zip(got[0].prompt_logprobs, want_controlled[0].prompt_logprobs, strict=True)):
+        assert (g is None) == (w is None) == (position == 0)
+        if g is not None:
+            assert g.keys() == w.keys()
+            np.testing.assert_allclose([v.logprob for v in g.values()], [v.logprob for v in w.values()], atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -201,7 +201,7 @@ def test_speculative_decoding_checks_drafts_against_the_grammar(full_vocab_dir, 
     spec_config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     if method == "draft_model":
         spec_config = {"method": "draft_model", "model": full_vocab_dir, "num_speculative_tokens": 3}
-    small = dict(max_num_seqs=4, max_num_batched_tokens=32)  # few step shapes: warm-up compiles each
+    small = dict(max_num_seqs=2, max_num_batched_tokens=32)  # few step shapes: warm-up compiles each
     plain = make_llm(full_vocab_dir, **small)
     speculating = make_llm(full_vocab_dir, speculative_config=spec_config, **small)
     speculating.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
@@ -232,7 +232,7 @@ def test_default_model_answers_validate_against_every_schema(smollm2_path):
     parses and validates (greedy, none cut by max_tokens)."""
     from jaxpage.tokenizers.tokenizer import encode_chat
 
-    llm = LLM(str(smollm2_path), max_model_len=1024, max_num_seqs=24)
+    llm = LLM(str(smollm2_path), max_model_len=1024, max_num_seqs=8)  # few step shapes to compile
     system = {"role": "system", "content": "Answer with a JSON object."}
     requests = [
         {"prompt_token_ids": encode_chat(llm.engine.tokenizer, [system, {"role": "user", "content": t.prompt}])}
