@@ -272,7 +272,12 @@ def _logit_bias(field: str, value, max_entries: int, max_bias: float) -> dict[in
         fail(field, requirement, f"{len(value)} entries")
     bias = {}
     for key, b in value.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = key
+        if isinstance(key, str):  # JSON's keys
+            try:
+                token = int(key)
+            except ValueError:
+                pass  # refused just below, by name
         if not is_int(token) or not 0 <= token <= INT32_MAX:
             fail(field, f"keyed by token ids in [0, {INT32_MAX}]", value, wrong_type=not is_int(token))
         if not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b):

@@ -318,7 +318,9 @@ garbage = st.recursive(
 number_like = st.integers(-3, 70) | st.floats(-1, 2) | st.sampled_from([math.nan, math.inf, True, None, 2**40])
 sampling_kwargs = st.dictionaries(
     st.sampled_from(["n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs", "stop",
-                     "stop_token_ids", "ignore_eos", "skip_special_tokens"]),
+                     "stop_token_ids", "ignore_eos", "skip_special_tokens", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+                     "prompt_logprobs", "structured_outputs"]),
     number_like | garbage,
     max_size=5,
 )  # fmt: skip

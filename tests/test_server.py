@@ -126,6 +126,53 @@ def test_n_logprobs_stop_and_seeds(client):
         assert text.startswith(cut.choices[0].text)
 
 
+def test_structured_outputs_penalties_and_biases_over_http(client, reference):
+    """response_format (json_schema via the client's parse() and a pydantic model, json_object), vLLM's
+    structured_outputs, penalties and logit_bias reach the engine: the server's outputs are LLM.generate's with the
+    same SamplingParams, and every JSON answer parses; a schema that does not compile is a 400 naming the field."""
+    import pydantic
+
+    from jaxpage.sampling_params import StructuredOutputsParams
+
+    class Pet(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=30)
+
+    parsed = client.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Pet, temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Pet)
+    anything = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=40, temperature=0, response_format={"type": "json_object"}
+    )
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    choice = client.completions.create(
+        model="tiny", prompt="Yes or no?", max_tokens=5, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
+    assert choice.choices[0].text in ("yes", "no")
+    controls = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"330": 5})
+    got = client.completions.create(model="tiny", prompt="a b c", max_tokens=10, temperature=0, **controls)
+    params = SamplingParams(temperature=0, max_tokens=10, **controls)
+    assert got.choices[0].text == reference.generate(["a b c"], params)[0].outputs[0].text
+    regex = StructuredOutputsParams(regex="[0-9]{4}")
+    want = reference.generate(["x"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=regex))
+    got = client.completions.create(
+        model="tiny", prompt="x", max_tokens=8, temperature=0, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}}
+    )
+    assert got.choices[0].text == want[0].outputs[0].text and len(got.choices[0].text) == 4
+    for body, field in (
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "json"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
+
+
 def test_errors_have_openais_shape(served, client):
     server, _ = served
     with pytest.raises(openai.BadRequestError) as error:

@@ -4,7 +4,9 @@
 ValueError, for anything invalid); `response_body(...)` turns a finished RequestOutput into the response body, and
 a `Stream` turns each RequestOutput of a streaming request into the chunks that say what is new (the server's
 `stream: true`; a batch refuses it).
-Fields that change nothing here ("model", "user", ...) are accepted and ignored, as OpenAI-compatible servers do.
+Fields that change nothing here ("model", "user", ...) are accepted and ignored, as OpenAI-compatible servers do;
+fields that would change the output are honoured (sampling, penalties, logit_bias, response_format and vLLM's
+structured_outputs, ...) or refused by name (UNSUPPORTED_FIELDS).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import uuid
 
 from jaxpage.outputs import RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpage.tokenizers.tokenizer import check_messages, encode_chat
 from jaxpage.validation import check_text, describe, is_int
 
@@ -92,7 +94,17 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
         max_tokens=max_tokens,
         logprobs=top_logprobs,
         ignore_eos=_optional_bool(body, "ignore_eos"),  # vLLM's extension
+        presence_penalty=_optional_number(body, "presence_penalty"),
+        frequency_penalty=_optional_number(body, "frequency_penalty"),
+        logit_bias=body.get("logit_bias"),
+        # vLLM's extensions
+        repetition_penalty=_optional_number(body, "repetition_penalty"),
+        min_tokens=_optional_int(body, "min_tokens", 0),
+        allowed_token_ids=body.get("allowed_token_ids"),
+        bad_words=body.get("bad_words"),
+        structured_outputs=_structured_outputs(body),
     )
+    _refuse_unsupported(body, kwargs["n"] or 1)
     try:
         params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
     except ValueError as e:
@@ -110,6 +122,69 @@ def engine_prompt(request: ParsedRequest, tokenizer) -> str | dict:
     if isinstance(request.prompt, list):
         return {"prompt_token_ids": request.prompt}
     return request.prompt
+
+
+# Fields of OpenAI's (and vLLM's) request bodies that would change the output and that jaxpage does not do yet: a
+# request that sets one is refused, naming it, rather than answered as if it had not been sent. (value -> whether it
+# asks for something: false, null, an empty string or list, "none" ask for nothing.)
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "echo": "echoing the prompt",
+    "suffix": "a suffix",
+    "prompt_logprobs": "prompt log-probs over HTTP",
+    "guided_json": "guided_json (use response_format or structured_outputs)",
+    "guided_regex": "guided_regex (use structured_outputs)",
+    "guided_choice": "guided_choice (use structured_outputs)",
+    "guided_grammar": "guided_grammar (use structured_outputs)",
+}
+
+
+def _refuse_unsupported(body: dict, n: int) -> None:
+    for field, what in UNSUPPORTED_FIELDS.items():
+        value = body.get(field)
+        if value not in (None, False, "", [], "none"):
+            raise RequestError(f"{field} is not supported by this server ({what}), got {describe(value)}")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise RequestError(
+            f"best_of must equal n ({n}) here: ranking extra samples is not supported, got {describe(best_of)}"
+        )
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The grammar the output must follow: OpenAI's response_format ({"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"schema": ...}}) or vLLM's structured_outputs (StructuredOutputsParams' fields);
+    not both. Whether it compiles is checked when the request is added (a 400 naming the field)."""
+    response_format, structured = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and structured is not None:
+        raise RequestError("response_format and structured_outputs cannot both be given")
+    try:
+        if structured is not None:
+            if not isinstance(structured, dict):
+                raise RequestError(f"structured_outputs must be an object, got {describe(structured)}")
+            return StructuredOutputsParams(**structured)
+        if response_format is None:
+            return None
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise RequestError(f"response_format.json_schema must be an object with a schema, got {describe(spec)}")
+            return StructuredOutputsParams(json=schema)
+    except TypeError as e:  # a field StructuredOutputsParams does not have
+        raise RequestError(f"structured_outputs: {e}") from None
+    except ValueError as e:
+        raise RequestError(str(e).replace("SamplingParams.", "")) from None
+    kinds = '{"type": "text" | "json_object" | "json_schema", ...}'
+    raise RequestError(f"response_format must be {kinds}, got {describe(response_format)}")
 
 
 def _include_usage(options, stream: bool) -> bool:
