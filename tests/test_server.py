@@ -166,11 +166,36 @@ def test_structured_outputs_penalties_and_biases_over_http(client, reference):
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"echo": True}, "echo"),
+        ({"suffix": "end"}, "suffix"),
         ({"best_of": 3}, "best_of"),
     ):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
+
+
+def test_echo_gives_the_prompts_log_probs_as_lm_eval_reads_them(client, reference):
+    """echo with logprobs (lm-eval's loglikelihood request): the text is the prompt then the completion; tokens,
+    token_logprobs (the first null), top_logprobs and text_offset cover the prompt's tokens, then the completion's;
+    the prompt's log-probs are LLM.generate's prompt_logprobs (within 1e-4), for a text prompt and for token ids."""
+    prompt = "The capital of France is"
+    ids = reference.get_tokenizer()(prompt).input_ids
+    want = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    for sent in (prompt, ids):
+        got = client.completions.create(
+            model="tiny", prompt=sent, max_tokens=1, temperature=0, logprobs=1, echo=True
+        ).choices[0]
+        assert got.text == prompt + want.outputs[0].text
+        logprobs = got.logprobs
+        assert len(logprobs.tokens) == len(ids) + 1 and logprobs.token_logprobs[0] is None
+        assert logprobs.top_logprobs[0] is None and "".join(logprobs.tokens) == got.text
+        assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+        for position in range(1, len(ids)):
+            expected = want.prompt_logprobs[position][ids[position]].logprob
+            assert abs(logprobs.token_logprobs[position] - expected) < 1e-4
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"echo": True})
 
 
 def test_errors_have_openais_shape(served, client):

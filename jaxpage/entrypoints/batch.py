@@ -188,7 +188,7 @@ class _Job:
         if output.error is not None:  # failed at run time; the engine went on with the others
             return self._error(custom_id, 500, "internal_error", output.error)
         try:
-            body = response_body(request, output, self.model)
+            body = response_body(request, output, self.model, self.engine.tokenizer)
         except Exception as e:
             return self._error(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}")
         self.summary.succeeded += 1

@@ -39,6 +39,7 @@ class ParsedRequest:
     top_logprobs: int | None  # logprobs wanted in the response (None: none)
     stream: bool = False  # server-sent chunks as the tokens come
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    echo: bool = False  # /v1/completions: the prompt before each choice's text (and its log-probs, with logprobs)
 
 
 def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
@@ -105,11 +106,16 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
         structured_outputs=_structured_outputs(body),
     )
     _refuse_unsupported(body, kwargs["n"] or 1)
+    echo = _optional_bool(body, "echo") or False
+    if echo and (url == CHAT or stream):
+        raise RequestError("echo is supported for /v1/completions without stream")
+    if echo and top_logprobs is not None:
+        kwargs["prompt_logprobs"] = top_logprobs  # the prompt's tokens get log-probs too, the first none
     try:
         params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
     except ValueError as e:
         raise RequestError(str(e).replace("SamplingParams.", "")) from None
-    return ParsedRequest(url, prompt, messages, params, top_logprobs, stream, include_usage)
+    return ParsedRequest(url, prompt, messages, params, top_logprobs, stream, include_usage, echo)
 
 
 def engine_prompt(request: ParsedRequest, tokenizer) -> str | dict:
@@ -132,7 +138,6 @@ UNSUPPORTED_FIELDS = {
     "tool_choice": "tool calling",
     "functions": "function calling",
     "function_call": "function calling",
-    "echo": "echoing the prompt",
     "suffix": "a suffix",
     "prompt_logprobs": "prompt log-probs over HTTP",
     "guided_json": "guided_json (use response_format or structured_outputs)",
@@ -262,16 +267,24 @@ class Stream:
         return chunks
 
 
-def response_body(request: ParsedRequest, output: RequestOutput, model: str) -> dict:
-    """The OpenAI response body (choices, usage) of a finished request."""
+def response_body(request: ParsedRequest, output: RequestOutput, model: str, tokenizer=None) -> dict:
+    """The OpenAI response body (choices, usage) of a finished request (tokenizer: to echo a prompt of token ids)."""
     choices = []
     for completion in output.outputs:
         choice = {"index": completion.index, "finish_reason": completion.finish_reason}
+        logprobs = _logprobs(request, completion) if request.top_logprobs is not None else None
         if request.url == CHAT:
             choice["message"] = {"role": "assistant", "content": completion.text}
+        elif request.echo:
+            prompt_text, prompt_logprobs = _echo(request, output, tokenizer)
+            choice["text"] = prompt_text + completion.text
+            if logprobs is not None:
+                shifted = [offset + len(prompt_text) for offset in logprobs["text_offset"]]
+                logprobs = {key: prompt_logprobs[key] + value for key, value in logprobs.items()}
+                logprobs["text_offset"] = prompt_logprobs["text_offset"] + shifted
         else:
             choice["text"] = completion.text
-        choice["logprobs"] = _logprobs(request, completion) if request.top_logprobs is not None else None
+        choice["logprobs"] = logprobs
         choices.append(choice)
     return {
         "id": f"{'chatcmpl' if request.url == CHAT else 'cmpl'}-{uuid.uuid4().hex}",
@@ -312,6 +325,36 @@ def _logprobs(request: ParsedRequest, completion) -> dict:
         "tokens": [text for text, _, _ in tokens],
         "token_logprobs": [_finite(logprob) for _, logprob, _ in tokens],
         "top_logprobs": [{t: _finite(lp) for t, lp in top} for _, _, top in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _echo(request: ParsedRequest, output: RequestOutput, tokenizer) -> tuple[str, dict]:
+    """(the prompt's text, its completions-style log-probs: each prompt token, the first with null log-probs, as
+    OpenAI and vLLM echo them)."""
+    if isinstance(request.prompt, str):
+        text = request.prompt
+    else:
+        text = tokenizer.decode(output.prompt_token_ids) if tokenizer is not None else ""
+    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
+        if entry is None:
+            piece = tokenizer.decode([token_id]) if tokenizer is not None else ""
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            piece = entry[token_id].decoded_token or ""
+            token_logprobs.append(_finite(entry[token_id].logprob))
+            top = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            top_logprobs.append({lp.decoded_token or "": _finite(lp.logprob) for lp in top[: request.top_logprobs]})
+        tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+    return text, {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 

@@ -190,7 +190,7 @@ def _add_openai_routes(
         last = await _last_unless_disconnected(request, first, outputs)
         if last is None:
             return error_response(499, "client disconnected")
-        return JSONResponse(response_body(parsed, last, model_name))
+        return JSONResponse(response_body(parsed, last, model_name, engine.tokenizer))
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
