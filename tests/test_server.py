@@ -198,6 +198,21 @@ def test_echo_gives_the_prompts_log_probs_as_lm_eval_reads_them(client, referenc
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"echo": True})
 
 
+def test_a_stream_with_continuous_usage_stats_as_guidellm_sends_it(served):
+    """guidellm's raw request: stream_options with vLLM's continuous_usage_stats; every chunk carries the counts so
+    far, the last one the whole."""
+    server, _ = served
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6 and all("usage" in c for c in chunks)
+
+
 def test_errors_have_openais_shape(served, client):
     server, _ = served
     with pytest.raises(openai.BadRequestError) as error:

@@ -40,6 +40,8 @@ class ParsedRequest:
     stream: bool = False  # server-sent chunks as the tokens come
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
     echo: bool = False  # /v1/completions: the prompt before each choice's text (and its log-probs, with logprobs)
+    # stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk carries the counts so far
+    continuous_usage: bool = False
 
 
 def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
@@ -52,7 +54,7 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
         raise RequestError(f"stream must be true or false, got {describe(stream)}")
     if stream and not allow_stream:
         raise RequestError("stream is not supported in a batch")
-    include_usage = _include_usage(body.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     prompt = messages = None
     if url == CHAT:
         try:
@@ -115,7 +117,9 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
         params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
     except ValueError as e:
         raise RequestError(str(e).replace("SamplingParams.", "")) from None
-    return ParsedRequest(url, prompt, messages, params, top_logprobs, stream, include_usage, echo)
+    return ParsedRequest(
+        url, prompt, messages, params, top_logprobs, stream, include_usage, echo, include_usage and continuous_usage
+    )
 
 
 def engine_prompt(request: ParsedRequest, tokenizer) -> str | dict:
@@ -192,17 +196,24 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
     raise RequestError(f"response_format must be {kinds}, got {describe(response_format)}")
 
 
-def _include_usage(options, stream: bool) -> bool:
+def _stream_options(options, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of stream_options."""
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise RequestError("stream_options needs stream: true")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError(f"stream_options must be an object with the key include_usage, got {describe(options)}")
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise RequestError(f"stream_options.include_usage must be true or false, got {describe(include)}")
-    return include
+    keys = {"include_usage", "continuous_usage_stats"}
+    if not isinstance(options, dict) or set(options) - keys:
+        raise RequestError(
+            f"stream_options must be an object with the keys {' and '.join(sorted(keys))}, got {describe(options)}"
+        )
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key, False)
+        if not isinstance(value, bool):
+            raise RequestError(f"stream_options.{key} must be true or false, got {describe(value)}")
+        flags.append(value)
+    return flags[0], flags[1]
 
 
 def _usage(output: RequestOutput) -> dict:
@@ -261,7 +272,10 @@ class Stream:
             if completion.finish_reason is not None:
                 self._done.add(index)
             self._sent[index] = (len(completion.text), len(completion.token_ids))
-            chunks.append(dict(self._base, choices=[choice]))
+            chunk = dict(self._base, choices=[choice])
+            if self.request.continuous_usage:
+                chunk["usage"] = _usage(output)
+            chunks.append(chunk)
         if output.finished and self.request.include_usage:
             chunks.append(dict(self._base, choices=[], usage=_usage(output)))
         return chunks
