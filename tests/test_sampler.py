@@ -276,3 +276,18 @@ def test_one_compiled_function_serves_every_mix():
     ]:
         step(logits, md).token_ids.block_until_ready()
     assert len(traces) == 1
+
+
+def test_row_uniforms_are_uniform_and_independent_across_seeds_steps_and_counters():
+    """The hash behind every draw: a million uniforms of 1000 seeds x 1000 consecutive steps fill 100 bins evenly
+    (chi-square per degree of freedom near 1), in [0, 1), uncorrelated between counters and between steps."""
+    from jaxpage.sample.sampler import row_uniforms
+
+    seeds = np.repeat(np.arange(1000, dtype=np.uint32), 1000)
+    steps = np.tile(np.arange(1000, dtype=np.int32), 1000)
+    u = np.asarray(row_uniforms(seeds, steps))
+    assert u.shape == (10**6, 2) and u.min() >= 0 and u.max() < 1
+    for column in u.T:
+        counts = np.histogram(column, bins=100, range=(0, 1))[0]
+        assert ((counts - 10**4) ** 2 / 10**4).sum() / 99 < 1.5
+    assert abs(np.corrcoef(u[:, 0], u[:, 1])[0, 1]) < 0.01 and abs(np.corrcoef(u[:-1, 0], u[1:, 0])[0, 1]) < 0.01

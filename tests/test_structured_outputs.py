@@ -70,8 +70,9 @@ def assert_follows(llm: LLM, spec: StructuredOutputsParams, completion) -> None:
 
 @pytest.fixture(scope="module")
 def llm(full_vocab_dir):
-    """One engine for the module: a small pool (preemptions), 64-token steps (chunked prefill), prefix caching on."""
-    llm = make_llm(full_vocab_dir, num_pages=48)
+    """One engine for the module: a small pool (preemptions), 64-token steps (chunked prefill), prefix caching on,
+    4 rows (few step shapes to warm up)."""
+    llm = make_llm(full_vocab_dir, num_pages=48, max_num_seqs=4)
     llm.engine.warmup()
     return llm
 
@@ -232,7 +233,7 @@ def test_default_model_answers_validate_against_every_schema(smollm2_path):
     parses and validates (greedy, none cut by max_tokens)."""
     from jaxpage.tokenizers.tokenizer import encode_chat
 
-    llm = LLM(str(smollm2_path), max_model_len=1024, max_num_seqs=8)  # few step shapes to compile
+    llm = LLM(str(smollm2_path), max_model_len=1024, max_num_seqs=24)  # all at once: a step reads every weight
     system = {"role": "system", "content": "Answer with a JSON object."}
     requests = [
         {"prompt_token_ids": encode_chat(llm.engine.tokenizer, [system, {"role": "user", "content": t.prompt}])}

@@ -30,7 +30,9 @@ from jaxpage.worker.step_broadcast import Header, Message, unpack
 from jaxpage.worker.step_inputs import row_sampling
 from jaxpage.worker.step_shapes import StepShape
 
-DRAFT_SEED_SALT = np.uint32(0x9E3779B9)  # a draft model samples from fold_in(key(seed ^ this), step): its own stream
+DRAFT_SEED_SALT = np.uint32(
+    0x9E3779B9
+)  # a draft model samples with the uniforms of (seed ^ this, step): its own stream
 
 
 @jax.tree_util.register_dataclass

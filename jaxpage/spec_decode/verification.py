@@ -23,9 +23,9 @@ Greedy rows (temperature < 1e-5) have p_j = the one-hot of argmax (lowest index 
 token is accepted iff it is the target's greedy token, and the emitted token is the target's greedy token. Their
 output is token for token what decoding without speculation gives.
 
-Randomness: position j of a row draws its uniforms from fold_in(key(seed), step + j): 2 for point-mass drafts (the
-sampler's), 3 for draft distributions (two for the draw, one for acceptance): a seeded request's tokens depend on
-its own logits, seed and position only.
+Randomness: position j of a row draws the uniforms of (seed, step + j) (jaxpage.sample.sampler.row_uniforms): 2 for
+point-mass drafts (the sampler's), 3 for draft distributions (two for the draw, one for acceptance): a seeded
+request's tokens depend on its own logits, seed and position only.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def verify_drafts(
         return VerifiedTokens(token_ids.astype(jnp.int32), num_accepted)
 
     p = target_probs(logits.reshape(-1, vocab).astype(jnp.float32), position_metadata).reshape(logits.shape)
-    # Position j of row s: 3 uniforms from fold_in(key(seed), step + j), as the sampler draws its 2.
+    # Position j of row s: 3 uniforms of (seed, step + j), as the sampler draws its 2.
     uniforms = row_uniforms(position_metadata.seeds, position_metadata.steps, 3).reshape(num_rows, num_positions, 3)
 
     # Acceptance of each draft token, then the accepted prefix.
