@@ -11,13 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxpage.sample.logits_processors import (
-    LogitsInputs,
-    PenaltyInputs,
-    apply_logits_processors,
-    pack_bitmask,
-    unpack_bitmask,
-)
+from jaxpage.sample.logits_controls import pack_bitmask
+from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs, apply_logits_processors, unpack_bitmask
 
 apply_jit = jax.jit(apply_logits_processors)
 

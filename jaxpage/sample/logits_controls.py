@@ -20,17 +20,34 @@ import numpy as np
 
 from jaxpage.sampling_params import SamplingParams
 
+BITS_PER_WORD = 32  # tokens per int32 word of a token bitmask
+
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of a token bitmask over `vocab_size` tokens."""
-    return -(-vocab_size // 32)
+    return -(-vocab_size // BITS_PER_WORD)
+
+
+def pack_bitmask(allowed_bool: np.ndarray) -> np.ndarray:
+    """[N, V] bool -> [N, ceil(V/32)] int32 bitmask in llguidance's layout (which
+    jaxpage.sample.logits_processors.unpack_bitmask reads). Bits past V are left clear."""
+    allowed_bool = np.asarray(allowed_bool, dtype=bool)
+    if allowed_bool.ndim != 2:
+        raise ValueError(f"allowed_bool must be [rows, vocab], got shape {allowed_bool.shape}")
+    num_rows, vocab = allowed_bool.shape
+    padded = np.zeros((num_rows, bitmask_words(vocab) * BITS_PER_WORD), dtype=bool)
+    padded[:, :vocab] = allowed_bool
+    # Little bit order puts token 8 k + j at bit j of byte k; read as little-endian int32, byte k of a word is its
+    # bits 8 k .. 8 k + 7, so token 32 w + b lands at bit b of word w.
+    packed = np.packbits(padded, axis=1, bitorder="little")  # [N, 4 W] uint8
+    return packed.view("<i4").astype(np.int32)
 
 
 def token_bitmask(token_ids, vocab_size: int) -> np.ndarray:
     """[ceil(vocab / 32)] int32 with the bits of `token_ids` set."""
-    bits = np.zeros(bitmask_words(vocab_size) * 32, np.uint8)
-    bits[np.asarray(list(token_ids), np.int64)] = 1
-    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+    allowed = np.zeros((1, vocab_size), bool)
+    allowed[0, np.asarray(list(token_ids), np.int64)] = True
+    return pack_bitmask(allowed)[0]
 
 
 def clear_bits(mask: np.ndarray, token_ids) -> None:

@@ -27,10 +27,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-BITS_PER_WORD = 32  # tokens per int32 word of an allowed-token bitmask
+from jaxpage.sample.logits_controls import BITS_PER_WORD, bitmask_words
 
 
 @jax.tree_util.register_dataclass
@@ -68,7 +67,7 @@ def apply_logits_processors(logits: jax.Array, inputs: LogitsInputs) -> jax.Arra
     if logits.ndim != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {logits.shape}")
     num_rows, vocab = logits.shape
-    num_words = -(-vocab // BITS_PER_WORD)
+    num_words = bitmask_words(vocab)
     if inputs.allowed.shape != (num_rows, num_words):
         raise ValueError(f"allowed must be [{num_rows}, ceil({vocab}/32) = {num_words}], got {inputs.allowed.shape}")
     if inputs.bias_ids.shape != inputs.bias_values.shape or inputs.bias_ids.shape[:1] != (num_rows,):
@@ -107,23 +106,6 @@ def unpack_bitmask(allowed: jax.Array, vocab: int) -> jax.Array:
     shifts = jnp.arange(BITS_PER_WORD, dtype=jnp.int32)  # [32]
     bits = (allowed.astype(jnp.int32)[:, :, None] >> shifts) & 1  # [N, W, 32]; word w, bit b is token 32 w + b
     return bits.reshape(num_rows, num_words * BITS_PER_WORD)[:, :vocab] != 0
-
-
-def pack_bitmask(allowed_bool: np.ndarray) -> np.ndarray:
-    """Host side (numpy): [N, V] bool -> [N, ceil(V/32)] int32 bitmask in `unpack_bitmask`'s (llguidance's) layout.
-
-    Bits past V are left clear."""
-    allowed_bool = np.asarray(allowed_bool, dtype=bool)
-    if allowed_bool.ndim != 2:
-        raise ValueError(f"allowed_bool must be [rows, vocab], got shape {allowed_bool.shape}")
-    num_rows, vocab = allowed_bool.shape
-    num_words = -(-vocab // BITS_PER_WORD)
-    padded = np.zeros((num_rows, num_words * BITS_PER_WORD), dtype=bool)
-    padded[:, :vocab] = allowed_bool
-    # Little bit order puts token 8 k + j at bit j of byte k; read as little-endian int32, byte k of a word is its
-    # bits 8 k .. 8 k + 7, so token 32 w + b lands at bit b of word w.
-    packed = np.packbits(padded, axis=1, bitorder="little")  # [N, 4 W] uint8
-    return packed.view("<i4").astype(np.int32)
 
 
 def _apply_penalties(
