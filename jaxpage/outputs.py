@@ -47,3 +47,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {its id and the top ids: Logprob}
     # (log-probs of the model's distribution given the tokens before it); None unless asked.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (OpenAI's usage.cached_tokens)

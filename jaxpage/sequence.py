@@ -42,6 +42,7 @@ class Sequence:
     # What changes its logits before sampling (a grammar's matcher, biases, penalties...); None: nothing.
     controls: LogitsControls | None = None
     group: tuple[Sequence, ...] = dataclasses.field(default=(), repr=False)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache had when first admitted (None: not yet)
 
     def __post_init__(self):
         if not self.token_ids:

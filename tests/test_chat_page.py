@@ -1,6 +1,6 @@
 """The chat page at GET /, in a real headless browser (Debian's chromium, driven over the DevTools protocol): the test
-types a message, waits for the reply streamed from /v1/chat/completions and the tokens/s of the last reply, and
-saves a screenshot (chat-page.png in the test's tmp_path)."""
+types the API key the server asks for, then a message, waits for the reply streamed from /v1/chat/completions and
+the tokens/s of the last reply, and saves a screenshot (chat-page.png in the test's tmp_path)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def chromium() -> str:
 def server(full_vocab_dir):
     llm = LLM(full_vocab_dir, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=64, page_size=8)
     engine = AsyncEngine(llm.engine).start()
-    live = LiveServer(create_app(engine, "tiny"))
+    live = LiveServer(create_app(engine, "tiny", api_key="sesame"))
     yield live
     live.stop()
     engine.shutdown(timeout_s=5)
@@ -101,7 +101,10 @@ class Browser:
 def test_a_message_typed_in_the_chat_page_gets_a_streamed_reply(chromium, server, tmp_path):
     browser = Browser(chromium, server.url, tmp_path / "profile")
     try:
-        browser.wait_for("document.getElementById('model').textContent === 'tiny'")
+        browser.wait_for("!document.getElementById('api-key-label').hidden")  # the server wants a key: asked for
+        browser.evaluate("document.getElementById('api-key').focus()")
+        browser.call("Input.insertText", text="sesame")
+        browser.wait_for("document.getElementById('model').textContent === 'tiny'")  # /v1/models with the key
         browser.evaluate("document.getElementById('max-tokens').value = 12")
         browser.evaluate("document.getElementById('input').focus()")
         browser.call("Input.insertText", text="Hello there")  # typed, as by a keyboard

@@ -5,20 +5,25 @@ every test no request is left and every page is free. The model is tiny and rand
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import logging
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from live_server import LiveServer, free_port
 
 from jaxpage.entrypoints.async_engine import AsyncEngine
 from jaxpage.entrypoints.llm import LLM
-from jaxpage.entrypoints.server import create_app
+from jaxpage.entrypoints.server import GracefulServer, create_app
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.tokenizers.tokenizer import encode_chat
 
@@ -99,6 +104,7 @@ def test_a_stream_of_several_choices_with_logprobs_says_what_the_whole_response_
         assert mine[-1].finish_reason == choice.finish_reason
         streamed = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
         assert streamed == choice.logprobs.tokens
+        assert [x for c in mine if c.logprobs for x in c.logprobs.text_offset] == choice.logprobs.text_offset
         logprobs = [x for c in mine if c.logprobs for x in c.logprobs.token_logprobs]
         assert logprobs == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)
 
@@ -213,6 +219,92 @@ def test_a_stream_with_continuous_usage_stats_as_guidellm_sends_it(served):
     assert counts == sorted(counts) and counts[-1] == 6 and all("usage" in c for c in chunks)
 
 
+def test_several_prompts_in_one_completions_request(client, reference):
+    """prompt as a list of strings or of token-id lists: one choice per prompt and sample, prompt i's sample j at
+    index i * n + j, streamed too, usage summed."""
+    prompts = ["The sky is", "Numbers: 1 2"]
+    args = dict(model="tiny", temperature=0, max_tokens=5, extra_body={"ignore_eos": True})
+    want = [o.outputs[0].text for o in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=5))]
+    got = client.completions.create(prompt=prompts, n=2, **args)
+    assert [(c.index, c.text) for c in got.choices] == [(0, want[0]), (1, want[0]), (2, want[1]), (3, want[1])]
+    assert got.usage.completion_tokens == 20
+    ids = [reference.get_tokenizer()(p).input_ids for p in prompts]
+    assert [c.text for c in client.completions.create(prompt=ids, **args).choices] == want
+    chunks = list(
+        client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **args)
+    )
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts == want and chunks[-1].usage.completion_tokens == 10 and len({c.id for c in chunks}) == 1
+
+
+def test_usage_counts_prompt_tokens_from_the_prefix_cache(client):
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 8 == 0 and cached < again.usage.prompt_tokens  # whole pages (page_size 8)
+
+
+def test_max_tokens_beyond_the_context_is_refused(client):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 96"):
+        client.completions.create(model="tiny", prompt="Hello there", max_tokens=95)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_bodies_nested_too_deep_or_with_huge_numbers_are_refused_before_parsing(served, path):
+    server, _ = served
+    bodies = {
+        b"[" * 10_000 + b"]" * 10_000: "deep",
+        b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}": "digits",
+        b"9" * 5000: "digits",
+    }
+    for body, named in bodies.items():
+        response = httpx.post(f"{server.url}{path}", content=body)
+        assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+
+
+@pytest.fixture
+def server_log():
+    """The records the jaxpage and uvicorn loggers emit meanwhile."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("jaxpage", "uvicorn.error", "uvicorn")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def test_each_request_is_logged_and_a_client_gone_mid_body_is_one_quiet_line(served, client, server_log):
+    server, _ = served
+    client.completions.create(model="tiny", prompt="Log me", max_tokens=3, temperature=0)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 900\r\n\r\n"
+        )
+        sock.sendall(head + b'{"prompt": "cut sh')
+    deadline = time.monotonic() + 5
+    while not any("499" in r.getMessage() for r in server_log) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lines = [r.getMessage() for r in server_log if r.name == "jaxpage.requests"]
+    assert any(
+        " POST /v1/completions 200: " in line and "+ 3 completion tokens, finish length" in line for line in lines
+    )
+    assert any("499: the client disconnected before sending the whole body" in line for line in lines), lines
+    assert not [r for r in server_log if r.levelno >= logging.WARNING or r.exc_info], server_log
+
+
+def test_tokenizer_info_as_vllm_serves_it(served, reference):
+    server, _ = served
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    tokenizer = reference.get_tokenizer()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == 96
+
+
 def test_errors_have_openais_shape(served, client):
     server, _ = served
     with pytest.raises(openai.BadRequestError) as error:
@@ -276,19 +368,47 @@ def test_metrics_count_what_clients_received(served, client):
     assert metric(after, "jaxpage:prefix_cache_queries_total") >= metric(after, "jaxpage:prefix_cache_hits_total")
 
 
-class Busy(AsyncEngine):
-    num_waiting = 1  # as if a request were waiting
+def test_a_burst_never_takes_more_than_max_waiting_requests(reference, monkeypatch):
+    """200 requests at once against max_waiting_requests=64: never more than 64 wait, every accepted request is
+    answered, the others get 503 with Retry-After; a request with large n counts once."""
+    engine = reference.engine
+    waiting = []
+    add = engine.add_prepared_requests
+    monkeypatch.setattr(
+        engine, "add_prepared_requests", lambda r: (add(r), waiting.append(engine.num_waiting_requests()))
+    )
+    async_engine = AsyncEngine(engine, max_waiting_requests=64).start()
+    server = LiveServer(create_app(async_engine, "tiny", log_requests=False))
 
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as http:
+            body = {"prompt": "Burst", "max_tokens": 3, "temperature": 0}
+            return await asyncio.gather(*(http.post(f"{server.url}/v1/completions", json=body) for _ in range(200)))
 
-def test_busy_server_says_when_to_retry(llm):
-    # The engine loop is not started: the module's served engine has its own (one loop per engine).
-    server = LiveServer(create_app(Busy(llm.engine), "tiny", max_waiting_requests=0))
     try:
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert response.status_code == 503 and response.headers["retry-after"] == "1"
-        assert response.json()["error"]["type"] == "server_busy"
+        responses = asyncio.run(burst())
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) == {200, 503} and statuses.count(200) >= 64, collections.Counter(statuses)
+        assert max(waiting) <= 64
+        busy = next(r for r in responses if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
+        assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses if r.status_code == 200)
+        async_engine.max_waiting_requests = 2  # n samples are one request: one large n does not lock others out
+
+        async def large_n_and_another():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"prompt": "Many", "max_tokens": 20, "n": 24, "temperature": 1, "ignore_eos": True}
+                many = asyncio.ensure_future(http.post(f"{server.url}/v1/completions", json=body))
+                while not engine.num_waiting() and not many.done():  # 16 of its samples wait for rows
+                    await asyncio.sleep(0.001)
+                other = await http.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                return await many, other
+
+        many, other = asyncio.run(large_n_and_another())
+        assert many.status_code == 200 and len(many.json()["choices"]) == 24 and other.status_code == 200
     finally:
         server.stop()
+        async_engine.shutdown(timeout_s=5)
 
 
 def test_health_models_and_version(served):
@@ -307,7 +427,14 @@ def test_an_api_key_is_required_when_set(llm):
             keyless.models.list()
         keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0)
         assert keyed.models.list().data[0].id == "tiny"
+        key = {"Authorization": "Bearer sesame"}
+        for path in ("/tokenize", "/detokenize"):
+            assert httpx.post(f"{server.url}{path}", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(f"{server.url}/tokenizer_info").status_code == 401
+        assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, headers=key).status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 503  # no key needed (and this loop never ran)
+        page = httpx.get(f"{server.url}/")
+        assert page.status_code == 200 and "const NEEDS_API_KEY = true;" in page.text  # the page asks for the key
     finally:
         server.stop()
 
@@ -377,6 +504,46 @@ def test_a_client_that_leaves_a_whole_response_aborts_it(served, client, llm, ab
     while not aborted and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(aborted) == 1
+
+
+def test_a_shutdown_that_runs_out_of_time_answers_every_client(reference, monkeypatch):
+    """Past --shutdown-timeout the requests still running are aborted: a whole response becomes a 503 in OpenAI's
+    shape, a stream ends with an error event and [DONE]."""
+    engine = reference.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.05) or step())  # 80 tokens take 4 s at least
+    async_engine = AsyncEngine(engine).start()
+    port = free_port()
+    config = uvicorn.Config(create_app(async_engine, "tiny"), host="127.0.0.1", port=port, log_level="warning")
+    server = GracefulServer(config, async_engine, shutdown_timeout_s=0.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"prompt": "Long", "max_tokens": 80, "ignore_eos": True, "temperature": 0}
+
+    async def clients():
+        async with httpx.AsyncClient(timeout=60) as http:
+            whole = asyncio.ensure_future(http.post(url, json=body))
+            events = []
+            async with http.stream("POST", url, json=dict(body, stream=True)) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 1:
+                            server.handle_exit(signal.SIGTERM, None)  # as the signal handler does
+            return await whole, events
+
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        whole, events = asyncio.run(clients())
+        assert whole.status_code == 503 and "shut down" in whole.json()["error"]["message"]
+        assert events[-1] == "[DONE]" and "shut down" in json.loads(events[-2])["error"]["message"]
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        server.should_exit = True
+        async_engine.shutdown(timeout_s=0)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])

@@ -339,6 +339,9 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.replicas.num_waiting()
 
+    def num_waiting_requests(self) -> int:
+        return self.replicas.num_waiting_requests()
+
     def kv_cache_usage(self) -> float:
         """The share of the KV pages in use (the null pages not counted), over every replica."""
         return self.replicas.kv_cache_usage()

@@ -52,6 +52,7 @@ class Request:
             self.metrics,
             self.error,
             prompt_logprobs,
+            max((seq.num_cached_tokens or 0 for seq in self.seqs), default=0),
         )
 
 

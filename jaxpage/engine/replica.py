@@ -39,6 +39,10 @@ class Replicas(list):
     def num_waiting(self) -> int:
         return sum(len(r.scheduler.waiting) for r in self)
 
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting: the n samples of one request count once."""
+        return len({id(seq.group[0] if seq.group else seq) for r in self for seq in r.scheduler.waiting})
+
     def kv_cache_usage(self) -> float:
         """The share of the KV pages in use (the null pages not counted)."""
         used = sum(r.block_manager.num_used_pages for r in self)

@@ -150,6 +150,8 @@ class Scheduler:
                 break
             self.num_prefix_hit_tokens += hits
             self.num_prefix_query_tokens += queried
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hits
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -15,6 +15,11 @@ Nothing a caller sends reaches the loop unchecked. A failing step ends every req
 (LLMEngine.step) and the loop goes on; if the loop itself dies, every open stream raises EngineDeadError and the
 engine takes no more requests.
 
+Admission (`max_waiting_requests`): a request is refused with ServerBusyError, before anything is done for it, when
+that many requests already wait: those admitted and not yet in the engine (being tokenized, or in the inbox) plus
+those the engine has waiting (a request's n samples count once). The count and the admission are one step under the
+lock, so a burst of any size never takes more than the limit.
+
 Health (`health()`): healthy only while the loop is alive and, while work is pending, has finished a step within
 `stall_timeout_s` (a step stuck in the device, or a loop that no longer steps, is not healthy).
 """
@@ -42,6 +47,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped: no request can be served."""
 
 
+class ServerBusyError(RuntimeError):
+    """max_waiting_requests requests are waiting already: try again later."""
+
+
 class _Stream(NamedTuple):
     loop: asyncio.AbstractEventLoop  # the caller's
     queue: asyncio.Queue  # its outputs, then maybe an exception
@@ -49,15 +58,18 @@ class _Stream(NamedTuple):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stall_timeout_s: float = 120.0):
+    def __init__(self, engine: LLMEngine, stall_timeout_s: float = 120.0, max_waiting_requests: int | None = None):
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
+        self.max_waiting_requests = max_waiting_requests
         # Each stream's request has its own id in the engine (request_id#serial): the final output of an aborted
         # request can come after a new request took its request_id, and must not end that one's stream.
         self._streams: dict[str, _Stream] = {}  # by the engine's request id
         self._engine_ids: dict[str, str] = {}  # request_id -> the engine's, for every open stream
         self._serial = itertools.count()
-        self._lock = threading.Lock()  # guards _streams, _engine_ids and _inbox; never held across a step
+        self._lock = threading.Lock()  # guards _streams, _engine_ids, _inbox and the counts; never held across a step
+        self._admitted: set[str] = set()  # the engine ids of requests admitted and not yet in the engine
+        self._engine_waiting = 0  # requests waiting in the engine, as the loop last counted them
         # ("add", Request) and ("abort", request_id), in the order asked for, for the loop's next turn.
         self._inbox: list[tuple[str, Request | str]] = []
         self._work = threading.Event()
@@ -76,23 +88,31 @@ class AsyncEngine:
     # ----- callers (any event loop) -----
 
     async def generate(
-        self, request_id: str, prompt: str | dict, params: SamplingParams | None = None
+        self, request_id: str, prompt: str | dict, params: SamplingParams | None = None, *, fit_context: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes progress, the last one finished. ValueError (nothing queued) for
-        an invalid request; EngineDeadError when the loop has stopped. Leaving the iteration early aborts it."""
+        an invalid request, and with fit_context for max_tokens beyond what the context leaves after the prompt (as
+        OpenAI's API refuses it; otherwise generation stops there, finish_reason "length"); ServerBusyError when
+        max_waiting_requests wait; EngineDeadError when the loop has stopped. Leaving the iteration early aborts it."""
         self._check_alive()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._engine_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+            limit = self.max_waiting_requests
+            if limit is not None and len(self._admitted) + self._engine_waiting >= limit:
+                raise ServerBusyError(f"the server is busy: {limit} requests are waiting already")
             engine_id = f"{request_id}#{next(self._serial)}"
             self._engine_ids[request_id] = engine_id
             self._streams[engine_id] = _Stream(asyncio.get_running_loop(), queue, request_id)
+            self._admitted.add(engine_id)
         finished = False
         try:
             self._check_alive()  # again: a loop that died before the stream was listed did not tell it
             # In a worker thread: tokenizing a long prompt would hold up every other stream of this event loop.
             request = await asyncio.to_thread(self.engine.prepare_request, engine_id, prompt, params)
+            if fit_context:
+                _check_fits_context(request, self.max_model_len)
             self._send("add", request)
             while True:
                 item = await queue.get()
@@ -107,6 +127,7 @@ class AsyncEngine:
                 if not finished:  # the caller went away (or the request was refused: aborting it then does nothing)
                     self._inbox.append(("abort", engine_id))
                 del self._streams[engine_id], self._engine_ids[request_id]
+                self._admitted.discard(engine_id)
             self._work.set()
 
     @property
@@ -123,11 +144,10 @@ class AsyncEngine:
         return self.engine.model_config.vocab_size
 
     @property
-    def num_waiting(self) -> int:
-        """Requests waiting: sequences not yet admitted and requests still in the loop's inbox."""
+    def num_waiting_requests(self) -> int:
+        """Requests waiting, as admission counts them (see the module docstring)."""
         with self._lock:
-            inbox = sum(kind == "add" for kind, _ in self._inbox)
-        return self.engine.num_waiting() + inbox
+            return len(self._admitted) + self._engine_waiting
 
     def abort(self, request_id: str) -> None:
         """Aborts the request at the loop's next turn (without waiting for a step); its stream ends with the final
@@ -135,6 +155,13 @@ class AsyncEngine:
         with self._lock:
             engine_id = self._engine_ids.get(request_id)
         if engine_id is not None:
+            self._send("abort", engine_id)
+
+    def abort_all(self) -> None:
+        """Aborts every request of an open stream at the loop's next turn (a server whose shutdown time is up)."""
+        with self._lock:
+            unfinished = list(self._streams)
+        for engine_id in unfinished:
             self._send("abort", engine_id)
 
     def _send(self, kind: str, item) -> None:
@@ -159,10 +186,7 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
-        with self._lock:
-            unfinished = list(self._streams)
-        for engine_id in unfinished:
-            self._send("abort", engine_id)
+        self.abort_all()
         deadline = time.monotonic() + 5.0
         while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.01)
@@ -183,6 +207,9 @@ class AsyncEngine:
                 idle = not self.engine.has_unfinished_requests()
                 self._deliver(self.engine.step())  # idle, it hands over the final outputs of requests aborted meanwhile
                 self._last_progress = time.monotonic()
+                waiting = self.engine.num_waiting_requests()
+                with self._lock:
+                    self._engine_waiting = waiting
                 if idle:  # until a request, an abort or the shutdown comes (each sets _work)
                     self._work.wait()
                     self._work.clear()
@@ -212,6 +239,10 @@ class AsyncEngine:
                     stream = self._streams.get(item.request_id)
                 if stream is not None:
                     self._put(stream, e)
+            waiting = self.engine.num_waiting_requests()
+            with self._lock:  # counted in the engine now, no longer as admitted
+                self._admitted.discard(item.request_id)
+                self._engine_waiting = waiting
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -231,3 +262,12 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
+
+
+def _check_fits_context(request: Request, max_model_len: int) -> None:
+    prompt_tokens, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"max_tokens is too large: {max_tokens}. This model's maximum context length is {max_model_len} tokens "
+            f"and the request has {prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})"
+        )

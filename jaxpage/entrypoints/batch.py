@@ -25,7 +25,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxpage.entrypoints.openai_api import ParsedRequest, RequestError, engine_prompt, parse_request, response_body
+from jaxpage.entrypoints.openai_api import (
+    ParsedRequest,
+    RequestError,
+    engine_prompt,
+    parse_request,
+    response_body,
+    split_prompts,
+)
 
 PENDING_PER_SEQ = 2  # requests held in the engine per max_num_seqs: enough to keep every step full
 
@@ -172,6 +179,8 @@ class _Job:
         try:
             if record.get("method", "POST") != "POST":
                 raise RequestError(f"method must be POST, got {record.get('method')!r}")
+            if len(split_prompts(record.get("url"), record.get("body"))) > 1:
+                raise RequestError("prompt must be one prompt in a batch line (one line per prompt)")
             request = parse_request(record.get("url"), record.get("body"))
             prompt = engine_prompt(request, self.engine.tokenizer)
             request_id = f"batch-{line_number}-{uuid.uuid4().hex[:8]}"

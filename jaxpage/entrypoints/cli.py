@@ -140,17 +140,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="default 8000")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (default: none)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every path but /, /health, /metrics, /version (default: none)",
+    )
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     serve.add_argument(
-        "--max-waiting-requests", type=int, default=None, help="503 with Retry-After above this (default: no limit)"
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="requests that may wait; more get 503 with Retry-After (default: no limit)",
     )
     serve.add_argument(
         "--stall-timeout", type=float, default=120.0, help="/health fails after this many seconds without a step"
     )
     serve.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish on shutdown"
+    )
+    serve.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per request (default: one when it ends)"
     )
     add_engine_arguments(serve)
     return parser
@@ -319,6 +329,7 @@ def _serve(args) -> None:
         max_waiting_requests=args.max_waiting_requests,
         stall_timeout_s=args.stall_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        log_requests=not args.disable_log_requests,
         **engine_args(args),
     )
 

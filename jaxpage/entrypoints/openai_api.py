@@ -24,6 +24,7 @@ from jaxpage.validation import check_text, describe, is_int
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions; chat completions generate up to max_model_len by default
+MAX_PROMPTS = 1024  # in one /v1/completions request
 
 
 class RequestError(ValueError):
@@ -70,8 +71,8 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
         is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
         if not (isinstance(prompt, str) and prompt) and not is_ids:
             raise RequestError(
-                f"prompt must be a non-empty string or a list of token ids (one prompt per request), got "
-                f"{describe(prompt)}"
+                f"prompt must be a non-empty string, a list of token ids, or a list of either (several prompts), "
+                f"got {describe(prompt)}"
             )
         if isinstance(prompt, str):
             try:
@@ -120,6 +121,30 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
     return ParsedRequest(
         url, prompt, messages, params, top_logprobs, stream, include_usage, echo, include_usage and continuous_usage
     )
+
+
+def split_prompts(url: str, body) -> list:
+    """The body of each prompt of a /v1/completions request whose prompt is a list of prompts (strings, or lists of
+    token ids), in order; any other body alone. Each prompt is a request of its own, its choices indexed after the
+    ones before it (prompt i, sample j: index i * n + j), as OpenAI and vLLM answer."""
+    prompt = body.get("prompt") if url == COMPLETIONS and isinstance(body, dict) else None
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str | list) for p in prompt):
+        return [body]
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+    return [dict(body, prompt=one) for one in prompt]
+
+
+def combine_bodies(bodies: list[dict]) -> dict:
+    """One response body of the bodies of a request's prompts (split_prompts): their choices, their usage summed."""
+    if len(bodies) == 1:
+        return bodies[0]
+    combined = dict(bodies[0], choices=[], usage=_sum_usage([b["usage"] for b in bodies]))
+    offset = 0
+    for body in bodies:
+        combined["choices"] += [dict(c, index=c["index"] + offset) for c in body["choices"]]
+        offset += len(body["choices"])
+    return combined
 
 
 def engine_prompt(request: ParsedRequest, tokenizer) -> str | dict:
@@ -223,19 +248,28 @@ def _usage(output: RequestOutput) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
     }
 
 
-class Stream:
-    """The chunks of one streaming request (OpenAI's `chat.completion.chunk` / `text_completion` events): for each
-    RequestOutput, the text each choice added since the last one (a chat choice's first chunk also gives its role),
-    and the finish reason with a choice's last text; after the last, a usage chunk when asked for."""
+def _sum_usage(usages: list[dict]) -> dict:
+    total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return dict(total, prompt_tokens_details={"cached_tokens": cached})
 
-    def __init__(self, request: ParsedRequest, model: str):
+
+class Stream:
+    """The chunks of one prompt of a streaming request (OpenAI's `chat.completion.chunk` / `text_completion`
+    events): for each RequestOutput, the text each choice added since the last one (a chat choice's first chunk
+    also gives its role), and the finish reason with a choice's last text. `index_offset`: the index of its first
+    choice (the request's earlier prompts' choices come first); `usage_chunk`, after the last, the token counts."""
+
+    def __init__(self, request: ParsedRequest, model: str, index_offset: int = 0, stream_id: str | None = None):
         self.request = request
+        self.index_offset = index_offset
         chat = request.url == CHAT
         self._base = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "id": stream_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": model,
@@ -255,7 +289,7 @@ class Stream:
             text = completion.text[chars:]
             if not text and not first and completion.finish_reason is None:
                 continue
-            choice: dict = {"index": index}
+            choice: dict = {"index": index + self.index_offset}
             if chat:
                 choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
             else:
@@ -267,7 +301,7 @@ class Stream:
                     token_ids=completion.token_ids[tokens:],
                     logprobs=(completion.logprobs or [])[tokens:],
                 )
-                choice["logprobs"] = _logprobs(self.request, new)
+                choice["logprobs"] = _logprobs(self.request, new, text_offset=chars)
             choice["finish_reason"] = completion.finish_reason
             if completion.finish_reason is not None:
                 self._done.add(index)
@@ -276,9 +310,11 @@ class Stream:
             if self.request.continuous_usage:
                 chunk["usage"] = _usage(output)
             chunks.append(chunk)
-        if output.finished and self.request.include_usage:
-            chunks.append(dict(self._base, choices=[], usage=_usage(output)))
         return chunks
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        """The last chunk of a stream with include_usage: the token counts of the request's finished outputs."""
+        return dict(self._base, choices=[], usage=_sum_usage([_usage(o) for o in outputs]))
 
 
 def response_body(request: ParsedRequest, output: RequestOutput, model: str, tokenizer=None) -> dict:
@@ -310,7 +346,9 @@ def response_body(request: ParsedRequest, output: RequestOutput, model: str, tok
     }
 
 
-def _logprobs(request: ParsedRequest, completion) -> dict:
+def _logprobs(request: ParsedRequest, completion, text_offset: int = 0) -> dict:
+    """The log-probs of a completion's tokens in the endpoint's shape; text_offset: where the first token's text
+    starts in the choice's text (a stream's later chunks)."""
     tokens = []  # per generated token: (text, logprob, [(text, logprob)] most likely first)
     for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
         chosen = entry[token_id]
@@ -331,7 +369,7 @@ def _logprobs(request: ParsedRequest, completion) -> dict:
                 for text, logprob, top in tokens
             ]
         }
-    offsets, offset = [], 0
+    offsets, offset = [], text_offset
     for text, _, _ in tokens:
         offsets.append(offset)
         offset += len(text)

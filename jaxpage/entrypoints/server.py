@@ -3,14 +3,19 @@
     POST /v1/completions, /v1/chat/completions   OpenAI's bodies (jaxpage.entrypoints.openai_api, shared with `jaxpage
                                                  batch`); `stream: true` sends server-sent events, `data: [DONE]` last
     GET  /v1/models, /health, /version, /metrics (Prometheus, vLLM's names under `jaxpage:`:
-    jaxpage.entrypoints.metrics) POST /tokenize, /detokenize
+    jaxpage.entrypoints.metrics), /tokenizer_info   POST /tokenize, /detokenize
     GET  /   a chat page (jaxpage/entrypoints/static/chat.html: one file, script and style inline, no CDN)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (the message names
-the field), 401 without the right key when an API key is set (compared in constant time), 404 for an unknown path or
-model, 413 for a body over max_body_bytes, 503 with Retry-After while more than max_waiting_requests wait. A client
-that disconnects aborts its request (its pages are freed at once), streaming or not. `/health` is 200 only while the
-engine loop is alive and making progress (AsyncEngine.health).
+the field; bodies nested too deep or with numbers too long are refused before they are parsed), 401 without the
+right key when an API key is set (compared in constant time; every path but OPEN_PATHS), 404 for an unknown path or
+model, 413 for a body over max_body_bytes, 503 with Retry-After when max_waiting_requests requests wait already
+(AsyncEngine's admission), 500 for a request that failed in a step. A client that disconnects aborts its request
+(its pages are freed at once), streaming or not. `/health` is 200 only while the engine loop is alive and making
+progress (AsyncEngine.health). Each request gets a log line when it ends (RequestLog).
+
+Shutdown (SIGINT, SIGTERM): no new connections; requests in flight get shutdown_timeout_s to finish, then the engine
+aborts them and their clients get a 503 in OpenAI's error shape, or, streaming, an error event and [DONE].
 """
 
 from __future__ import annotations
@@ -20,27 +25,44 @@ import contextlib
 import hmac
 import itertools
 import json
+import logging
 import signal
 import threading
+import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import jaxpage
-from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError, ServerBusyError
+from jaxpage.entrypoints.json_body import parse_json_body
 from jaxpage.entrypoints.metrics import ServerMetrics
-from jaxpage.entrypoints.openai_api import CHAT, COMPLETIONS, Stream, engine_prompt, parse_request, response_body
+from jaxpage.entrypoints.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    Stream,
+    combine_bodies,
+    engine_prompt,
+    parse_request,
+    response_body,
+    split_prompts,
+)
 from jaxpage.outputs import RequestOutput
 from jaxpage.tokenizers.tokenizer import encode_chat
 from jaxpage.validation import check_bool, check_text, describe, is_int
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
+# Paths anyone may read when an API key is set: the chat page (it asks for the key), liveness, metrics, version.
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version"})
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
@@ -54,8 +76,9 @@ def create_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_waiting_requests: int | None = None,
+    log_requests: bool = True,
 ) -> FastAPI:
+    """The app serving `engine` (whose max_waiting_requests is the server's admission limit) as `model_name`."""
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
     engine.observers.append(metrics.observe)
@@ -71,21 +94,22 @@ def create_app(
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
+        if api_key is not None and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
 
-    _add_info_routes(app, engine, model_name, metrics)
+    _add_info_routes(app, engine, model_name, metrics, api_key is not None)
     _add_tokenizer_routes(app, engine, max_body_bytes)
-    _add_openai_routes(app, engine, model_name, max_body_bytes, max_waiting_requests)
+    _add_openai_routes(app, engine, model_name, max_body_bytes, log_requests)
     return app
 
 
-def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
-    """The chat page, /health, /metrics, /version and /v1/models."""
+def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, keyed: bool):
+    """The chat page (told whether to ask for the API key), /health, /metrics, /version and /v1/models."""
     chat_page = (Path(__file__).parent / "static" / "chat.html").read_text()
+    chat_page = chat_page.replace("const NEEDS_API_KEY = false;", f"const NEEDS_API_KEY = {str(keyed).lower()};")
 
     @app.get("/", response_class=HTMLResponse)
     async def chat():
@@ -116,25 +140,15 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int) -> None:
-    """/tokenize and /detokenize (vLLM's)."""
+    """/tokenize, /detokenize and /tokenizer_info (vLLM's; lm-eval's remote tokenizer uses all three)."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body, error = await read_body(request, max_body_bytes)
         if error is not None:
             return error
-        tokenizer = engine.tokenizer
         try:
-            if tokenizer is None:
-                raise ValueError("this server runs without a tokenizer (skip_tokenizer_init)")
-            if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
-                raise ValueError("the body must be an object with either prompt (text) or messages")
-            if "messages" in body:
-                tokens = encode_chat(tokenizer, body["messages"])
-            else:
-                text = check_text("prompt", body["prompt"], allow_empty=True)
-                add_special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
-                tokens = list(tokenizer(text, add_special_tokens=add_special).input_ids)
+            tokens = await asyncio.to_thread(_tokenize, engine.tokenizer, body)  # a long text would block the loop
         except ValueError as e:
             return error_response(400, str(e))
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
@@ -150,47 +164,79 @@ def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
             return error_response(400, f"tokens must be a list of token ids in [0, {vocab}), got {describe(tokens)}")
-        return {"prompt": engine.tokenizer.decode(tokens)}
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            return error_response(400, "this server runs without a tokenizer (skip_tokenizer_init)")
+        special = {f"{name}_token": getattr(tokenizer, f"{name}_token", None) for name in ("bos", "eos", "pad", "unk")}
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            **special,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+        }
 
 
-def _add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, model_name: str, max_body_bytes: int, max_waiting_requests: int | None
-) -> None:
+def _tokenize(tokenizer, body) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this server runs without a tokenizer (skip_tokenizer_init)")
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        raise ValueError("the body must be an object with either prompt (text) or messages")
+    if "messages" in body:
+        return encode_chat(tokenizer, body["messages"])
+    text = check_text("prompt", body["prompt"], allow_empty=True)
+    add_special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
+    return list(tokenizer(text, add_special_tokens=add_special).input_ids)
+
+
+def _add_openai_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_body_bytes: int, log_requests: bool):
     """/v1/completions and /v1/chat/completions."""
     request_ids = itertools.count()
 
     async def openai_endpoint(request: Request, url: str):
+        request_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{next(request_ids)}"
+        log = RequestLog(request_id, url, log_requests)
         body, error = await read_body(request, max_body_bytes)
         if error is not None:
-            return error
+            return log.refused(error)
         try:
-            parsed = parse_request(url, body, allow_stream=True)
+            parsed = [parse_request(url, one, allow_stream=True) for one in split_prompts(url, body)]
             model = body.get("model")
             if model is not None and model != model_name:
                 message = f"model {model!r} does not exist (this server has {model_name!r})"
-                return error_response(404, message, "not_found_error")
-            prompt = engine_prompt(parsed, engine.tokenizer)
+                return log.refused(error_response(404, message, "not_found_error"))
+            # Templating and tokenizing in a worker thread: a long conversation would block every other client.
+            prompts = await asyncio.to_thread(lambda: [engine_prompt(p, engine.tokenizer) for p in parsed])
         except ValueError as e:  # RequestError, or a chat template that refuses the messages
-            return error_response(400, str(e))
-        if max_waiting_requests is not None and engine.num_waiting > max_waiting_requests:
-            busy = "the server is busy: too many requests waiting"
-            return error_response(503, busy, "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
-        request_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{next(request_ids)}"
-        outputs = engine.generate(request_id, prompt, parsed.params)
-        try:
-            first = await anext(outputs)  # a refused request fails here, before any byte is sent
-        except ValueError as e:
-            return error_response(400, str(e))
-        except EngineDeadError as e:
-            return error_response(503, str(e), "server_error")
-        if parsed.stream:
-            return StreamingResponse(
-                _events(Stream(parsed, model_name), first, outputs), media_type="text/event-stream"
-            )
-        last = await _last_unless_disconnected(request, first, outputs)
-        if last is None:
-            return error_response(499, "client disconnected")
-        return JSONResponse(response_body(parsed, last, model_name, engine.tokenizer))
+            return log.refused(error_response(400, str(e)))
+        ids = [request_id] if len(parsed) == 1 else [f"{request_id}-{i}" for i in range(len(parsed))]
+        outputs = [
+            engine.generate(one_id, prompt, p.params, fit_context=True)
+            for one_id, prompt, p in zip(ids, prompts, parsed, strict=True)
+        ]
+        # A refused request fails here, before any byte is sent; the other prompts' requests are then aborted.
+        firsts = await asyncio.gather(*(anext(o) for o in outputs), return_exceptions=True)
+        failed = next((e for e in firsts if isinstance(e, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(o.aclose() for o in outputs))
+            return log.refused(_generate_error(failed))
+        if parsed[0].stream:
+            stream_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+            streams = [Stream(p, model_name, i * p.params.n, stream_id) for i, p in enumerate(parsed)]
+            events = _events(streams, firsts, outputs, log)
+            return StreamingResponse(events, media_type="text/event-stream")
+        lasts = await _last_unless_disconnected(request, firsts, outputs)
+        if lasts is None:
+            return log.refused(error_response(499, "client disconnected"))
+        failure = _failure(lasts)
+        if failure is not None:
+            return log.finished(lasts, failure)
+        bodies = [response_body(p, o, model_name, engine.tokenizer) for p, o in zip(parsed, lasts, strict=True)]
+        return log.finished(lasts, JSONResponse(combine_bodies(bodies)))
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):
@@ -201,56 +247,134 @@ def _add_openai_routes(
         return await openai_endpoint(request, CHAT)
 
 
+def _generate_error(e: BaseException) -> JSONResponse:
+    """The response to a request AsyncEngine.generate did not take."""
+    if isinstance(e, ServerBusyError):
+        return error_response(503, str(e), "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineDeadError):
+        return error_response(503, str(e), "server_error")
+    if isinstance(e, ValueError):
+        return error_response(400, str(e))
+    raise e
+
+
+def _failure(outputs: list[RequestOutput]) -> JSONResponse | None:
+    """The error response of requests that did not finish: aborted by the server (its shutdown: 503) or failed in a
+    step (500); None when all finished."""
+    for output in outputs:
+        if output.error is not None:
+            return error_response(500, f"the request failed: {output.error}", "server_error")
+        if any(c.finish_reason == "abort" for c in output.outputs):
+            return error_response(503, "the server shut down before the request finished", "server_error")
+    return None
+
+
+class RequestLog:
+    """One log line per request (logger "jaxpage.requests", INFO), when it ends: its status, and its token counts
+    or why it was refused. `jaxpage serve --disable-log-requests` turns it off."""
+
+    logger = logging.getLogger("jaxpage.requests")
+
+    def __init__(self, request_id: str, url: str, enabled: bool):
+        self.request_id, self.url, self.enabled = request_id, url, enabled
+        self.start = time.monotonic()
+
+    def refused(self, response: Response) -> Response:
+        if self.enabled:
+            message = json.loads(response.body).get("error", {}).get("message", "") if response.body else ""
+            self.logger.info("%s POST %s %d: %s", self.request_id, self.url, response.status_code, message)
+        return response
+
+    def finished(self, outputs: list[RequestOutput], response: Response | None = None, note: str = ""):
+        if self.enabled:
+            prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+            completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            reasons = ",".join(sorted({str(c.finish_reason) for o in outputs for c in o.outputs}))
+            status = 200 if response is None else response.status_code
+            self.logger.info(
+                "%s POST %s %d: %d prompt + %d completion tokens, finish %s, %.2f s%s", self.request_id, self.url,
+                status, prompt_tokens, completion_tokens, reasons, time.monotonic() - self.start, note,
+            )  # fmt: skip
+        return response
+
+
 async def read_body(request: Request, max_body_bytes: int):
-    """(the JSON body, None), or (None, the error response): over max_body_bytes (413), not JSON (400)."""
+    """(the JSON body, None), or (None, the error response): over max_body_bytes (413), not JSON, nested too deep
+    or with a number too long (400: jaxpage.entrypoints.json_body), the client gone before sending it all (499)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_body_bytes:
         return None, error_response(413, f"request body over {max_body_bytes} bytes")
     raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_body_bytes:
-            return None, error_response(413, f"request body over {max_body_bytes} bytes")
     try:
-        return json.loads(raw), None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, error_response(400, f"the body is not JSON ({e})")
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body_bytes:
+                return None, error_response(413, f"request body over {max_body_bytes} bytes")
+    except ClientDisconnect:
+        return None, error_response(499, "the client disconnected before sending the whole body")
+    try:
+        return await asyncio.to_thread(parse_json_body, raw), None
+    except ValueError as e:
+        return None, error_response(400, str(e))
 
 
-async def _events(stream: Stream, first: RequestOutput, outputs: AsyncIterator[RequestOutput]):
-    """Server-sent events of a streaming request. Starlette cancels this generator when the client disconnects,
-    which closes `outputs` and so aborts the request."""
+async def _events(streams: list[Stream], firsts: list[RequestOutput], outputs: list[AsyncIterator], log: RequestLog):
+    """Server-sent events of a streaming request (one Stream per prompt, their chunks as they come). A request the
+    server could not finish (shut down, a failed step) ends with an error event, then [DONE]. Starlette cancels this
+    generator when the client disconnects, which closes `outputs` and so aborts the requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def follow(i: int):
+        output = firsts[i]
+        await queue.put((i, output))
+        while not output.finished:
+            output = await anext(outputs[i])
+            await queue.put((i, output))
+
+    followers = [asyncio.ensure_future(follow(i)) for i in range(len(streams))]
+    lasts = list(firsts)
     try:
-        output = first
-        while True:
-            for chunk in stream.chunks(output):
+        unfinished = len(streams)
+        while unfinished:
+            i, output = await queue.get()
+            lasts[i] = output
+            for chunk in streams[i].chunks(output):
                 yield f"data: {json.dumps(chunk)}\n\n"
-            if output.finished:
-                break
-            output = await anext(outputs)
+            unfinished -= output.finished
+        failure = _failure(lasts)
+        if failure is not None:
+            yield f"data: {failure.body.decode()}\n\n"
+        elif streams[0].request.include_usage:
+            yield f"data: {json.dumps(streams[0].usage_chunk(lasts))}\n\n"
         yield "data: [DONE]\n\n"
+        log.finished(lasts, failure)
+    except asyncio.CancelledError:
+        log.finished(lasts, note=" (the client disconnected: aborted)")
+        raise
     finally:
-        await outputs.aclose()
+        for follower in followers:
+            follower.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        await asyncio.gather(*(o.aclose() for o in outputs))
 
 
-async def _last_unless_disconnected(request: Request, first: RequestOutput, outputs) -> RequestOutput | None:
-    """The request's finished output; None (the request aborted) if the client disconnects first."""
+async def _last_unless_disconnected(request: Request, firsts: list[RequestOutput], outputs) -> list | None:
+    """The requests' finished outputs; None (the requests aborted) if the client disconnects first."""
 
-    async def last():
-        output = first
-        async for later in outputs:
+    async def last(output, rest):
+        async for later in rest:
             output = later
         return output
 
-    if first.finished:
-        return first
-    finishing = asyncio.ensure_future(last())
+    if all(first.finished for first in firsts):
+        return firsts
+    finishing = asyncio.ensure_future(asyncio.gather(*(last(f, o) for f, o in zip(firsts, outputs, strict=True))))
     disconnected = asyncio.ensure_future(_disconnect(request))
     done, _ = await asyncio.wait({finishing, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     disconnected.cancel()
     if finishing in done:
         return finishing.result()
-    finishing.cancel()  # raised inside the request's stream, which aborts the request
+    finishing.cancel()  # raised inside the requests' streams, which aborts them
     with contextlib.suppress(asyncio.CancelledError):
         await finishing
     return None
@@ -259,6 +383,32 @@ async def _last_unless_disconnected(request: Request, first: RequestOutput, outp
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown (SIGINT, SIGTERM) ends in time: shutdown_timeout_s after the signal,
+    the engine aborts every request still running, so that each handler answers its client (see the module
+    docstring) before uvicorn's own deadline, a few seconds later, cuts the connections."""
+
+    GRACE_S = 5.0  # for the handlers to answer after the abort
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float):
+        config.timeout_graceful_shutdown = shutdown_timeout_s + self.GRACE_S
+        super().__init__(config)
+        self.engine = engine
+        self._abort_timer = threading.Timer(shutdown_timeout_s, engine.abort_all)
+        self._abort_timer.daemon = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self._abort_timer.start()
+        super().handle_exit(sig, frame)
+
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets)
+        finally:
+            self._abort_timer.cancel()
 
 
 def serve(
@@ -272,33 +422,28 @@ def serve(
     max_waiting_requests: int | None = None,
     stall_timeout_s: float = 120.0,
     shutdown_timeout_s: float = 30.0,
+    log_requests: bool = True,
     warmup: bool = True,
     **engine_args,
 ) -> None:
     """Loads the model, compiles every step shape (warmup), and serves until SIGINT or SIGTERM: then it stops
     accepting, lets running requests finish within shutdown_timeout_s, aborts the rest, and returns."""
-    import uvicorn
-
     from jaxpage.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(model=model, **engine_args)
     if warmup:
         engine.warmup()
-    async_engine = AsyncEngine(engine, stall_timeout_s=stall_timeout_s).start()
+    async_engine = AsyncEngine(engine, stall_timeout_s, max_waiting_requests).start()
     name = served_model_name or model or "SmolLM2-135M-Instruct"
-    app = create_app(
-        async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests
-    )
-    config = uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout_s, log_level="info", access_log=False
-    )
+    app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes, log_requests=log_requests)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then restores the handlers it found and raises the signal
     # again; handlers that ignore it make the process exit here, with status 0, rather than die of the signal.
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
-        uvicorn.Server(config).run()
+        GracefulServer(config, async_engine, shutdown_timeout_s).run()
     finally:
-        async_engine.shutdown(timeout_s=0)  # what uvicorn's graceful shutdown left running is aborted
+        async_engine.shutdown(timeout_s=0)  # what the graceful shutdown left running is aborted
         for sig, handler in previous.items():
             signal.signal(sig, handler)
