@@ -134,6 +134,11 @@ def test_batch_errors_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"jaxpage: error: cannot read the input {missing}: No such file or directory\n"
 
 
+def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2  # refused before any model loads
+    assert capsys.readouterr().err == "jaxpage: error: --enable-auto-tool-choice needs --tool-call-parser\n"
+
+
 @pytest.mark.parametrize(
     "error, line, status",
     [

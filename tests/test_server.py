@@ -8,6 +8,7 @@ import asyncio
 import collections
 import json
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -46,7 +47,8 @@ def reference(full_vocab_dir):
 @pytest.fixture(scope="module")
 def served(llm):
     engine = AsyncEngine(llm.engine).start()
-    server = LiveServer(create_app(engine, "tiny", max_body_bytes=20_000))
+    app = create_app(engine, "tiny", max_body_bytes=20_000, tool_call_parser="hermes", enable_auto_tool_choice=True)
+    server = LiveServer(app)
     yield server, engine
     server.stop()
     engine.shutdown(timeout_s=5)
@@ -177,6 +179,82 @@ def test_structured_outputs_penalties_and_biases_over_http(client, reference):
     ):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "celsius": {"type": "boolean"}},
+            "required": ["city", "celsius"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "additionalProperties": False}},
+}
+
+
+def test_tool_calls_forced_by_tool_choice_always_parse(client):
+    """tool_choice "required" and a named function are enforced with structured outputs: the call parses, its
+    arguments follow the function's schema; streamed calls are the whole response's; a second turn with the
+    assistant's tool_calls (content null) and the tool's result renders through the chat template."""
+    args = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK], temperature=0, max_tokens=60)
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **args)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert arguments["city"] in ("Paris", "Rome") and isinstance(arguments["celsius"], bool)
+    named = client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **args
+    )
+    assert named.choices[0].finish_reason == "stop"
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "celsius"}
+
+    chunks = list(
+        client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, stream=True, **args)
+    )
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
+        (0, c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    turn = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}
+    second = client.chat.completions.create(
+        model="tiny", messages=[*MESSAGES, turn, result], tools=[WEATHER], tool_choice="none", max_tokens=4
+    )
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_auto_tool_choice_finds_hermes_calls_in_the_text(client):
+    """tool_choice "auto" with --tool-call-parser hermes: the calls the model writes become tool_calls, the rest
+    content, whole and streamed (the tiny model is made to write one with a regex)."""
+    call = '{"name": "get_weather", "arguments": {"city": "Rome", "celsius": true}}'
+    regex = "Let me check[.]\n<tool_call>\n" + re.escape(call) + "\n</tool_call>"
+    args = dict(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=60, temperature=0)
+    extra = {"structured_outputs": {"regex": regex}}
+    whole = client.chat.completions.create(**args, extra_body=extra).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    [made] = whole.message.tool_calls
+    assert made.function.name == "get_weather"
+    assert json.loads(made.function.arguments) == {"city": "Rome", "celsius": True}
+    chunks = list(client.chat.completions.create(**args, stream=True, extra_body=extra))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert content == "Let me check." and [t.function.arguments for t in streamed] == [made.function.arguments]
+    plain = client.chat.completions.create(**args, tool_choice="none", extra_body=extra).choices[0]
+    assert plain.finish_reason == "stop" and "<tool_call>" in plain.message.content and not plain.message.tool_calls
 
 
 def test_echo_gives_the_prompts_log_probs_as_lm_eval_reads_them(client, reference):

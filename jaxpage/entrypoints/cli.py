@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import jaxpage
 from jaxpage.config import EngineConfig
+from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
@@ -161,6 +162,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--disable-log-requests", action="store_true", help="no log line per request (default: one when it ends)"
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): the model decides, --tool-call-parser finds its calls',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen 2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
     add_engine_arguments(serve)
     return parser
@@ -316,6 +328,8 @@ def _serve(args) -> None:
         value = getattr(args, option)
         if value is not None and value < 0:
             raise CommandError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CommandError("--enable-auto-tool-choice needs --tool-call-parser")
     if _follows(args):
         return
     from jaxpage.entrypoints.server import serve
@@ -330,6 +344,8 @@ def _serve(args) -> None:
         stall_timeout_s=args.stall_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         log_requests=not args.disable_log_requests,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         **engine_args(args),
     )
 

@@ -16,6 +16,14 @@ import math
 import time
 import uuid
 
+from jaxpage.entrypoints.tool_calls import (
+    ToolCallStream,
+    ToolChoice,
+    forced_schema,
+    parse_tool_choice,
+    render_messages_for_template,
+    tool_calls_from_output,
+)
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxpage.tokenizers.tokenizer import check_messages, encode_chat
@@ -43,9 +51,16 @@ class ParsedRequest:
     echo: bool = False  # /v1/completions: the prompt before each choice's text (and its log-probs, with logprobs)
     # stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk carries the counts so far
     continuous_usage: bool = False
+    tool_choice: ToolChoice | None = None  # /v1/chat/completions with tools
+    tool_parser: str | None = None  # the server's --tool-call-parser, for tool_choice "auto"
+    parallel_tool_calls: bool = True  # false: at most one call per choice
 
 
-def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
+def parse_request(
+    url: str, body, allow_stream: bool = False, tool_parser: str | None = None, auto_tool_choice: bool = False
+) -> ParsedRequest:
+    """The request a body asks for; RequestError naming the field for anything invalid. tool_parser and
+    auto_tool_choice: the server's --tool-call-parser and --enable-auto-tool-choice."""
     if url not in ENDPOINTS:
         raise RequestError(f"url must be one of {', '.join(ENDPOINTS)}, got {describe(url)}")
     if not isinstance(body, dict):
@@ -56,10 +71,11 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
     if stream and not allow_stream:
         raise RequestError("stream is not supported in a batch")
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
-    prompt = messages = None
+    prompt = messages = tool_choice = None
     if url == CHAT:
         try:
             messages = check_messages(body.get("messages"))
+            tool_choice = parse_tool_choice(body, tool_parser, auto_tool_choice)
         except ValueError as e:
             raise RequestError(str(e)) from None
         max_tokens = _optional_int(body, "max_completion_tokens", 1)
@@ -67,6 +83,9 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
             max_tokens = _optional_int(body, "max_tokens", 1)
         top_logprobs = _chat_logprobs(body)
     else:
+        for field in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(field) not in (None, [], "none"):
+                raise RequestError(f"{field} is for {CHAT}, got {describe(body.get(field))}")
         prompt = body.get("prompt")
         is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
         if not (isinstance(prompt, str) and prompt) and not is_ids:
@@ -108,6 +127,14 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
         bad_words=body.get("bad_words"),
         structured_outputs=_structured_outputs(body),
     )
+    parallel_tool_calls = _optional_bool(body, "parallel_tool_calls") is not False
+    forced = forced_schema(tool_choice) if tool_choice is not None else None
+    if forced is not None:  # tool_choice "required" or a named function: the output is the call's JSON
+        if kwargs["structured_outputs"] is not None:
+            raise RequestError("tool_choice required or a named function cannot be combined with response_format")
+        if not parallel_tool_calls and tool_choice.mode == "required":
+            forced = dict(forced, maxItems=1)
+        kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
     _refuse_unsupported(body, kwargs["n"] or 1)
     echo = _optional_bool(body, "echo") or False
     if echo and (url == CHAT or stream):
@@ -119,7 +146,18 @@ def parse_request(url: str, body, allow_stream: bool = False) -> ParsedRequest:
     except ValueError as e:
         raise RequestError(str(e).replace("SamplingParams.", "")) from None
     return ParsedRequest(
-        url, prompt, messages, params, top_logprobs, stream, include_usage, echo, include_usage and continuous_usage
+        url,
+        prompt,
+        messages,
+        params,
+        top_logprobs,
+        stream,
+        include_usage,
+        echo,
+        include_usage and continuous_usage,
+        tool_choice,
+        tool_parser,
+        parallel_tool_calls,
     )
 
 
@@ -153,20 +191,26 @@ def engine_prompt(request: ParsedRequest, tokenizer) -> str | dict:
     if request.messages is not None:
         if tokenizer is None:
             raise RequestError("chat completions need the tokenizer, which this engine runs without")
-        return {"prompt_token_ids": encode_chat(tokenizer, request.messages)}
+        tools = list(request.tool_choice.tools) if request.tool_choice is not None else None
+        return {"prompt_token_ids": chat_token_ids(tokenizer, request.messages, tools)}
     if isinstance(request.prompt, list):
         return {"prompt_token_ids": request.prompt}
     return request.prompt
+
+
+def chat_token_ids(tokenizer, messages, tools: list[dict] | None = None) -> list[int]:
+    """A conversation's token ids under the chat template; assistant tool calls and tool results render even
+    through a template that knows nothing of tools (tool_calls.render_messages_for_template)."""
+    messages = render_messages_for_template(check_messages(messages), tokenizer.chat_template or "")
+    return encode_chat(tokenizer, messages, tools)
 
 
 # Fields of OpenAI's (and vLLM's) request bodies that would change the output and that jaxpage does not do yet: a
 # request that sets one is refused, naming it, rather than answered as if it had not been sent. (value -> whether it
 # asks for something: false, null, an empty string or list, "none" ask for nothing.)
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
+    "functions": "the deprecated functions API (use tools)",
+    "function_call": "the deprecated functions API (use tool_choice)",
     "suffix": "a suffix",
     "prompt_logprobs": "prompt log-probs over HTTP",
     "guided_json": "guided_json (use response_format or structured_outputs)",
@@ -276,6 +320,9 @@ class Stream:
         }
         self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
         self._done: set[int] = set()
+        # With tools: each choice's text goes through a ToolCallStream, which sends content and whole calls.
+        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._calls_sent: dict[int, int] = {}
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         chat = self.request.url == CHAT
@@ -287,11 +334,19 @@ class Stream:
             first = index not in self._sent
             chars, tokens = self._sent.get(index, (0, 0))
             text = completion.text[chars:]
-            if not text and not first and completion.finish_reason is None:
+            finish_reason, calls = completion.finish_reason, []
+            if _calls_tools(self.request):
+                text, calls, finish_reason = self._tool_delta(index, text, finish_reason)
+                if not text and not calls and not first and finish_reason is None:
+                    self._sent[index] = (len(completion.text), tokens)  # held back by the ToolCallStream
+                    continue
+            if not text and not first and finish_reason is None:
                 continue
             choice: dict = {"index": index + self.index_offset}
             if chat:
                 choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+                if calls:
+                    choice["delta"]["tool_calls"] = calls
             else:
                 choice["text"] = text
             choice["logprobs"] = None
@@ -302,8 +357,8 @@ class Stream:
                     logprobs=(completion.logprobs or [])[tokens:],
                 )
                 choice["logprobs"] = _logprobs(self.request, new, text_offset=chars)
-            choice["finish_reason"] = completion.finish_reason
-            if completion.finish_reason is not None:
+            choice["finish_reason"] = finish_reason
+            if finish_reason is not None:
                 self._done.add(index)
             self._sent[index] = (len(completion.text), len(completion.token_ids))
             chunk = dict(self._base, choices=[choice])
@@ -311,6 +366,22 @@ class Stream:
                 chunk["usage"] = _usage(output)
             chunks.append(chunk)
         return chunks
+
+    def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """(content, tool calls as delta items, finish reason) of a choice's new text, with tools."""
+        if index not in self._tool_streams:
+            self._tool_streams[index] = ToolCallStream(self.request.tool_choice, self.request.tool_parser)
+        stream = self._tool_streams[index]
+        content, calls = stream.feed(text)
+        if finish_reason is not None:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+        sent = self._calls_sent.get(index, 0)
+        if not self.request.parallel_tool_calls:
+            calls = calls[: max(0, 1 - sent)]
+        self._calls_sent[index] = sent + len(calls)
+        finish_reason = _tool_finish_reason(self.request, [None] * (sent + len(calls)), finish_reason)
+        return content, [call.to_openai(index=sent + k) for k, call in enumerate(calls)], finish_reason
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         """The last chunk of a stream with include_usage: the token counts of the request's finished outputs."""
@@ -325,6 +396,13 @@ def response_body(request: ParsedRequest, output: RequestOutput, model: str, tok
         logprobs = _logprobs(request, completion) if request.top_logprobs is not None else None
         if request.url == CHAT:
             choice["message"] = {"role": "assistant", "content": completion.text}
+            if _calls_tools(request):
+                content, calls = tool_calls_from_output(request.tool_choice, completion.text, request.tool_parser)
+                calls = calls if request.parallel_tool_calls else calls[:1]
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [call.to_openai() for call in calls]
+                choice["finish_reason"] = _tool_finish_reason(request, calls, completion.finish_reason)
         elif request.echo:
             prompt_text, prompt_logprobs = _echo(request, output, tokenizer)
             choice["text"] = prompt_text + completion.text
@@ -344,6 +422,17 @@ def response_body(request: ParsedRequest, output: RequestOutput, model: str, tok
         "choices": choices,
         "usage": _usage(output),
     }
+
+
+def _calls_tools(request: ParsedRequest) -> bool:
+    return request.tool_choice is not None and request.tool_choice.mode != "none"
+
+
+def _tool_finish_reason(request: ParsedRequest, calls: list, finish_reason: str | None) -> str | None:
+    """ "tool_calls" for a choice that ended calling tools, as OpenAI says it (but for a named function: "stop")."""
+    if calls and finish_reason == "stop" and request.tool_choice.mode != "named":
+        return "tool_calls"
+    return finish_reason
 
 
 def _logprobs(request: ParsedRequest, completion, text_offset: int = 0) -> dict:

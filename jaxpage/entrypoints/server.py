@@ -49,14 +49,15 @@ from jaxpage.entrypoints.openai_api import (
     CHAT,
     COMPLETIONS,
     Stream,
+    chat_token_ids,
     combine_bodies,
     engine_prompt,
     parse_request,
     response_body,
     split_prompts,
 )
+from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from jaxpage.outputs import RequestOutput
-from jaxpage.tokenizers.tokenizer import encode_chat
 from jaxpage.validation import check_bool, check_text, describe, is_int
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -77,8 +78,15 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_requests: bool = True,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
-    """The app serving `engine` (whose max_waiting_requests is the server's admission limit) as `model_name`."""
+    """The app serving `engine` (whose max_waiting_requests is the server's admission limit) as `model_name`.
+    tool_call_parser (jaxpage.entrypoints.tool_calls.TOOL_CALL_PARSERS) and enable_auto_tool_choice: vLLM's
+    --tool-call-parser and --enable-auto-tool-choice, which tool_choice "auto" needs."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+    tools = dict(tool_parser=tool_call_parser, auto_tool_choice=enable_auto_tool_choice)
     app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
     engine.observers.append(metrics.observe)
@@ -102,7 +110,7 @@ def create_app(
 
     _add_info_routes(app, engine, model_name, metrics, api_key is not None)
     _add_tokenizer_routes(app, engine, max_body_bytes)
-    _add_openai_routes(app, engine, model_name, max_body_bytes, log_requests)
+    _add_openai_routes(app, engine, model_name, max_body_bytes, log_requests, tools)
     return app
 
 
@@ -187,14 +195,16 @@ def _tokenize(tokenizer, body) -> list[int]:
     if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
         raise ValueError("the body must be an object with either prompt (text) or messages")
     if "messages" in body:
-        return encode_chat(tokenizer, body["messages"])
+        return chat_token_ids(tokenizer, body["messages"])
     text = check_text("prompt", body["prompt"], allow_empty=True)
     add_special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
     return list(tokenizer(text, add_special_tokens=add_special).input_ids)
 
 
-def _add_openai_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_body_bytes: int, log_requests: bool):
-    """/v1/completions and /v1/chat/completions."""
+def _add_openai_routes(
+    app: FastAPI, engine: AsyncEngine, model_name: str, max_body_bytes: int, log_requests: bool, tools: dict
+):
+    """/v1/completions and /v1/chat/completions (tools: parse_request's tool options)."""
     request_ids = itertools.count()
 
     async def openai_endpoint(request: Request, url: str):
@@ -204,7 +214,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncEngine, model_name: str, max_b
         if error is not None:
             return log.refused(error)
         try:
-            parsed = [parse_request(url, one, allow_stream=True) for one in split_prompts(url, body)]
+            parsed = [parse_request(url, one, allow_stream=True, **tools) for one in split_prompts(url, body)]
             model = body.get("model")
             if model is not None and model != model_name:
                 message = f"model {model!r} does not exist (this server has {model_name!r})"
@@ -423,6 +433,8 @@ def serve(
     stall_timeout_s: float = 120.0,
     shutdown_timeout_s: float = 30.0,
     log_requests: bool = True,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
     warmup: bool = True,
     **engine_args,
 ) -> None:
@@ -435,7 +447,15 @@ def serve(
         engine.warmup()
     async_engine = AsyncEngine(engine, stall_timeout_s, max_waiting_requests).start()
     name = served_model_name or model or "SmolLM2-135M-Instruct"
-    app = create_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes, log_requests=log_requests)
+    app = create_app(
+        async_engine,
+        name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        log_requests=log_requests,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then restores the handlers it found and raises the signal
     # again; handlers that ignore it make the process exit here, with status 0, rather than die of the signal.

@@ -44,15 +44,18 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = 
     return list(tokenizer(prompt).input_ids)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the chat template, ready for the
-    assistant's reply. Messages are checked first (see `check_messages`). ValueError when a message is malformed,
-    the tokenizer has no chat template, or the template refuses the conversation (its message says why)."""
+    assistant's reply; `tools` (OpenAI's function definitions) are given to the template, which may show them to
+    the model. Messages are checked first (see `check_messages`). ValueError when a message is malformed, the
+    tokenizer has no chat template, or the template refuses the conversation (its message says why)."""
     messages = check_messages(messages)
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except Exception as e:  # jinja2's TemplateError (the template's raise_exception), or anything it trips on
         raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
     if not ids:
