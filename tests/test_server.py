@@ -176,9 +176,37 @@ def test_structured_outputs_penalties_and_biases_over_http(client, reference):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"suffix": "end"}, "suffix"),
         ({"best_of": 3}, "best_of"),
+        ({"temprature": 0.5}, "temprature is not a field of /v1/completions"),
+        ({"messages": MESSAGES}, "messages is a field of /v1/chat/completions"),
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ):
         with pytest.raises(openai.BadRequestError, match=field):
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, reasoning_effort="high")
+
+
+def test_every_field_is_honoured_or_refused(client, reference):
+    """Fields without effect are accepted (and change nothing); vLLM's stop_token_ids, skip_special_tokens and
+    prompt_logprobs are honoured: the outputs are LLM.generate's with the same SamplingParams."""
+    plain = client.completions.create(model="tiny", prompt="a b c", max_tokens=6, temperature=0)
+    no_effect = {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "modalities": ["text"]}
+    same = client.completions.create(
+        model="tiny", prompt="a b c", max_tokens=6, temperature=0, user="u", extra_body=no_effect
+    )
+    assert same.choices[0].text == plain.choices[0].text
+    params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[330, 28], prompt_logprobs=2)
+    want = reference.generate(["a b c"], params)[0]
+    extra = {"stop_token_ids": [330, 28], "skip_special_tokens": True, "prompt_logprobs": 2, "top_k": None}
+    got = client.completions.create(model="tiny", prompt="a b c", max_tokens=6, temperature=0, extra_body=extra)
+    assert got.choices[0].text == want.outputs[0].text
+    prompt_logprobs = got.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(want.prompt_token_ids)
+    for entry, expected in zip(prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+        assert {int(t): e["logprob"] for t, e in entry.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in expected.items()}, abs=1e-4
+        )
 
 
 WEATHER = {
@@ -685,3 +713,28 @@ def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
         metric(text, 'jaxpage:spec_decode_num_accepted_tokens_per_pos_total{position="0"}')
         == (stats.num_accepted_tokens_per_pos[0])
     )
+
+
+def test_the_readme_field_table_is_the_servers():
+    """README.md's table of request fields names exactly the fields the server honours, accepts or refuses."""
+    from pathlib import Path
+
+    from jaxpage.entrypoints import openai_api
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("<!-- fields:", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[3:]:
+        label, names = line.strip("|").split("|", 1)
+        outside, depth = "", 0  # the names outside parentheses are fields; inside, their values
+        for char in names:
+            depth += (char == "(") - (char == ")")
+            outside += char if depth == 0 and char != ")" else ""
+        rows[label.strip()] = set(re.findall(r"`([a-z_]+)`", outside))
+    assert rows == {
+        "honoured, both endpoints": openai_api.COMMON_FIELDS,
+        "honoured, chat completions": openai_api.ENDPOINT_FIELDS[openai_api.CHAT],
+        "honoured, completions": openai_api.ENDPOINT_FIELDS[openai_api.COMPLETIONS],
+        "accepted, no effect on the output": openai_api.NO_EFFECT_FIELDS,
+        "refused (400 naming it)": set(openai_api.UNSUPPORTED_FIELDS),
+    }

@@ -4,9 +4,8 @@
 ValueError, for anything invalid); `response_body(...)` turns a finished RequestOutput into the response body, and
 a `Stream` turns each RequestOutput of a streaming request into the chunks that say what is new (the server's
 `stream: true`; a batch refuses it).
-Fields that change nothing here ("model", "user", ...) are accepted and ignored, as OpenAI-compatible servers do;
-fields that would change the output are honoured (sampling, penalties, logit_bias, response_format and vLLM's
-structured_outputs, ...) or refused by name (UNSUPPORTED_FIELDS).
+Every field is honoured (COMMON_FIELDS, ENDPOINT_FIELDS), accepted where it changes nothing (NO_EFFECT_FIELDS:
+"user", "metadata", ...) or refused by name (UNSUPPORTED_FIELDS, and any field this server does not know).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # /v1/chat/completions with tools
     tool_parser: str | None = None  # the server's --tool-call-parser, for tool_choice "auto"
     parallel_tool_calls: bool = True  # false: at most one call per choice
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt's log-probs in the response, vLLM's shape
 
 
 def parse_request(
@@ -83,9 +83,6 @@ def parse_request(
             max_tokens = _optional_int(body, "max_tokens", 1)
         top_logprobs = _chat_logprobs(body)
     else:
-        for field in ("tools", "tool_choice", "parallel_tool_calls"):
-            if body.get(field) not in (None, [], "none"):
-                raise RequestError(f"{field} is for {CHAT}, got {describe(body.get(field))}")
         prompt = body.get("prompt")
         is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
         if not (isinstance(prompt, str) and prompt) and not is_ids:
@@ -126,7 +123,12 @@ def parse_request(
         allowed_token_ids=body.get("allowed_token_ids"),
         bad_words=body.get("bad_words"),
         structured_outputs=_structured_outputs(body),
+        stop_token_ids=body.get("stop_token_ids"),
+        skip_special_tokens=_optional_bool(body, "skip_special_tokens"),
+        prompt_logprobs=_optional_int(body, "prompt_logprobs", 0, SamplingParams.MAX_LOGPROBS),
     )
+    if kwargs["prompt_logprobs"] is not None and stream:
+        raise RequestError("prompt_logprobs is supported without stream")
     parallel_tool_calls = _optional_bool(body, "parallel_tool_calls") is not False
     forced = forced_schema(tool_choice) if tool_choice is not None else None
     if forced is not None:  # tool_choice "required" or a named function: the output is the call's JSON
@@ -135,12 +137,13 @@ def parse_request(
         if not parallel_tool_calls and tool_choice.mode == "required":
             forced = dict(forced, maxItems=1)
         kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
-    _refuse_unsupported(body, kwargs["n"] or 1)
+    _refuse_unsupported(url, body, kwargs["n"] or 1)
     echo = _optional_bool(body, "echo") or False
     if echo and (url == CHAT or stream):
         raise RequestError("echo is supported for /v1/completions without stream")
-    if echo and top_logprobs is not None:
-        kwargs["prompt_logprobs"] = top_logprobs  # the prompt's tokens get log-probs too, the first none
+    show_prompt_logprobs = kwargs["prompt_logprobs"] is not None
+    if echo and top_logprobs is not None:  # the prompt's tokens get log-probs too, the first none
+        kwargs["prompt_logprobs"] = max(top_logprobs, kwargs["prompt_logprobs"] or 0)
     try:
         params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
     except ValueError as e:
@@ -158,6 +161,7 @@ def parse_request(
         tool_choice,
         tool_parser,
         parallel_tool_calls,
+        show_prompt_logprobs,
     )
 
 
@@ -205,14 +209,38 @@ def chat_token_ids(tokenizer, messages, tools: list[dict] | None = None) -> list
     return encode_chat(tokenizer, messages, tools)
 
 
-# Fields of OpenAI's (and vLLM's) request bodies that would change the output and that jaxpage does not do yet: a
-# request that sets one is refused, naming it, rather than answered as if it had not been sent. (value -> whether it
-# asks for something: false, null, an empty string or list, "none" ask for nothing.)
+# Every request-body field this server knows (README.md's field table is tested against these sets). A field outside
+# them is refused by name, as is one of UNSUPPORTED_FIELDS: nothing that could change the output is ignored. A field
+# sent as null counts as not sent.
+COMMON_FIELDS = frozenset(
+    {
+        "model", "n", "temperature", "top_p", "seed", "stop", "max_tokens", "presence_penalty", "frequency_penalty",
+        "logit_bias", "response_format", "stream", "stream_options",
+        # vLLM's extensions
+        "top_k", "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "allowed_token_ids", "bad_words",
+        "structured_outputs", "stop_token_ids", "skip_special_tokens", "prompt_logprobs",
+    }
+)  # fmt: skip
+ENDPOINT_FIELDS = {
+    CHAT: frozenset(
+        {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+    ),
+    COMPLETIONS: frozenset({"prompt", "logprobs", "echo", "best_of"}),
+}
+# Accepted and without effect on the output: bookkeeping for OpenAI's platform, or a cache hint.
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Fields that would change the output and that jaxpage does not do: refused, naming what they ask for. (A value that
+# asks for nothing, false, "", [], "none" or the modalities ["text"], is accepted.)
 UNSUPPORTED_FIELDS = {
     "functions": "the deprecated functions API (use tools)",
     "function_call": "the deprecated functions API (use tool_choice)",
-    "suffix": "a suffix",
-    "prompt_logprobs": "prompt log-probs over HTTP",
+    "suffix": "a suffix (fill in the middle)",
+    "audio": "audio output",
+    "modalities": "output other than text",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning models' effort",
+    "verbosity": "reasoning models' verbosity",
+    "web_search_options": "web search",
     "guided_json": "guided_json (use response_format or structured_outputs)",
     "guided_regex": "guided_regex (use structured_outputs)",
     "guided_choice": "guided_choice (use structured_outputs)",
@@ -220,11 +248,18 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def _refuse_unsupported(body: dict, n: int) -> None:
+def _refuse_unsupported(url: str, body: dict, n: int) -> None:
     for field, what in UNSUPPORTED_FIELDS.items():
         value = body.get(field)
-        if value not in (None, False, "", [], "none"):
+        if value not in (None, False, "", [], "none", ["text"]):
             raise RequestError(f"{field} is not supported by this server ({what}), got {describe(value)}")
+    known = COMMON_FIELDS | ENDPOINT_FIELDS[url] | NO_EFFECT_FIELDS | UNSUPPORTED_FIELDS.keys()
+    for field, value in body.items():
+        if field in known or value is None:
+            continue
+        other = next((u for u, fields in ENDPOINT_FIELDS.items() if field in fields), None)
+        where = f"a field of {other}, not of {url}" if other else f"not a field of {url} that this server knows"
+        raise RequestError(f"{field} is {where}, got {describe(value)}")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise RequestError(
@@ -413,8 +448,10 @@ def response_body(request: ParsedRequest, output: RequestOutput, model: str, tok
         else:
             choice["text"] = completion.text
         choice["logprobs"] = logprobs
+        if request.prompt_logprobs and request.url == COMPLETIONS:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(output)
         choices.append(choice)
-    return {
+    body = {
         "id": f"{'chatcmpl' if request.url == CHAT else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if request.url == CHAT else "text_completion",
         "created": int(time.time()),
@@ -422,6 +459,23 @@ def response_body(request: ParsedRequest, output: RequestOutput, model: str, tok
         "choices": choices,
         "usage": _usage(output),
     }
+    if request.prompt_logprobs and request.url == CHAT:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(output)
+    return body
+
+
+def _vllm_prompt_logprobs(output: RequestOutput) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {logprob, rank,
+    decoded_token}} for the token and the most likely ones."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entry.items()
+        }
+        for entry in output.prompt_logprobs or []
+    ]
 
 
 def _calls_tools(request: ParsedRequest) -> bool:
