@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from jaxpage.errors import ModelLoadError
 from jaxpage.spec_decode.config import SpeculativeConfig
-from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, fail
+from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, describe, fail, is_int
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -112,11 +113,20 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    def from_hf_config(
+        cls, hf: dict[str, Any], source: str = "config.json", names: dict[str, str] | None = None
+    ) -> ModelConfig:
         """Builds the config from a Hugging Face config dict (transformers 4 or 5 layout).
 
-        Raises ModelLoadError naming `source` for architectures and options jaxpage does not support.
+        Raises ModelLoadError naming `source` and the field for architectures and options jaxpage does not support and
+        for a missing, mistyped or out-of-range number. `names`: how the source calls a field, by its HF name (a GGUF
+        file's metadata keys), for those messages.
         """
+        names = names or {}
+
+        def name(key: str) -> str:
+            return names.get(key, key)
+
         arch = hf.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
@@ -128,53 +138,127 @@ class ModelConfig:
         if hf.get("use_sliding_window"):
             raise ModelLoadError(f"{source}: per-layer sliding windows ({arch} use_sliding_window) are not supported")
         try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            rope_theta, rope_scaling = _rope_from_hf(hf)
+            sizes = _sizes_from_hf(hf, name)
+            rope_theta, rope_scaling = _rope_from_hf(hf, name)
+            window = hf.get("sliding_window") if arch == "mistral" else None  # null: no window
             attention_bias = bool(hf.get("attention_bias", False))
             eos = hf.get("eos_token_id")
             return cls(
                 architecture=arch,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                **sizes,
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=True if arch == "qwen2" else attention_bias and arch in ("llama", "qwen3"),
                 o_bias=attention_bias and arch == "llama",
                 mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
                 qk_norm=arch == "qwen3",
-                sliding_window=hf.get("sliding_window") if arch == "mistral" else None,
+                sliding_window=None if window is None else _size(name("sliding_window"), window),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             )
         except ModelLoadError as e:
             raise ModelLoadError(f"{source}: {e}") from None
         except KeyError as e:
-            raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
+            raise ModelLoadError(f"{source}: required field {name(e.args[0])!r} is missing") from None
         except (AssertionError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{source}: inconsistent model config ({e})") from None
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _size(field: str, value) -> int:
+    """A count or dimension of the model: a positive integer that fits the steps' int32 arrays."""
+    if not is_int(value) or value <= 0:
+        raise ModelLoadError(f"{field} must be a positive integer, got {describe(value)}")
+    if value > INT32_MAX:
+        raise ModelLoadError(f"{field} must be an integer <= {INT32_MAX}, got {describe(value)}")
+    return int(value)
+
+
+def _positive(field: str, value) -> float:
+    """A positive finite number (an epsilon, a RoPE base or factor)."""
+    try:
+        return check_number(field, value, "a positive finite number", lambda x: x > 0)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def _sizes_from_hf(hf: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
+    """ModelConfig's dimensions, counts and epsilon, each checked (a zero head count would otherwise divide by zero
+    deep in the load). A required field absent raises KeyError; an optional one absent or null takes HF's default."""
+
+    def size(key: str, required: bool = True) -> int | None:
+        value = hf[key] if required else hf.get(key)
+        return None if value is None and not required else _size(name(key), value)
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    kv_heads = size("num_key_value_heads", required=False) or heads  # HF: absent means one KV head per query head
+    if heads % kv_heads:
+        kv_field = name("num_key_value_heads")
+        raise ModelLoadError(f"{name('num_attention_heads')} must be divisible by {kv_field} ({kv_heads}), got {heads}")
+    head_dim = size("head_dim", required=False)
+    head_dim_field = name("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelLoadError(
+                f"{name('hidden_size')} must be divisible by {name('num_attention_heads')} ({heads}) when "
+                f"{name('head_dim')} is not given, got {hidden}"
+            )
+        head_dim = hidden // heads
+        head_dim_field = f"{name('head_dim')} ({name('hidden_size')} / {name('num_attention_heads')})"
+    if head_dim % 2:
+        raise ModelLoadError(f"{head_dim_field} must be even (RoPE rotates pairs of dimensions), got {head_dim}")
+    eps = hf.get("rms_norm_eps")
+    max_len = size("max_position_embeddings", required=False)
+    return dict(
+        vocab_size=size("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=size("intermediate_size"),
+        num_layers=size("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6 if eps is None else _positive(name("rms_norm_eps"), eps),
+        max_position_embeddings=4096 if max_len is None else max_len,
+    )
+
+
+def _rope_from_hf(hf: dict[str, Any], name: Callable[[str], str]) -> tuple[float, RopeScaling | None]:
     # transformers 5 writes `rope_parameters`; older configs (and most on the hub) `rope_theta` + `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{name(key)} must be an object, got {describe(params)}")
+
+    def number(param: str, default: float | None = None) -> float:
+        if param not in params and default is None:
+            raise ModelLoadError(f"required field {name(f'{key}.{param}')!r} is missing")
+        return _positive(name(f"{key}.{param}"), params.get(param, default))
+
+    if params.get("rope_theta") is not None:
+        theta = number("rope_theta")
+    else:
+        theta = 10000.0 if hf.get("rope_theta") is None else _positive(name("rope_theta"), hf["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
         return theta, None
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    kwargs = {k: params[k] for k in keys if k in params} if rope_type == "llama3" else {"factor": params["factor"]}
-    return theta, RopeScaling(rope_type=rope_type, **kwargs)
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor=number("factor"))
+    low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
+    if high <= low:  # Llama 3 interpolates between the two wavelengths: equal ones divide by zero
+        raise ModelLoadError(
+            f"{name(f'{key}.high_freq_factor')} must be greater than {name(f'{key}.low_freq_factor')} ({low}), "
+            f"got {high}"
+        )
+    original = params.get("original_max_position_embeddings", 8192)
+    return theta, RopeScaling(
+        "llama3",
+        factor=number("factor"),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=_size(name(f"{key}.original_max_position_embeddings"), original),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

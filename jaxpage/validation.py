@@ -58,7 +58,10 @@ def check_number(field: str, value, requirement: str, accept) -> float:
     """`value` as a float; refused unless it is a finite real number (not a bool) for which `accept` holds."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         fail(field, requirement, value, wrong_type=True)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float: 10**400
+        fail(field, requirement, value)
     if not math.isfinite(number) or abs(number) > FLOAT32_MAX or not accept(number):
         fail(field, requirement, value)
     return number

@@ -277,6 +277,18 @@ def test_aborting_a_streamed_request_ends_the_stream(llm, fixed_tokens):
     assert_unharmed(llm, fixed_tokens)
 
 
+@pytest.mark.parametrize("request_id", [None, 7, 1.5, ["live", 3], ("live", None), [b"live"], {"live": 1}.values()])
+def test_bad_abort_request_arguments_are_refused_by_name(llm, fixed_tokens, request_id):
+    engine = llm.engine
+    engine.add_request("live", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError) as error:
+        engine.abort_request(request_id)
+    assert str(error.value) == f"request_id must be a string or an iterable of strings, got {describe(request_id)}"
+    finals = [output for _ in range(10) for output in engine.step() if output.finished]
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in finals] == [("live", "length")]  # refused whole
+    assert_unharmed(llm, fixed_tokens)
+
+
 # ----- batch lines -----
 
 BAD_LINES = [

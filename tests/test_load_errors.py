@@ -14,6 +14,7 @@ from tiny_models import TINY_FAMILIES, write_tiny_model
 from jaxpage.entrypoints.cli import main
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import load_model
+from jaxpage.models.hf_loader import read_hf_config
 from jaxpage.models.orbax_checkpoint import MARKER_FILE, save_checkpoint
 
 FAMILY = TINY_FAMILIES[0]
@@ -72,6 +73,92 @@ def test_config_missing_a_field(model_dir):
         load_model(model_dir)
 
 
+def write_config(directory, **changes):
+    """config.json with `changes` written as given (None as JSON null, unlike edit_config)."""
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+# (changes to FAMILY's config.json: 4 heads, hidden_size 64, no head_dim, rope_theta at the top level; the message)
+BAD_ARCHITECTURE_FIELDS = [
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (dict(num_attention_heads=-4), "num_attention_heads must be a positive integer, got -4"),
+    (dict(num_attention_heads="4"), "num_attention_heads must be a positive integer, got '4'"),
+    (dict(num_attention_heads=4.0), "num_attention_heads must be a positive integer, got 4.0"),
+    (dict(num_attention_heads=True), "num_attention_heads must be a positive integer, got True"),
+    (dict(num_attention_heads=None), "num_attention_heads must be a positive integer, got None"),
+    (dict(hidden_size=0), "hidden_size must be a positive integer, got 0"),
+    (dict(hidden_size=[64]), "hidden_size must be a positive integer, got [64]"),
+    (dict(intermediate_size=-1), "intermediate_size must be a positive integer, got -1"),
+    (dict(intermediate_size=None), "intermediate_size must be a positive integer, got None"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer, got 0"),
+    (dict(num_hidden_layers=2.5), "num_hidden_layers must be a positive integer, got 2.5"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
+    (dict(vocab_size=2**31), "vocab_size must be an integer <= 2147483647, got 2147483648"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a positive integer, got 0"),
+    (dict(num_key_value_heads="2"), "num_key_value_heads must be a positive integer, got '2'"),
+    (dict(num_key_value_heads=3), "num_attention_heads must be divisible by num_key_value_heads (3), got 4"),
+    (dict(head_dim=0), "head_dim must be a positive integer, got 0"),
+    (dict(head_dim=False), "head_dim must be a positive integer, got False"),
+    (dict(head_dim=15), "head_dim must be even (RoPE rotates pairs of dimensions), got 15"),
+    (
+        dict(hidden_size=66),
+        "hidden_size must be divisible by num_attention_heads (4) when head_dim is not given, got 66",
+    ),
+    (
+        dict(hidden_size=12),
+        "head_dim (hidden_size / num_attention_heads) must be even (RoPE rotates pairs of dimensions), got 3",
+    ),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be a positive integer, got 0"),
+    (dict(max_position_embeddings="256"), "max_position_embeddings must be a positive integer, got '256'"),
+    (dict(rms_norm_eps=0), "rms_norm_eps must be a positive finite number, got 0"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a positive finite number, got -1e-06"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a positive finite number, got '1e-6'"),
+    (dict(rms_norm_eps=True), "rms_norm_eps must be a positive finite number, got True"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a positive finite number, got nan"),
+    (dict(rope_theta=0.0), "rope_theta must be a positive finite number, got 0.0"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a positive finite number, got inf"),
+    (dict(rope_theta=10**400), "rope_theta must be a positive finite number, got 1000000000"),
+    (dict(rope_theta={"base": 1}), "rope_theta must be a positive finite number, got {'base': 1}"),
+    (
+        dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
+        "rope_parameters.rope_theta must be a positive finite number, got -1.0",
+    ),
+    (
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}),
+        "rope_parameters.factor must be a positive finite number, got 0",
+    ),
+    (
+        dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}),
+        "rope_scaling.high_freq_factor must be greater than rope_scaling.low_freq_factor (4.0), got 4.0",
+    ),
+    (
+        dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0}),
+        "rope_scaling.original_max_position_embeddings must be a positive integer, got 0",
+    ),
+    (dict(rope_scaling={"rope_type": "llama3"}), "required field 'rope_scaling.factor' is missing"),
+    (dict(rope_scaling=[8.0]), "rope_scaling must be an object, got [8.0]"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"), BAD_ARCHITECTURE_FIELDS, ids=[m.split(" must")[0] for _, m in BAD_ARCHITECTURE_FIELDS]
+)
+def test_bad_architecture_field_is_named(model_dir, changes, message):
+    write_config(model_dir, **changes)
+    with pytest.raises(ModelLoadError) as error:
+        load_model(model_dir)
+    assert str(error.value).startswith(f"{model_dir / 'config.json'}: {message}"), str(error.value)
+
+
+def test_optional_architecture_fields_may_be_null(model_dir):
+    write_config(model_dir, head_dim=None, num_key_value_heads=None, max_position_embeddings=None, rms_norm_eps=None)
+    config = read_hf_config(model_dir)
+    assert (config.head_dim, config.num_kv_heads, config.max_position_embeddings) == (16, 4, 4096)
+    assert (config.rms_norm_eps, config.rope_theta) == (1e-6, 10000.0)
+
+
 def test_missing_tensor(model_dir):
     edit_tensors(model_dir, lambda t: t.pop(Q_PROJ))
     with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor '{Q_PROJ}' is missing"):
@@ -108,18 +195,28 @@ def test_pickled_checkpoint_is_refused(model_dir):
         load_model(model_dir)
 
 
-def write_minimal_gguf(path, arch="llama", extra_tensor=None, extra_size=2, block_count=1):
+GGUF_METADATA = {
+    "block_count": 1,
+    "context_length": 64,
+    "embedding_length": 8,
+    "feed_forward_length": 16,
+    "attention.head_count": 2,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+    "vocab_size": 4,
+}
+
+
+def write_minimal_gguf(path, arch="llama", extra_tensor=None, extra_size=2, metadata=None):
+    """A GGUF file of GGUF_METADATA updated with `metadata` (keys without the architecture; None: left out; a str is
+    written as a string, a float as float32, an int as uint32, or int32 when negative)."""
     writer = gguf.GGUFWriter(str(path), arch)
-    if isinstance(block_count, str):
-        writer.add_string(f"{arch}.block_count", block_count)
-    else:
-        writer.add_block_count(block_count)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(4)
+    for key, value in (GGUF_METADATA | (metadata or {})).items():
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        elif value is not None:
+            (writer.add_int32 if value < 0 else writer.add_uint32)(f"{arch}.{key}", value)
     writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
     if extra_tensor:
         writer.add_tensor(extra_tensor, np.ones(extra_size, np.float32))
@@ -148,9 +245,50 @@ def test_gguf_rope_frequency_factors_of_the_wrong_length(tmp_path):
 
 
 def test_gguf_metadata_of_the_wrong_type(tmp_path):
-    write_minimal_gguf(tmp_path / "m.gguf", block_count="one")
+    write_minimal_gguf(tmp_path / "m.gguf", metadata={"block_count": "one"})
     with pytest.raises(ModelLoadError, match=r"m\.gguf: metadata llama.block_count is 'one', not a number"):
         load_model(tmp_path / "m.gguf")
+
+
+# (metadata changed from GGUF_METADATA: 2 heads, embedding_length 8, no key_length; the message)
+BAD_GGUF_FIELDS = [
+    ({"attention.head_count": 0}, "metadata llama.attention.head_count must be a positive integer, got 0"),
+    ({"attention.head_count": -2}, "metadata llama.attention.head_count must be a positive integer, got -2"),
+    ({"embedding_length": 0}, "metadata llama.embedding_length must be a positive integer, got 0"),
+    ({"block_count": 1.5}, "metadata llama.block_count must be a positive integer, got 1.5"),
+    ({"attention.head_count_kv": 0}, "metadata llama.attention.head_count_kv must be a positive integer, got 0"),
+    (
+        {"attention.head_count_kv": 3},
+        "metadata llama.attention.head_count must be divisible by metadata llama.attention.head_count_kv (3), got 2",
+    ),
+    ({"attention.key_length": 0}, "metadata llama.attention.key_length must be a positive integer, got 0"),
+    (
+        {"embedding_length": 9},
+        "metadata llama.embedding_length must be divisible by metadata llama.attention.head_count (2) when "
+        "metadata llama.attention.key_length is not given, got 9",
+    ),
+    ({"context_length": 0}, "metadata llama.context_length must be a positive integer, got 0"),
+    ({"vocab_size": None}, "the number of tokenizer.ggml.tokens must be a positive integer, got 0"),
+    (
+        {"attention.layer_norm_rms_epsilon": 0.0},
+        "metadata llama.attention.layer_norm_rms_epsilon must be a positive finite number, got 0.0",
+    ),
+    ({"rope.freq_base": float("inf")}, "metadata llama.rope.freq_base must be a positive finite number, got inf"),
+    (
+        {"rope.scaling.type": "linear", "rope.scaling.factor": -2.0},
+        "metadata llama.rope.scaling.factor must be a positive finite number, got -2.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"), BAD_GGUF_FIELDS, ids=[m.split(" must")[0] for _, m in BAD_GGUF_FIELDS]
+)
+def test_gguf_bad_architecture_field_is_named(tmp_path, metadata, message):
+    write_minimal_gguf(tmp_path / "m.gguf", metadata=metadata)
+    with pytest.raises(ModelLoadError) as error:
+        load_model(tmp_path / "m.gguf")
+    assert str(error.value) == f"{tmp_path / 'm.gguf'}: {message}"
 
 
 def test_gguf_of_an_unknown_version(tmp_path):

@@ -31,7 +31,7 @@ from jaxpage.spec_decode.decoder import SpeculativeDecoder
 from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.tokenizers.tokenizer import load_tokenizer
-from jaxpage.validation import describe
+from jaxpage.validation import describe, fail
 from jaxpage.worker import parallel, process_group
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
 from jaxpage.worker.executor import Executor, make_runners
@@ -53,6 +53,16 @@ def load_models(load: LoadConfig, spec: SpeculativeConfig | None, mesh) -> tuple
         draft = load_draft_model(spec.model, load.dtype, model_config, sharding=placement)
         draft = parallel.as_run(*draft, mesh)
     return model_config, parallel.as_run(model_config, params, mesh), draft
+
+
+def _request_ids(request_id) -> list[str]:
+    """abort_request's argument as a list: a str or an iterable of them, else ValueError naming request_id."""
+    if isinstance(request_id, str):
+        return [request_id]
+    ids = list(request_id) if isinstance(request_id, Iterable) else None
+    if ids is None or not all(isinstance(rid, str) for rid in ids):
+        fail("request_id", "a string or an iterable of strings", request_id, wrong_type=True)
+    return ids
 
 
 class LLMEngine:
@@ -186,10 +196,9 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Ends the request(s) now with finish_reason "abort" and frees their pages; unknown ids are ignored. The
         next `step()` returns each one's final output (finished, "abort"), so a stream over it ends."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
-            for rid in ids:
-                request = self.output_processor.requests.get(rid) if isinstance(rid, str) else None
+            for rid in _request_ids(request_id):  # all checked (ValueError) before any request ends
+                request = self.output_processor.requests.get(rid)
                 if request is not None:
                     self._end_request(request, "abort")
 

@@ -95,34 +95,53 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: metadata {gguf_arch}.{key} is missing")
         return value
 
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    vocab = field(f"{gguf_arch}.vocab_size") or len(gguf.metadata.get("tokenizer.ggml.tokens", []))
-    head_dim = field(f"{gguf_arch}.attention.key_length") or field(f"{gguf_arch}.rope.dimension_count")
+    # The numbers go to from_hf_config as stored, which checks them and names each by its metadata key.
+    names = {
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_hidden_layers": "block_count",
+        "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv",
+        "head_dim": "attention.key_length",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "rope_theta": "rope.freq_base",
+        "rope_scaling.factor": "rope.scaling.factor",
+        "max_position_embeddings": "context_length",
+        "vocab_size": "vocab_size",
+    }
+    names = {hf_key: f"metadata {gguf_arch}.{key}" for hf_key, key in names.items()}
+    vocab = field(f"{gguf_arch}.vocab_size")
+    if vocab is None:  # llama.cpp's vocabulary is the token list; vocab_size is optional
+        vocab = len(gguf.metadata.get("tokenizer.ggml.tokens", []))
+        names["vocab_size"] = "the number of tokenizer.ggml.tokens"
+    head_dim = field(f"{gguf_arch}.attention.key_length")
+    if head_dim is None and field(f"{gguf_arch}.rope.dimension_count") is not None:
+        head_dim = field(f"{gguf_arch}.rope.dimension_count")
+        names["head_dim"] = f"metadata {gguf_arch}.rope.dimension_count"
     rope_scaling = None
     if gguf.metadata.get(f"{gguf_arch}.rope.scaling.type", "none") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
     eos = field("tokenizer.ggml.eos_token_id")
     hf_like = {
         "model_type": GGUF_ARCHITECTURES[gguf_arch],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
-        "head_dim": int(head_dim or hidden // heads),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "vocab_size": vocab,
+        "hidden_size": meta("embedding_length"),
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": meta("attention.head_count"),
+        "num_key_value_heads": field(f"{gguf_arch}.attention.head_count_kv"),  # None: as many as the query heads
+        "head_dim": head_dim,  # None: embedding_length / head_count
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta("rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(meta("context_length")),
+        "max_position_embeddings": meta("context_length"),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "mlp_bias": "blk.0.ffn_gate.bias" in gguf.tensors,
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }
-    config = ModelConfig.from_hf_config(hf_like, source=str(path))
+    config = ModelConfig.from_hf_config(hf_like, source=str(path), names=names)
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
         factors = _dequantize(rope_freqs, path).reshape(-1)
