@@ -123,6 +123,8 @@ def test_bad_requests_are_refused_where_they_are_added(llm, engine, monkeypatch)
         with pytest.raises(ValueError, match="already in use"):
             await collect(engine, "refused", prompt(0), SamplingParams())
         monkeypatch.setattr(llm.engine, "add_prepared_requests", add)
+        with pytest.raises(ValueError, match="request_id must be a string, got None"):
+            engine.abort(None)
         # The loop serves on.
         return await collect(engine, "good", prompt(0), SamplingParams(temperature=0, max_tokens=3))
 

@@ -39,6 +39,7 @@ from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.engine.output_processor import Request
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.validation import check_text
 
 logger = logging.getLogger("jaxpage")
 
@@ -151,7 +152,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Aborts the request at the loop's next turn (without waiting for a step); its stream ends with the final
-        output (finish_reason "abort"). An unknown or finished request_id is ignored."""
+        output (finish_reason "abort"). An unknown or finished request_id is ignored; one that is not a string is a
+        ValueError naming it."""
+        check_text("request_id", request_id)
         with self._lock:
             engine_id = self._engine_ids.get(request_id)
         if engine_id is not None:

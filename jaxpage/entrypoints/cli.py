@@ -133,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_arguments(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    _add_serve_command(commands)
+    return parser
+
+
+def _add_serve_command(commands) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve an OpenAI-compatible HTTP API",
@@ -175,7 +180,6 @@ def _parser() -> argparse.ArgumentParser:
         help="how the model writes tool calls: hermes (Qwen 2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
     add_engine_arguments(serve)
-    return parser
 
 
 def _check_prompt(prompt: str) -> None:

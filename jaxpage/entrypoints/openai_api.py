@@ -73,70 +73,15 @@ def parse_request(
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     prompt = messages = tool_choice = None
     if url == CHAT:
-        try:
-            messages = check_messages(body.get("messages"))
-            tool_choice = parse_tool_choice(body, tool_parser, auto_tool_choice)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        max_tokens = _optional_int(body, "max_completion_tokens", 1)
-        if max_tokens is None:
-            max_tokens = _optional_int(body, "max_tokens", 1)
-        top_logprobs = _chat_logprobs(body)
+        messages, tool_choice, max_tokens, top_logprobs = _chat_fields(body, tool_parser, auto_tool_choice)
     else:
-        prompt = body.get("prompt")
-        is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not is_ids:
-            raise RequestError(
-                f"prompt must be a non-empty string, a list of token ids, or a list of either (several prompts), "
-                f"got {describe(prompt)}"
-            )
-        if isinstance(prompt, str):
-            try:
-                check_text("prompt", prompt)
-            except ValueError as e:
-                raise RequestError(str(e)) from None
-        max_tokens = _optional_int(body, "max_tokens", 1)
-        max_tokens = OPENAI_DEFAULT_MAX_TOKENS if "max_tokens" not in body else max_tokens
-        top_logprobs = _optional_int(body, "logprobs", 0, SamplingParams.MAX_LOGPROBS)
-    stop = body.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        raise RequestError(f"stop must be a string or a list of strings, got {describe(stop)}")
-    kwargs = dict(
-        n=_optional_int(body, "n", 1),
-        temperature=_optional_number(body, "temperature"),
-        top_p=_optional_number(body, "top_p"),
-        top_k=_optional_int(body, "top_k", -1),
-        min_p=_optional_number(body, "min_p"),
-        seed=_optional_int(body, "seed"),
-        stop=stop,
-        max_tokens=max_tokens,
-        logprobs=top_logprobs,
-        ignore_eos=_optional_bool(body, "ignore_eos"),  # vLLM's extension
-        presence_penalty=_optional_number(body, "presence_penalty"),
-        frequency_penalty=_optional_number(body, "frequency_penalty"),
-        logit_bias=body.get("logit_bias"),
-        # vLLM's extensions
-        repetition_penalty=_optional_number(body, "repetition_penalty"),
-        min_tokens=_optional_int(body, "min_tokens", 0),
-        allowed_token_ids=body.get("allowed_token_ids"),
-        bad_words=body.get("bad_words"),
-        structured_outputs=_structured_outputs(body),
-        stop_token_ids=body.get("stop_token_ids"),
-        skip_special_tokens=_optional_bool(body, "skip_special_tokens"),
-        prompt_logprobs=_optional_int(body, "prompt_logprobs", 0, SamplingParams.MAX_LOGPROBS),
-    )
+        prompt, max_tokens, top_logprobs = _completions_fields(body)
+    kwargs = _sampling_kwargs(body, max_tokens, top_logprobs)
     if kwargs["prompt_logprobs"] is not None and stream:
         raise RequestError("prompt_logprobs is supported without stream")
     parallel_tool_calls = _optional_bool(body, "parallel_tool_calls") is not False
-    forced = forced_schema(tool_choice) if tool_choice is not None else None
-    if forced is not None:  # tool_choice "required" or a named function: the output is the call's JSON
-        if kwargs["structured_outputs"] is not None:
-            raise RequestError("tool_choice required or a named function cannot be combined with response_format")
-        if not parallel_tool_calls and tool_choice.mode == "required":
-            forced = dict(forced, maxItems=1)
-        kwargs["structured_outputs"] = StructuredOutputsParams(json=forced)
+    if tool_choice is not None:
+        kwargs["structured_outputs"] = _forced_tool_call(tool_choice, parallel_tool_calls, kwargs["structured_outputs"])
     _refuse_unsupported(url, body, kwargs["n"] or 1)
     echo = _optional_bool(body, "echo") or False
     if echo and (url == CHAT or stream):
@@ -163,6 +108,86 @@ def parse_request(
         parallel_tool_calls,
         show_prompt_logprobs,
     )
+
+
+def _chat_fields(body: dict, tool_parser: str | None, auto_tool_choice: bool):
+    """(messages, tool choice, max_tokens, top_logprobs) of a chat completions body."""
+    try:
+        messages = check_messages(body.get("messages"))
+        tool_choice = parse_tool_choice(body, tool_parser, auto_tool_choice)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    max_tokens = _optional_int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _optional_int(body, "max_tokens", 1)
+    return messages, tool_choice, max_tokens, _chat_logprobs(body)
+
+
+def _completions_fields(body: dict):
+    """(prompt, max_tokens, top_logprobs) of a completions body with one prompt (split_prompts)."""
+    prompt = body.get("prompt")
+    is_ids = isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not is_ids:
+        raise RequestError(
+            f"prompt must be a non-empty string, a list of token ids, or a list of either (several prompts), "
+            f"got {describe(prompt)}"
+        )
+    if isinstance(prompt, str):
+        try:
+            check_text("prompt", prompt)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+    max_tokens = _optional_int(body, "max_tokens", 1)
+    max_tokens = OPENAI_DEFAULT_MAX_TOKENS if "max_tokens" not in body else max_tokens
+    return prompt, max_tokens, _optional_int(body, "logprobs", 0, SamplingParams.MAX_LOGPROBS)
+
+
+def _sampling_kwargs(body: dict, max_tokens: int | None, top_logprobs: int | None) -> dict:
+    """SamplingParams' arguments from the body's fields, each checked for its JSON type (None: not given)."""
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RequestError(f"stop must be a string or a list of strings, got {describe(stop)}")
+    return dict(
+        n=_optional_int(body, "n", 1),
+        temperature=_optional_number(body, "temperature"),
+        top_p=_optional_number(body, "top_p"),
+        top_k=_optional_int(body, "top_k", -1),
+        min_p=_optional_number(body, "min_p"),
+        seed=_optional_int(body, "seed"),
+        stop=stop,
+        max_tokens=max_tokens,
+        logprobs=top_logprobs,
+        ignore_eos=_optional_bool(body, "ignore_eos"),  # vLLM's extension
+        presence_penalty=_optional_number(body, "presence_penalty"),
+        frequency_penalty=_optional_number(body, "frequency_penalty"),
+        logit_bias=body.get("logit_bias"),
+        # vLLM's extensions
+        repetition_penalty=_optional_number(body, "repetition_penalty"),
+        min_tokens=_optional_int(body, "min_tokens", 0),
+        allowed_token_ids=body.get("allowed_token_ids"),
+        bad_words=body.get("bad_words"),
+        structured_outputs=_structured_outputs(body),
+        stop_token_ids=body.get("stop_token_ids"),
+        skip_special_tokens=_optional_bool(body, "skip_special_tokens"),
+        prompt_logprobs=_optional_int(body, "prompt_logprobs", 0, SamplingParams.MAX_LOGPROBS),
+    )
+
+
+def _forced_tool_call(
+    tool_choice: ToolChoice, parallel_tool_calls: bool, structured: StructuredOutputsParams | None
+) -> StructuredOutputsParams | None:
+    """The structured output of a request with tools: tool_choice "required" or a named function force the call's
+    JSON (parallel_tool_calls false: one call); otherwise what the request asked for."""
+    forced = forced_schema(tool_choice)
+    if forced is None:
+        return structured
+    if structured is not None:
+        raise RequestError("tool_choice required or a named function cannot be combined with response_format")
+    if not parallel_tool_calls and tool_choice.mode == "required":
+        forced = dict(forced, maxItems=1)
+    return StructuredOutputsParams(json=forced)
 
 
 def split_prompts(url: str, body) -> list:
