@@ -44,7 +44,7 @@ def results(full_vocab_dir):
                 model="local-completions",
                 model_args=model_args,
                 tasks=["jaxpage_choice", "jaxpage_generate"],
-                task_manager=TaskManager(include_path=str(TASKS)),
+                task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),  # not its thousands of tasks
                 log_samples=True,
             )
         finally:
