@@ -15,7 +15,9 @@ from jaxpage.errors import ModelLoadError
 from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, describe, fail, is_int
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+DEFAULT_EXPERTS_PER_TOKEN = {"mixtral": 2, "qwen2_moe": 4, "qwen3_moe": 8}  # transformers' config classes' defaults
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's fp8 is e4m3
 
@@ -71,6 +73,18 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: a query sees itself and the sliding_window - 1 keys before it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; jaxpage.models.moe): every layer's MLP is num_experts
+    # SiLU-gated experts of moe_intermediate_size features, num_experts_per_tok of them per token, their weights
+    # renormalized over the chosen ones when norm_topk_prob; Qwen2-MoE adds a gated shared expert of
+    # shared_expert_intermediate_size features. num_experts 0: a dense MLP of intermediate_size features.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # How the model runs, not what it is: with expert parallelism (EngineConfig.enable_expert_parallel), the routed
+    # experts split over this many tensor-parallel shards (jaxpage.worker.parallel); 1: every shard has every expert.
+    expert_parallel_size: int = 1
     # The weights as stored in the parameters: None (floats) or "int8" (every projection and the embedding: int8
     # with a float32 scale per output channel, see jaxpage.models.int8).
     quantization: str | None = None
@@ -87,6 +101,15 @@ class ModelConfig:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
         assert isinstance(self.eos_token_ids, tuple), self.eos_token_ids
         assert self.rope_freq_factors is None or len(self.rope_freq_factors) == self.head_dim // 2
+        if self.num_experts:
+            assert 1 <= self.num_experts_per_tok <= self.num_experts, (self.num_experts_per_tok, self.num_experts)
+            assert self.moe_intermediate_size > 0, self.moe_intermediate_size
+        assert self.shared_expert_intermediate_size >= 0, self.shared_expert_intermediate_size
+        assert self.expert_parallel_size == 1 or self.num_experts % self.expert_parallel_size == 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -138,9 +161,10 @@ class ModelConfig:
         if hf.get("use_sliding_window"):
             raise ModelLoadError(f"{source}: per-layer sliding windows ({arch} use_sliding_window) are not supported")
         try:
+            _refuse_unsupported_moe_options(hf, arch)
             sizes = _sizes_from_hf(hf, name)
             rope_theta, rope_scaling = _rope_from_hf(hf, name)
-            window = hf.get("sliding_window") if arch == "mistral" else None  # null: no window
+            window = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None  # null: no window
             attention_bias = bool(hf.get("attention_bias", False))
             eos = hf.get("eos_token_id")
             return cls(
@@ -149,10 +173,11 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=True if arch == "qwen2" else attention_bias and arch in ("llama", "qwen3"),
+                qkv_bias=_qkv_bias(hf, arch, attention_bias),
                 o_bias=attention_bias and arch == "llama",
                 mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
-                qk_norm=arch == "qwen3",
+                qk_norm=arch in ("qwen3", "qwen3_moe"),
+                **_moe_from_hf(hf, arch, name),
                 sliding_window=None if window is None else _size(name("sliding_window"), window),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
@@ -163,6 +188,62 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: required field {name(e.args[0])!r} is missing") from None
         except (AssertionError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{source}: inconsistent model config ({e})") from None
+
+
+def _qkv_bias(hf: dict[str, Any], arch: str, attention_bias: bool) -> bool:
+    """Whether q, k and v have biases: always in Qwen2, in Qwen2-MoE unless qkv_bias says not, where attention_bias
+    says so in Llama, Qwen3 and Qwen3-MoE."""
+    if arch == "qwen2":
+        return True
+    if arch == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    return attention_bias and arch in ("llama", "qwen3", "qwen3_moe")
+
+
+def _refuse_unsupported_moe_options(hf: dict[str, Any], arch: str) -> None:
+    """ModelLoadError naming the Qwen MoE options that make some layers dense: jaxpage scans one layer body, so every
+    layer of a MoE model must be sparse."""
+    if arch not in ("qwen2_moe", "qwen3_moe"):
+        return
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ModelLoadError(f"decoder_sparse_step {describe(step)} is not supported (only 1: every layer sparse)")
+    dense_layers = hf.get("mlp_only_layers") or []
+    if dense_layers:
+        raise ModelLoadError(f"mlp_only_layers {describe(dense_layers)} is not supported (only []: no dense layer)")
+
+
+def _moe_from_hf(hf: dict[str, Any], arch: str, name: Callable[[str], str]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Mixtral, Qwen2-MoE or Qwen3-MoE config (none for the dense
+    families). Mixtral's experts have intermediate_size features and always renormalize their weights."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    # Mixtral's key, and transformers 5's for Qwen3-MoE; Qwen's checkpoints write num_experts.
+    experts_key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    num_experts = _size(name(experts_key), hf[experts_key])
+    top_k = _size(name("num_experts_per_tok"), hf.get("num_experts_per_tok", DEFAULT_EXPERTS_PER_TOKEN[arch]))
+    if top_k > num_experts:
+        raise ModelLoadError(
+            f"{name('num_experts_per_tok')} must be at most {name(experts_key)} ({num_experts}), got {top_k}"
+        )
+    if arch == "mixtral":
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=_size(name("intermediate_size"), hf["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    norm_topk_prob = hf.get("norm_topk_prob", False)
+    if not isinstance(norm_topk_prob, bool):
+        raise ModelLoadError(f"{name('norm_topk_prob')} must be true or false, got {describe(norm_topk_prob)}")
+    shared = hf.get("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_size(name("moe_intermediate_size"), hf["moe_intermediate_size"]),
+        shared_expert_intermediate_size=0 if not shared else _size(name("shared_expert_intermediate_size"), shared),
+        norm_topk_prob=norm_topk_prob,
+    )
 
 
 def _size(field: str, value) -> int:
@@ -292,6 +373,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int
     data_parallel_size: int
+    enable_expert_parallel: bool
     coordinator_address: str | None
     num_processes: int | None
     process_id: int | None
@@ -400,6 +482,12 @@ class EngineConfig:
     # Data parallelism: this many replicas of the model (each tensor_parallel_size devices), each with its own pages
     # and scheduler state, stepping together; new requests go where their prefix is cached, else to the least loaded.
     data_parallel_size: int = arg(1, "replicas of the model, each its own pages (default 1)")
+    # Expert parallelism (vLLM's name; jaxpage.worker.parallel): a mixture of experts' routed experts split whole over
+    # the tensor_parallel_size shards (E / tp experts each) instead of every expert by its features. No effect on a
+    # dense model or on one device.
+    enable_expert_parallel: bool = arg(
+        False, "split a mixture of experts' experts over the tensor-parallel devices, whole (default: off)"
+    )
     # Several hosts (jaxpage.entrypoints.distributed): one process per host, joined by jax.distributed.initialize with
     # these (None: for JAX to find, e.g. on a TPU pod; JAX reads $JAX_COORDINATOR_ADDRESS itself). Process 0 serves; the
     # others follow it (LLMEngine.follow). All None and no $JAX_COORDINATOR_ADDRESS: one process.
@@ -475,6 +563,7 @@ class EngineConfig:
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
         put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
+        check_bool(arg("enable_expert_parallel"), self.enable_expert_parallel)
         if self.coordinator_address is not None:
             address = self.coordinator_address
             host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")

@@ -17,6 +17,7 @@ __all__ = [
     "TINY_COMMON_CONFIG",
     "TINY_FAMILIES",
     "TinyFamily",
+    "hf_greedy_tokens",
     "hf_logits",
     "load_hf_model",
     "load_tiny_hf_model",
@@ -61,3 +62,27 @@ def hf_logits(model, token_ids: list[int]) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float().numpy()
+
+
+def hf_greedy_tokens(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Plain argmax decoding with transformers' KV cache, every prompt in one batch: padded on the left, masked, each
+    row's positions from 0. (generate's min_new_tokens would mask EOS, which vLLM's ignore_eos does not: it only
+    keeps going after EOS.)"""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens = []
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _ in range(num_tokens):
+            token = out.logits[:, -1].argmax(-1)
+            tokens.append(token)
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], -1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                token[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values
+            )
+    return torch.stack(tokens, 1).tolist()

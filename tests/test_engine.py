@@ -4,7 +4,7 @@ decoding, whatever the pool size, page size, chunking or prefix caching."""
 from __future__ import annotations
 
 import pytest
-import torch
+from hf_reference import hf_greedy_tokens
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
@@ -37,28 +37,6 @@ def hf_greedy(smollm2_path, smollm2_hf):
 
     tokenizer = load_tokenizer(smollm2_path)
     return hf_greedy_tokens(smollm2_hf, [encode_prompt(tokenizer, prompt) for prompt in PROMPTS], NEW_TOKENS)
-
-
-def hf_greedy_tokens(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """Plain argmax decoding with transformers' KV cache, every prompt in one batch: padded on the left, masked, each
-    row's positions from 0. (generate's min_new_tokens would mask EOS, which vLLM's ignore_eos does not: it only
-    keeps going after EOS.)"""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    tokens = []
-    with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        for _ in range(num_tokens):
-            token = out.logits[:, -1].argmax(-1)
-            tokens.append(token)
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], -1)
-            positions = positions[:, -1:] + 1
-            out = model(
-                token[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values
-            )
-    return torch.stack(tokens, 1).tolist()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -15,7 +15,10 @@ from jaxpage.models.gguf_loader import GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, 
 from jaxpage.models.weights import layer_tensor_specs
 from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
+    "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+}  # fmt: skip
 GGUF_FAMILIES = [
     f
     for f in TINY_FAMILIES
@@ -27,6 +30,10 @@ GGUF_FAMILIES = [
         "qwen2-qkv-bias",
         "qwen3-qk-norm-head-dim",
         "smollm2-tied",
+        "mistral-sliding-window",
+        "mixtral-top2-sliding-window",
+        "qwen2-moe-shared-expert",
+        "qwen3-moe-norm-topk",
     )
 ]
 
@@ -43,6 +50,33 @@ def gguf_tensor_name(hf: str) -> str:
         return inverse[hf]
     _, _, layer, suffix = hf.split(".", 3)
     return f"blk.{layer}." + {v: k for k, v in LAYER_TENSOR_NAMES.items()}[suffix]
+
+
+def gguf_moe_tensors(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """A mixture of experts' tensor of transformers 5's model (experts fused: gate_up_proj [E, 2F, D], down_proj
+    [E, D, F]) as llama.cpp's converter writes it: one [E, out, in] tensor per projection, the router as
+    ffn_gate_inp, the shared expert's gate as a vector. None for other tensors."""
+    parts = name.split(".")
+    if (
+        len(parts) < 5
+        or parts[3] != "mlp"
+        or parts[4] not in ("gate", "experts", "shared_expert", "shared_expert_gate")
+    ):
+        return None
+    block, rest = f"blk.{parts[2]}.", ".".join(parts[4:])
+    if rest == "experts.gate_up_proj":
+        half = data.shape[1] // 2
+        return [(block + "ffn_gate_exps.weight", data[:, :half]), (block + "ffn_up_exps.weight", data[:, half:])]
+    names = {
+        "experts.down_proj": "ffn_down_exps.weight",
+        "gate.weight": "ffn_gate_inp.weight",
+        "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+        "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+        "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    }
+    if rest == "shared_expert_gate.weight":
+        return [(block + "ffn_gate_inp_shexp.weight", data.reshape(-1))]
+    return [(block + names[rest], data)]
 
 
 def llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -83,6 +117,16 @@ def write_gguf(model, path) -> None:
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
     writer.add_vocab_size(hf.vocab_size)
     writer.add_eos_token_id(2)
+    if getattr(hf, "sliding_window", None):
+        writer.add_sliding_window(hf.sliding_window)
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(hf.num_experts_per_tok)
+        if hf.model_type != "mixtral":
+            writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+        if getattr(hf, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(hf.shared_expert_intermediate_size)
     if hf.rope_parameters["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(hf.rope_parameters, head_dim))
     for name, tensor in model.state_dict().items():
@@ -93,7 +137,8 @@ def write_gguf(model, path) -> None:
             data = llama_cpp_permute(data, hf.num_attention_heads)
         if arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, hf.num_key_value_heads)
-        writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(data))
+        for gguf_name, part in gguf_moe_tensors(name, data) or [(gguf_tensor_name(name), data)]:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(part))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -67,14 +67,31 @@ def dequantized(config, params):
     return dataclasses.replace(config, quantization=None), walk(jax.tree.map(np.asarray, params), ())
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_the_model_equals_its_dequantized_float_twin(tiny_model_path, monkeypatch, method):
+MOE_FAMILY = next(f for f in TINY_FAMILIES if f.name == "qwen2-moe-shared-expert")
+FLOAT_KERNELS = ("router", "shared_expert_gate")  # a mixture of experts' routing stays in floats
+
+
+@pytest.mark.parametrize(
+    ("family", "method"),
+    [(FAMILY, "dequantize"), (FAMILY, "int8_dot"), (MOE_FAMILY, "int8_dot")],
+    ids=["dequantize", "int8_dot", "moe-int8_dot"],
+)
+def test_the_model_equals_its_dequantized_float_twin(tiny_model_path, monkeypatch, family, method):
+    """Every projection int8 (a mixture of experts' experts and shared expert too, its routing in floats)."""
     monkeypatch.setattr("jaxpage.models.llama.lm_head_method", lambda platform=None: method)
     jax.clear_caches()  # forward's compiled program would keep the method it was traced with
-    config, params = load_model(tiny_model_path(FAMILY), quantization="int8")
+    config, params = load_model(tiny_model_path(family), quantization="int8")
     assert config.quantization == "int8"
-    kernels = [v for k, v in jax.tree_util.tree_leaves_with_path(params) if str(k[-1].key) in ("kernel", "embedding")]
-    assert kernels and all(v.dtype == np.int8 for v in kernels)
+    kernels = {
+        "/".join(str(k.key) for k in path): v
+        for path, v in jax.tree_util.tree_leaves_with_path(params)
+        if str(path[-1].key) in ("kernel", "embedding")
+    }
+    assert kernels and all(
+        (v.dtype == np.int8) != (path.split("/")[-2] in FLOAT_KERNELS) for path, v in kernels.items()
+    )
+    if family is MOE_FAMILY:
+        assert kernels["layers/mlp/experts/down_proj/kernel"].dtype == np.int8
     tokens = [[5, 9, 13, 2, 70, 41, 8, 8, 3]]
     got = np.asarray(forward(config, params, tokens))
     want = np.asarray(forward(*dequantized(config, params), tokens))

@@ -139,6 +139,29 @@ BAD_ARCHITECTURE_FIELDS = [
     (dict(rope_scaling={"rope_type": "llama3"}), "required field 'rope_scaling.factor' is missing"),
     (dict(rope_scaling=[8.0]), "rope_scaling must be an object, got [8.0]"),
     (dict(model_type="mistral", sliding_window=0), "sliding_window must be a positive integer, got 0"),
+    # Mixtures of experts (the tiny Llama's config with the family's fields)
+    (dict(model_type="mixtral", num_local_experts=0), "num_local_experts must be a positive integer, got 0"),
+    (dict(model_type="mixtral"), "required field 'num_local_experts' is missing"),
+    (
+        dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
+        "num_experts_per_tok must be at most num_experts (4), got 5",
+    ),
+    (
+        dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=None),
+        "moe_intermediate_size must be a positive integer, got None",
+    ),
+    (
+        dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=8, decoder_sparse_step=2),
+        "decoder_sparse_step 2 is not supported (only 1: every layer sparse)",
+    ),
+    (
+        dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8, mlp_only_layers=[0]),
+        "mlp_only_layers [0] is not supported (only []: no dense layer)",
+    ),
+    (
+        dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob="x"),
+        "norm_topk_prob must be true or false, got 'x'",
+    ),
 ]
 
 

@@ -101,6 +101,25 @@ def test_block_matches_dense_reference(num_tokens, num_experts, top_k):
     assert_methods_match_dense(outputs_of_every_method(block)(random_params(block, num_tokens), x))
 
 
+def test_int8_experts_match_the_dense_reference_of_their_dequantized_weights():
+    """int8 weights (quantization="int8"): the experts' and the shared expert's kernels int8 with a scale per expert
+    and output channel, the router and the shared expert's gate in floats; each method scales the right rows."""
+    block = MoEBlock(4, 2, 24, normalize_topk=False, shared_expert_intermediate_size=20, quantized=True)
+    x = jax.random.normal(jax.random.key(1), (33, HIDDEN))
+    params = jax.jit(block.init)(jax.random.key(0), x)["params"]
+    experts = params["experts"]
+    assert {name: (p["kernel"].dtype, p["scale"].shape) for name, p in experts.items()} == {
+        "gate_proj": (jnp.int8, (4, 24)),
+        "up_proj": (jnp.int8, (4, 24)),
+        "down_proj": (jnp.int8, (4, HIDDEN)),
+    }
+    assert params["shared_expert"]["down_proj"]["kernel"].dtype == jnp.int8
+    assert params["router"]["kernel"].dtype == params["shared_expert_gate"]["kernel"].dtype == jnp.float32
+    out = outputs_of_every_method(block)(params, x)
+    assert np.abs(out["dense"]).max() > 0.1
+    assert_methods_match_dense(out)
+
+
 def test_one_compilation_per_token_count_whatever_the_routing():
     num_tokens, num_experts, top_k = 12, 4, 2
     block = MoEBlock(num_experts, top_k, 24, normalize_topk=True)
@@ -130,7 +149,11 @@ def test_shared_expert_adds_its_gated_mlp():
         == jax.tree.map(jnp.shape, routed)
         == {
             "router": {"kernel": (HIDDEN, 4)},
-            "experts": {"gate_proj": (4, HIDDEN, 24), "up_proj": (4, HIDDEN, 24), "down_proj": (4, 24, HIDDEN)},
+            "experts": {
+                "gate_proj": {"kernel": (4, HIDDEN, 24)},
+                "up_proj": {"kernel": (4, HIDDEN, 24)},
+                "down_proj": {"kernel": (4, 24, HIDDEN)},
+            },
         }
     )
     assert jax.tree.map(jnp.shape, {name: params[name] for name in ("shared_expert", "shared_expert_gate")}) == {
@@ -211,9 +234,9 @@ def params_from_hf(block) -> dict:
     params = {
         "router": {"kernel": state["gate.weight"].T},
         "experts": {
-            "gate_proj": gate_up[:, :intermediate].transpose(0, 2, 1),
-            "up_proj": gate_up[:, intermediate:].transpose(0, 2, 1),
-            "down_proj": down.transpose(0, 2, 1),
+            "gate_proj": {"kernel": gate_up[:, :intermediate].transpose(0, 2, 1)},
+            "up_proj": {"kernel": gate_up[:, intermediate:].transpose(0, 2, 1)},
+            "down_proj": {"kernel": down.transpose(0, 2, 1)},
         },
     }
     if "shared_expert_gate.weight" in state:

@@ -261,3 +261,35 @@ def test_speculative_decoding_is_refused_with_data_parallelism(model_dir):
             data_parallel_size=2,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
+
+
+# A Qwen2-MoE: 8 experts, top 2, a shared expert with its gate (vocabulary 96; every size divisible by 8).
+MOE_FAMILY = TinyFamily(
+    "tp-moe",
+    "Qwen2MoeConfig",
+    dict(
+        num_attention_heads=8, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False,
+    ),
+)  # fmt: skip
+
+
+def expert_bytes(llm: LLM) -> dict[int, int]:
+    """Bytes of the routed experts' weights on each device."""
+    return {d.id: b for d, b in parallel.device_bytes(llm.engine.runner.params["layers"]["mlp"]["experts"]).items()}
+
+
+def test_mixture_of_experts_greedy_equals_one_device(tmp_path):
+    """Tensor parallelism splits every expert by its features; expert parallelism (enable_expert_parallel) gives each
+    of 2, 4 and 8 shards its E / tp experts whole: the same tokens as one device, each device 1 / tp of the experts'
+    bytes."""
+    directory = str(write_tiny_model(MOE_FAMILY, tmp_path))
+    one = LLM(directory, **ARGS)
+    want = greedy(one)
+    total = sum(expert_bytes(one).values())
+    for tp, expert_parallel in [(8, False), (2, True), (4, True), (8, True)]:
+        llm = LLM(directory, **ARGS, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
+        assert greedy(llm) == want, f"tensor_parallel_size {tp}, enable_expert_parallel {expert_parallel}"
+        assert expert_bytes(llm) == dict.fromkeys(range(tp), total // tp)
+        experts = llm.engine.runner.params["layers"]["mlp"]["experts"]["gate_proj"]["kernel"]  # [L, E, D, F]
+        assert experts.addressable_shards[0].data.shape[1:] == ((8 // tp, 64, 32) if expert_parallel else (8, 64, 4))

@@ -18,7 +18,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class TinyFamily:
     name: str
-    config_class: str  # transformers' config class: LlamaConfig, MistralConfig, Qwen2Config or Qwen3Config
+    config_class: str  # transformers' config class: one of ARCHITECTURES
     kwargs: dict
 
 
@@ -68,6 +68,39 @@ TINY_FAMILIES = [
         "qwen3-qk-norm-head-dim", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     ),
     TinyFamily(
+        "mixtral-top2-sliding-window",
+        "MixtralConfig",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=12
+        ),
+    ),
+    TinyFamily(
+        "qwen2-moe-shared-expert",
+        "Qwen2MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        ),
+    ),
+    TinyFamily(
+        "qwen3-moe-norm-topk",
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
+    TinyFamily(
         "smollm2-tied",
         "LlamaConfig",
         dict(
@@ -83,6 +116,13 @@ ARCHITECTURES = {
     "MistralConfig": ("mistral", "MistralForCausalLM", dict(bos_token_id=1, eos_token_id=2)),
     "Qwen2Config": ("qwen2", "Qwen2ForCausalLM", {}),
     "Qwen3Config": ("qwen3", "Qwen3ForCausalLM", {}),
+    "MixtralConfig": (
+        "mixtral",
+        "MixtralForCausalLM",
+        dict(bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, rope_theta=1e6),
+    ),
+    "Qwen2MoeConfig": ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
+    "Qwen3MoeConfig": ("qwen3_moe", "Qwen3MoeForCausalLM", {}),
 }
 
 
@@ -107,16 +147,22 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv_heads * hd, d),
         "self_attn.o_proj.weight": (d, heads * hd),
         "post_attention_layernorm.weight": (d,),
-        "mlp.gate_proj.weight": (f, d),
-        "mlp.up_proj.weight": (f, d),
-        "mlp.down_proj.weight": (d, f),
     }
-    if attention_bias or model_type == "qwen2":
+    layer |= (
+        moe_tensor_shapes(config)
+        if "moe" in model_type or model_type == "mixtral"
+        else {
+            "mlp.gate_proj.weight": (f, d),
+            "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f),
+        }
+    )
+    if attention_bias or model_type in ("qwen2", "qwen2_moe"):
         layer |= {"self_attn.q_proj.bias": (heads * hd,), "self_attn.k_proj.bias": (kv_heads * hd,)}
         layer |= {"self_attn.v_proj.bias": (kv_heads * hd,)}
     if attention_bias:
         layer["self_attn.o_proj.bias"] = (d,)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
     if config.get("mlp_bias", False) and model_type == "llama":
         layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)}
@@ -126,6 +172,29 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (d,)
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (vocab, d)
+    return shapes
+
+
+def moe_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts layer's MLP tensors as checkpoints name them: Mixtral's block_sparse_moe (experts w1 =
+    gate, w3 = up, w2 = down), Qwen-MoE's mlp (and Qwen2-MoE's shared expert)."""
+    d = config["hidden_size"]
+    if config["model_type"] == "mixtral":
+        e, f = config["num_local_experts"], config["intermediate_size"]
+        shapes = {"block_sparse_moe.gate.weight": (e, d)}
+        for j in range(e):
+            shapes |= {f"block_sparse_moe.experts.{j}.{w}.weight": (f, d) for w in ("w1", "w3")}
+            shapes[f"block_sparse_moe.experts.{j}.w2.weight"] = (d, f)
+        return shapes
+    e, f = config["num_experts"], config["moe_intermediate_size"]
+    shapes = {"mlp.gate.weight": (e, d)}
+    for j in range(e):
+        shapes |= {f"mlp.experts.{j}.gate_proj.weight": (f, d), f"mlp.experts.{j}.up_proj.weight": (f, d)}
+        shapes[f"mlp.experts.{j}.down_proj.weight"] = (d, f)
+    s = config.get("shared_expert_intermediate_size")
+    if s:
+        shapes |= {f"mlp.shared_expert.{p}.weight": (s, d) for p in ("gate_proj", "up_proj")}
+        shapes |= {"mlp.shared_expert.down_proj.weight": (d, s), "mlp.shared_expert_gate.weight": (1, d)}
     return shapes
 
 

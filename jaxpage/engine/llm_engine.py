@@ -26,7 +26,6 @@ from jaxpage.models.loader import load_model
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence, SequenceStatus
-from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.spec_decode.decoder import SpeculativeDecoder
 from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
@@ -41,10 +40,12 @@ from jaxpage.worker.step_broadcast import Message, StepBroadcast
 logger = logging.getLogger("jaxpage")
 
 
-def load_models(load: LoadConfig, spec: SpeculativeConfig | None, mesh) -> tuple[ModelConfig, tuple, tuple | None]:
-    """(the model's config, the target's (config, params) as they run, a draft model's or None): loaded as `load`
-    and `spec` say, each device receiving its shards of the weights as they load (jaxpage.worker.parallel)."""
-    placement = None if mesh is None else parallel.placement(mesh)
+def load_models(config: EngineConfig, mesh) -> tuple[ModelConfig, tuple, tuple | None]:
+    """(the model's config, the target's (config, params) as they run, a draft model's or None): loaded as the
+    engine arguments say, each device receiving its shards of the weights as they load (jaxpage.worker.parallel; a
+    mixture of experts' experts whole with enable_expert_parallel)."""
+    load, spec, expert_parallel = config.part(LoadConfig), config.speculative_config, config.enable_expert_parallel
+    placement = None if mesh is None else parallel.placement(mesh, expert_parallel)
     model_config, params = load_model(
         load.model, dtype=load.dtype, load_format=load.load_format, sharding=placement, quantization=load.quantization
     )
@@ -52,7 +53,7 @@ def load_models(load: LoadConfig, spec: SpeculativeConfig | None, mesh) -> tuple
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(spec.model, load.dtype, model_config, sharding=placement)
         draft = parallel.as_run(*draft, mesh)
-    return model_config, parallel.as_run(model_config, params, mesh), draft
+    return model_config, parallel.as_run(model_config, params, mesh, expert_parallel), draft
 
 
 def _request_ids(request_id) -> list[str]:
@@ -85,7 +86,7 @@ class LLMEngine:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
-        self.model_config, target, draft = load_models(config.part(LoadConfig), config.speculative_config, self.mesh)
+        self.model_config, target, draft = load_models(config, self.mesh)
         spec = config.speculative_config
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:

@@ -19,8 +19,15 @@ from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_
 from jaxpage.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxpage.models.weights import params_from_hf_tensors
 
-# GGUF general.architecture -> jaxpage architecture. Mistral models are written as "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF general.architecture -> jaxpage architecture. Mistral models are written as "llama", and so is Mixtral (a
+# "llama" with {arch}.expert_count).
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}
 
 # Types jaxpage dequantizes; anything else is refused by name.
 SUPPORTED_TENSOR_TYPES = SUPPORTED_TYPES
@@ -51,6 +58,49 @@ LAYER_TENSOR_NAMES = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+}
+
+
+# A mixture of experts' layer tensors: llama.cpp keeps each projection of every expert in one [E, out, in] tensor
+# (the experts' names: expert_names), the router and Qwen2-MoE's shared expert as the names below say (Mixtral's block
+# is block_sparse_moe in transformers, Qwen's mlp).
+STACKED_EXPERT_TENSORS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+MOE_LAYER_TENSOR_NAMES = {
+    "ffn_gate_inp.weight": "{block}.gate.weight",
+    "ffn_gate_shexp.weight": "{block}.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "{block}.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "{block}.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "{block}.shared_expert_gate.weight",  # [D] in GGUF, [1, D] in transformers
+}
+
+
+def expert_names(architecture: str) -> tuple[str, str, str]:
+    """transformers' names of an expert's gate, up and down projections in `architecture`."""
+    return ("w1", "w3", "w2") if architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_block(architecture: str) -> str:
+    return "block_sparse_moe" if architecture == "mixtral" else "mlp"
+
+
+# config.json's fields by their GGUF metadata keys (after `{general.architecture}.`).
+METADATA_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "rope_scaling.factor": "rope.scaling.factor",
+    "sliding_window": "attention.sliding_window",
+    "max_position_embeddings": "context_length",
+    "vocab_size": "vocab_size",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
 }
 
 
@@ -96,20 +146,7 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
         return value
 
     # The numbers go to from_hf_config as stored, which checks them and names each by its metadata key.
-    names = {
-        "hidden_size": "embedding_length",
-        "intermediate_size": "feed_forward_length",
-        "num_hidden_layers": "block_count",
-        "num_attention_heads": "attention.head_count",
-        "num_key_value_heads": "attention.head_count_kv",
-        "head_dim": "attention.key_length",
-        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-        "rope_theta": "rope.freq_base",
-        "rope_scaling.factor": "rope.scaling.factor",
-        "max_position_embeddings": "context_length",
-        "vocab_size": "vocab_size",
-    }
-    names = {hf_key: f"metadata {gguf_arch}.{key}" for hf_key, key in names.items()}
+    names = {hf_key: f"metadata {gguf_arch}.{key}" for hf_key, key in METADATA_KEYS.items()}
     vocab = field(f"{gguf_arch}.vocab_size")
     if vocab is None:  # llama.cpp's vocabulary is the token list; vocab_size is optional
         vocab = len(gguf.metadata.get("tokenizer.ggml.tokens", []))
@@ -141,6 +178,10 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }
+    window = field(f"{gguf_arch}.attention.sliding_window")
+    if window and gguf_arch == "llama":  # Mistral's (a "llama" to llama.cpp); Mixtral's, below
+        hf_like |= {"model_type": "mistral", "sliding_window": window}
+    hf_like |= _moe_fields(field, meta, gguf_arch, gguf.metadata.get(f"{gguf_arch}.expert_weights_norm"))
     config = ModelConfig.from_hf_config(hf_like, source=str(path), names=names)
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
@@ -152,6 +193,26 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
             )
         config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
     return config
+
+
+def _moe_fields(field, meta, gguf_arch: str, norm) -> dict[str, Any]:
+    """A mixture of experts' config.json fields from GGUF metadata (none for a dense model): Mixtral is a "llama"
+    with an expert_count; Qwen3-MoE renormalizes its routing weights as llama.cpp does (Qwen2-MoE does not), unless
+    expert_weights_norm says otherwise."""
+    experts = field(f"{gguf_arch}.expert_count")
+    if gguf_arch == "llama" and not experts:
+        return {}
+    if gguf_arch == "llama":
+        return {"model_type": "mixtral", "num_experts": experts, "num_experts_per_tok": meta("expert_used_count")}
+    if gguf_arch not in ("qwen2moe", "qwen3moe"):
+        return {}
+    return {
+        "num_experts": meta("expert_count"),
+        "num_experts_per_tok": meta("expert_used_count"),
+        "moe_intermediate_size": meta("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": field(f"{gguf_arch}.expert_shared_feed_forward_length"),
+        "norm_topk_prob": (gguf_arch == "qwen3moe") if norm is None else bool(norm),
+    }
 
 
 def _check_type(tensor: GGUFTensor, path: Path) -> None:
@@ -179,20 +240,42 @@ class GGUFSource:
         self._path = path
         self._config = config
         self._tensors = {}
+        self._experts: dict[str, tuple[GGUFTensor, int]] = {}  # an expert's name -> (its stacked tensor, its index)
+        self._stacked: tuple[str, np.ndarray] | None = None  # the last stacked tensor dequantized
         for tensor in gguf.tensors.values():
             name = hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
+            elif config.is_moe:
+                self._add_moe_tensor(tensor)
+
+    def _add_moe_tensor(self, tensor: GGUFTensor) -> None:
+        parts = tensor.name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk":
+            return
+        arch, layer, suffix = self._config.architecture, parts[1], parts[2]
+        if suffix in MOE_LAYER_TENSOR_NAMES:
+            self._tensors[f"model.layers.{layer}.{MOE_LAYER_TENSOR_NAMES[suffix].format(block=moe_block(arch))}"] = (
+                tensor
+            )
+        elif suffix in STACKED_EXPERT_TENSORS and len(tensor.shape) == 3:
+            projection = expert_names(arch)[STACKED_EXPERT_TENSORS[suffix]]
+            for j in range(tensor.shape[0]):
+                self._experts[f"model.layers.{layer}.{moe_block(arch)}.experts.{j}.{projection}.weight"] = (tensor, j)
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensors) | set(self._experts)
 
     def file_of(self, name: str) -> str:
         return str(self._path)
 
     def get(self, name: str) -> np.ndarray:
+        if name in self._experts:
+            return self._expert(*self._experts[name])
         tensor = self._tensors[name]
         _check_type(tensor, self._path)
+        if name.endswith("shared_expert_gate.weight") and len(tensor.shape) == 1:
+            return dequantize(tensor.data, tensor.tensor_type, tensor.shape)[None]
         heads = self._permuted_heads(name, tensor.shape)
         if len(tensor.shape) == 2 and name != EMBEDDING:
             # Unpermuting the row numbers gives the stored row for each row of the result: the bytes are gathered.
@@ -201,10 +284,17 @@ class GGUFSource:
         weights = dequantize(tensor.data, tensor.tensor_type, tensor.shape)
         return weights if heads is None else unpermute_rows(weights, heads)
 
+    def _expert(self, tensor: GGUFTensor, j: int) -> np.ndarray:
+        """Expert j's [out, in] weight from a stacked [E, out, in] tensor, dequantized once for all its experts."""
+        if self._stacked is None or self._stacked[0] != tensor.name:
+            _check_type(tensor, self._path)
+            self._stacked = (tensor.name, dequantize(tensor.data, tensor.tensor_type, tensor.shape))
+        return self._stacked[1][j]
+
     def _permuted_heads(self, name: str, shape: tuple[int, ...]) -> int | None:
         """The head count whose row permutation llama.cpp applied to tensor `name`, or None."""
         c = self._config
-        if c.architecture == "llama":
+        if c.architecture in ("llama", "mistral", "mixtral"):  # llama.cpp writes each as "llama"
             for suffix, heads in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads)):
                 # A wrongly shaped tensor is left as it is, for the shape check to report.
                 if name.endswith((f"{suffix}.weight", f"{suffix}.bias")) and shape[0] == heads * c.head_dim:

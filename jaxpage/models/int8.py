@@ -73,11 +73,11 @@ def lm_head_method(platform: str | None = None) -> str:
     return "int8_dot" if (platform or jax.default_backend()) == "cpu" else "dequantize"
 
 
-def _random_int8(key, shape, dtype=jnp.int8):
+def random_int8(key, shape, dtype=jnp.int8):
     return jax.random.randint(key, shape, -INT8_MAX, INT8_MAX + 1, jnp.int32).astype(dtype)
 
 
-def _fan_in_scale(fan_in: int):
+def fan_in_scale(fan_in: int):
     # Uniform integers in [-127, 127] have standard deviation ~73.3: scaled to 1 / sqrt(fan_in) (LeCun's).
     def init(key, shape, dtype=jnp.float32):
         return jnp.full(shape, 1.0 / (73.3 * fan_in**0.5), dtype)
@@ -101,8 +101,8 @@ class Int8DenseGeneral(nn.Module):
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
         in_shape = tuple(x.shape[a] for a in axes)
-        kernel = self.param("kernel", _random_int8, in_shape + features, jnp.int8)
-        scale = self.param("scale", _fan_in_scale(int(np.prod(in_shape))), features, jnp.float32)
+        kernel = self.param("kernel", random_int8, in_shape + features, jnp.int8)
+        scale = self.param("scale", fan_in_scale(int(np.prod(in_shape))), features, jnp.float32)
         batch = x.shape[: x.ndim - len(axes)]
         flat = x.reshape(int(np.prod(batch)), int(np.prod(in_shape)))
         y = int8_matmul(flat, kernel.reshape(flat.shape[1], -1), scale.reshape(-1), 0, self.method)
@@ -121,8 +121,8 @@ class Int8Embed(nn.Module):
     method: str = "dequantize"  # of `attend`, see int8_matmul
 
     def setup(self):
-        self.embedding = self.param("embedding", _random_int8, (self.num_embeddings, self.features), jnp.int8)
-        self.scale = self.param("scale", _fan_in_scale(self.features), (self.num_embeddings,), jnp.float32)
+        self.embedding = self.param("embedding", random_int8, (self.num_embeddings, self.features), jnp.int8)
+        self.scale = self.param("scale", fan_in_scale(self.features), (self.num_embeddings,), jnp.float32)
 
     def __call__(self, ids):
         rows = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)

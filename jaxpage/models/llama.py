@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as a functional Flax model.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE) as a functional Flax model.
 
 Parameters are a plain pytree; `Llama(config, attention).apply({"params": params}, ...)` is pure and
 jit-compiles. The decoder layers are scanned (`nn.scan`): every layer parameter has a leading
@@ -15,6 +16,8 @@ L = num_layers, V = vocab_size); biases and q/k norms only where the config has 
     layers/post_attention_norm/scale        [L, D]
     layers/mlp/{gate,up}_proj/kernel        [L, D, F]        bias [L, F]
     layers/mlp/down_proj/kernel             [L, F, D]        bias [L, D]
+    layers/mlp/...                          a mixture of experts instead (Mixtral, Qwen2-MoE, Qwen3-MoE): the
+                                            MoEBlock tree of jaxpage.models.moe, each with the leading [L]
     norm/scale                              [D]
     lm_head/kernel                          [D, V]           (absent when embeddings are tied)
 """
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import Attention, DenseAttention, DenseBatch
 from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
+from jaxpage.models.moe import MoEBlock, expert_method
 from jaxpage.models.rope import apply_rope, rope_tables
 
 
@@ -101,11 +105,35 @@ def _all_reduce(x, tp_axis: str | None):
     return x if tp_axis is None else jax.lax.psum(x, tp_axis)
 
 
+def feed_forward(config: ModelConfig, dtype, tp_axis: str | None, expert_method: str) -> nn.Module:
+    """A layer's MLP: the dense one, or a mixture of experts (jaxpage.models.moe) computed by `expert_method`, whose
+    tensor-parallel shards (a slice of every expert's features, or with expert parallelism a slice of the experts)
+    are summed as the MLP's are."""
+    c = config
+    if not c.is_moe:
+        return MLP(c, dtype, tp_axis, name="mlp")
+    block = MoEBlock(
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+        c.norm_topk_prob,
+        c.shared_expert_intermediate_size,
+        dtype,
+        expert_method,
+        c.quantization == "int8",
+        tp_axis if c.expert_parallel_size > 1 else None,
+        c.expert_parallel_size,
+        name="mlp",
+    )
+    return lambda x: _all_reduce(block(x), tp_axis)
+
+
 class DecoderLayer(nn.Module):
     config: ModelConfig
     attention: Attention
     dtype: jnp.dtype
     tp_axis: str | None = None
+    expert_method: str = "expert_loop"  # MoE models: jaxpage.models.moe.METHODS
 
     @nn.compact
     def __call__(self, carry, layer, rope, batch):
@@ -115,7 +143,7 @@ class DecoderLayer(nn.Module):
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), rope, batch, kv_cache, layer
         )
         x = x + h
-        mlp = MLP(c, self.dtype, self.tp_axis, name="mlp")
+        mlp = feed_forward(c, self.dtype, self.tp_axis, self.expert_method)
         x = x + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x))
         return (x, kv_cache), None
 
@@ -152,7 +180,7 @@ class Llama(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=c.num_layers,
-        )(c, self.attention, self.dtype, self.tp_axis)
+        )(c, self.attention, self.dtype, self.tp_axis, expert_method(self.platform))
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = linear(

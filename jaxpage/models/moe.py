@@ -12,19 +12,21 @@ Shapes are static (always T*k rows, only the group sizes change), so a block com
 Parameters (E = num_experts, D = hidden size, F = intermediate_size, S = shared_expert_intermediate_size):
 
     router/kernel                           [D, E]
-    experts/{gate,up}_proj                  [E, D, F]
-    experts/down_proj                       [E, F, D]
+    experts/{gate,up}_proj/kernel           [E, D, F]
+    experts/down_proj/kernel                [E, F, D]
     shared_expert/{gate,up}_proj/kernel     [D, S]      (only with a shared expert)
     shared_expert/down_proj/kernel          [S, D]
     shared_expert_gate/kernel               [D, 1]
 
-transformers keeps an expert's projections as torch linears [out, in], fused as experts.gate_up_proj [E, 2F, D]
-(gate rows first) and experts.down_proj [E, D, F]; these are their transposes.
+transformers keeps an expert's projections as torch linears [out, in] (checkpoints: one per expert; transformers 5
+in memory: fused as experts.gate_up_proj [E, 2F, D], gate rows first, and experts.down_proj [E, D, F]); these are
+their transposes.
 
-int8 expert weights would plug in as jaxpage.models.int8 does for the other projections: int8 kernels of the same
-shapes with a float32 scale per expert and output channel ({gate,up}_proj scale [E, F], down_proj scale [E, D]).
-Both methods multiply by the converted int8 kernel and then scale the output columns: ragged_dot's result row by
-the scale of that row's expert (scale[sorted expert ids], [T*k, F]), the expert loop's chunk by scale[e].
+int8 weights (jaxpage.models.int8): the experts' kernels are int8 with a float32 `scale` beside each, one per expert
+and output channel ({gate,up}_proj scale [E, F], down_proj scale [E, D]). Both methods multiply by the converted int8
+kernel and then scale the output columns: ragged_dot's result row by the scale of that row's expert, the expert
+loop's chunk by scale[e]. The shared expert is quantized as the model's other projections; the router and the shared
+expert's gate stay in floats (tiny, and rounding them would move tokens between experts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jaxpage.models.int8 import Int8DenseGeneral, fan_in_scale, random_int8
 
 # How the routed experts are computed (both from the rows sorted by expert):
 #   "ragged_dot":  jax.lax.ragged_dot, the grouped matmul TPU and GPU lower natively. XLA's CPU backend has no such
@@ -78,45 +82,73 @@ def route(router_logits: jax.Array, top_k: int, normalize_topk: bool) -> tuple[j
     return weights, expert_ids.astype(jnp.int32)
 
 
-def _gated_mlp(x, gate_kernel, up_kernel, down_kernel):
-    """down(silu(gate(x)) * up(x)) for rows x [R, D] and kernels [D, F], [D, F], [F, D]."""
-    return (nn.silu(x @ gate_kernel) * (x @ up_kernel)) @ down_kernel
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _project(x, projection: dict, expert=None):
+    """x [R, in] through one projection {"kernel": [in, out], "scale": [out] (int8 kernels only)} of an expert, or
+    through projection[...][expert] when `expert` is given."""
+    kernel, scale = projection["kernel"], projection.get("scale")
+    if expert is not None:
+        kernel, scale = kernel[expert], None if scale is None else scale[expert]
+    y = x @ kernel.astype(x.dtype)
+    return y if scale is None else y * scale.astype(x.dtype)
+
+
+def _gated_mlp(x, experts: dict, expert=None):
+    """down(silu(gate(x)) * up(x)) for rows x [R, D] (see _project for `expert`)."""
+    hidden = nn.silu(_project(x, experts["gate_proj"], expert)) * _project(x, experts["up_proj"], expert)
+    return _project(hidden, experts["down_proj"], expert)
+
+
+def _ragged_project(rows, projection: dict, group_sizes, row_experts):
+    """The rows (sorted by expert, group_sizes [E]) through their experts' projection: [N, out]."""
+    y = jax.lax.ragged_dot(rows, projection["kernel"].astype(rows.dtype), group_sizes)
+    scale = projection.get("scale")
+    return y if scale is None else y * scale[row_experts].astype(rows.dtype)
 
 
 def routed_experts(
     x: jax.Array,  # [T, D]
-    gate_proj: jax.Array,  # [E, D, F]
-    up_proj: jax.Array,  # [E, D, F]
-    down_proj: jax.Array,  # [E, F, D]
+    experts: dict,  # {gate_proj, up_proj: {"kernel": [E, D, F]}, down_proj: {"kernel": [E, F, D]}} (+ int8 "scale")
     weights: jax.Array,  # [T, k] float32, from route
     expert_ids: jax.Array,  # [T, k] int32, from route
     method: str,
+    first_expert: jax.Array | int = 0,
 ) -> jax.Array:
     """out[t] = sum over j of weights[t, j] * (expert expert_ids[t, j])(x[t]): [T, D] float32, each expert computed
-    only on the rows routed to it, by `method` (one of METHODS)."""
+    only on the rows routed to it, by `method` (one of METHODS).
+
+    Expert parallelism: `experts` are the E_local experts first_expert, first_expert + 1, ... of a shard; the
+    assignments to other experts are left out (their rows sort after every local group and are neither computed nor
+    added), so the shards' outputs sum to the whole."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     num_tokens, top_k = expert_ids.shape
-    num_experts = gate_proj.shape[0]
-    flat_ids = expert_ids.reshape(-1)
+    num_experts = experts["gate_proj"]["kernel"].shape[0]
+    local_ids = expert_ids.reshape(-1) - first_expert
+    here = (local_ids >= 0) & (local_ids < num_experts)  # [T*k] assignments to this shard's experts
+    flat_ids = jnp.where(here, local_ids, num_experts)  # the others: a group past the last, never computed
     # Stable: within an expert's group the rows keep token order.
     order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # [T*k] assignment at each sorted position
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [E]
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)  # [E_local]
     rows = x[order // top_k]  # [T*k, D]
     if method == "ragged_dot":
-        hidden = nn.silu(jax.lax.ragged_dot(rows, gate_proj, group_sizes))
-        hidden = hidden * jax.lax.ragged_dot(rows, up_proj, group_sizes)
-        out = jax.lax.ragged_dot(hidden, down_proj, group_sizes)
+        row_experts = jnp.minimum(flat_ids[order], num_experts - 1)  # [T*k] each sorted row's expert (int8 scales)
+        gate = _ragged_project(rows, experts["gate_proj"], group_sizes, row_experts)
+        hidden = nn.silu(gate) * _ragged_project(rows, experts["up_proj"], group_sizes, row_experts)
+        out = _ragged_project(hidden, experts["down_proj"], group_sizes, row_experts)
     else:
         chunk = loop_chunk_rows(num_tokens * top_k, num_experts)
-        out = _expert_loop(rows, gate_proj, up_proj, down_proj, group_sizes, chunk)
+        out = _expert_loop(rows, experts, group_sizes, chunk)
+    out = jnp.where(here[order][:, None], out, 0)  # rows of other shards' experts: nothing
     # Back to assignment order (`order` is a permutation: a scatter without collisions), then each token's k outputs
     # summed in float32 in one fixed order; a scatter-add's order is not fixed on GPU.
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights)
 
 
-def _expert_loop(rows, gate_proj, up_proj, down_proj, group_sizes, chunk: int):
+def _expert_loop(rows, experts: dict, group_sizes, chunk: int):
     """The rows [N, D] (sorted by expert, group_sizes [E]) through their experts: [N, D]. Experts with rows, in
     increasing order, each in chunks of `chunk` rows from its group's start. A chunk that runs past its group computes
     rows of the next groups with the wrong expert; those groups come later and write them again (rows past N land in
@@ -130,11 +162,11 @@ def _expert_loop(rows, gate_proj, up_proj, down_proj, group_sizes, chunk: int):
 
     def expert(i, out):
         e = active[i]
-        kernels = gate_proj[e], up_proj[e], down_proj[e]  # sliced once per expert, not per chunk
+        mine = jax.tree.map(lambda a: a[e], experts)  # sliced once per expert, not per chunk
 
         def chunk_of_rows(j, out):
             start = starts[e] + j * chunk
-            y = _gated_mlp(jax.lax.dynamic_slice_in_dim(padded, start, chunk), *kernels)
+            y = _gated_mlp(jax.lax.dynamic_slice_in_dim(padded, start, chunk), mine)
             return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), start, 0)
 
         return jax.lax.fori_loop(0, (group_sizes[e] + chunk - 1) // chunk, chunk_of_rows, out)
@@ -145,17 +177,22 @@ def _expert_loop(rows, gate_proj, up_proj, down_proj, group_sizes, chunk: int):
 
 def _shared_expert_reference(x: jax.Array, params: dict) -> jax.Array:
     """Qwen2-MoE's shared expert on every row of x [T, D]: sigmoid(x @ shared_expert_gate) * mlp(x), [T, D]."""
-    mlp = params["shared_expert"]
-    out = _gated_mlp(x, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
-    return nn.sigmoid(x @ params["shared_expert_gate"]["kernel"]) * out
+    out = _gated_mlp(x, params["shared_expert"])
+    return nn.sigmoid(_project(x, params["shared_expert_gate"])) * out
+
+
+def _dequantized(projection: dict, dtype) -> jax.Array:
+    """An expert projection's kernels [E, in, out] in `dtype` (int8 ones times their scale [E, out])."""
+    kernel = projection["kernel"].astype(dtype)
+    return kernel if "scale" not in projection else kernel * projection["scale"][:, None, :].astype(dtype)
 
 
 def moe_dense_reference(params: dict, x: jax.Array, top_k: int, normalize_topk: bool) -> jax.Array:
     """MoEBlock's output [T, D] for x [T, D] and its parameters, computing every expert on every token (E/k times the
     routed work) and weighting by the routing weights; the shared expert when the parameters have one. For tests and
     as the benchmarks' baseline."""
-    weights, expert_ids = route(x @ params["router"]["kernel"], top_k, normalize_topk)
-    experts = params["experts"]
+    weights, expert_ids = route(_project(x, params["router"]), top_k, normalize_topk)
+    experts = {name: _dequantized(params["experts"][name], x.dtype) for name in PROJECTIONS}
     num_tokens, num_experts = x.shape[0], experts["gate_proj"].shape[0]
     dense_weights = jnp.zeros((num_tokens, num_experts), jnp.float32)
     dense_weights = dense_weights.at[jnp.arange(num_tokens)[:, None], expert_ids].set(weights)  # [T, E]
@@ -170,38 +207,67 @@ def moe_dense_reference(params: dict, x: jax.Array, top_k: int, normalize_topk: 
     return out
 
 
+def _dense(features: int, dtype, quantized: bool, name: str) -> nn.Module:
+    """A projection without bias: nn.Dense, or its int8 form (kernel int8, `scale` per output feature)."""
+    if quantized:
+        return Int8DenseGeneral(features, -1, False, dtype, "dequantize", name=name)
+    return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+
+
 class SharedExpert(nn.Module):
     """The shared expert's SiLU-gated MLP (the parameters shared_expert/{gate,up,down}_proj/kernel)."""
 
     intermediate_size: int
     dtype: jnp.dtype
+    quantized: bool = False
 
     @nn.compact
     def __call__(self, x):
         def dense(features, name):
-            return nn.Dense(features, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+            return _dense(features, self.dtype, self.quantized, name)
 
         hidden = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(hidden)
 
 
-class Experts(nn.Module):
-    """The routed experts' stacked kernels (experts/{gate,up}_proj [E, D, F], experts/down_proj [E, F, D]) applied to
-    the rows routed to each (routed_experts)."""
+class ExpertProjection(nn.Module):
+    """One projection of every expert: `kernel` [E, in, out] (int8, with `scale` [E, out], when quantized). Called,
+    it returns its parameters for routed_experts."""
 
-    num_experts: int
+    shape: tuple[int, int, int]
+    dtype: jnp.dtype
+    quantized: bool = False
+
+    @nn.compact
+    def __call__(self) -> dict:
+        experts, fan_in, out = self.shape
+        if not self.quantized:
+            init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))  # fan-in per expert
+            return {"kernel": self.param("kernel", init, self.shape, self.dtype)}
+        kernel = self.param("kernel", random_int8, self.shape, jnp.int8)
+        return {"kernel": kernel, "scale": self.param("scale", fan_in_scale(fan_in), (experts, out), jnp.float32)}
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked projections (experts/{gate,up}_proj/kernel [E, D, F], experts/down_proj/kernel
+    [E, F, D]) applied to the rows routed to each (routed_experts)."""
+
+    num_experts: int  # this shard's, with expert parallelism
     intermediate_size: int
     dtype: jnp.dtype
     method: str
+    quantized: bool = False
+    expert_axis: str | None = None  # expert parallelism: shard i of this mesh axis holds experts i*E_local, ...
 
     @nn.compact
     def __call__(self, x, weights, expert_ids):
         e, d, f = self.num_experts, x.shape[-1], self.intermediate_size
-        init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))  # fan-in per expert
-        gate_proj = self.param("gate_proj", init, (e, d, f), self.dtype)
-        up_proj = self.param("up_proj", init, (e, d, f), self.dtype)
-        down_proj = self.param("down_proj", init, (e, f, d), self.dtype)
-        return routed_experts(x, gate_proj, up_proj, down_proj, weights, expert_ids, self.method)
+        shapes = {"gate_proj": (e, d, f), "up_proj": (e, d, f), "down_proj": (e, f, d)}
+        experts = {
+            name: ExpertProjection(shape, self.dtype, self.quantized, name=name)() for name, shape in shapes.items()
+        }
+        first = 0 if self.expert_axis is None else jax.lax.axis_index(self.expert_axis) * e
+        return routed_experts(x, experts, weights, expert_ids, self.method, first)
 
 
 class MoEBlock(nn.Module):
@@ -222,18 +288,29 @@ class MoEBlock(nn.Module):
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     dtype: jnp.dtype = jnp.float32
     method: str | None = None
+    quantized: bool = False  # int8 weights (see the module docstring)
+    # Expert parallelism (inside shard_map): the routed experts split over this mesh axis, num_experts / its size
+    # per shard; the caller sums the shards' outputs (as tensor parallelism does).
+    expert_axis: str | None = None
+    expert_shards: int = 1
 
     @nn.compact
     def __call__(self, x):
         assert 1 <= self.top_k <= self.num_experts, (self.top_k, self.num_experts)
         flat = x.reshape(-1, x.shape[-1])
-        router = nn.Dense(self.num_experts, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="router")
+        router = _dense(self.num_experts, self.dtype, False, "router")  # floats even with int8 weights: routing
         weights, expert_ids = route(router(flat), self.top_k, self.normalize_topk)
         method = self.method or expert_method()
-        experts = Experts(self.num_experts, self.intermediate_size, self.dtype, method, name="experts")
+        local = self.num_experts // self.expert_shards
+        experts = Experts(
+            local, self.intermediate_size, self.dtype, method, self.quantized, self.expert_axis, name="experts"
+        )
         out = experts(flat, weights, expert_ids).astype(self.dtype)
         if self.shared_expert_intermediate_size:
-            shared = SharedExpert(self.shared_expert_intermediate_size, self.dtype, name="shared_expert")(flat)
-            gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="shared_expert_gate")
+            shared_expert = SharedExpert(
+                self.shared_expert_intermediate_size, self.dtype, self.quantized, name="shared_expert"
+            )
+            shared = shared_expert(flat)
+            gate = _dense(1, self.dtype, False, "shared_expert_gate")
             out = out + nn.sigmoid(gate(flat)) * shared
         return out.reshape(x.shape)

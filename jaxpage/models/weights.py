@@ -72,10 +72,15 @@ def layer_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple
         ),
         ("self_attn.o_proj.weight", ("attn", "o_proj", "kernel"), (d, qd), _linear(heads_in=c.num_heads, head_dim=hd)),
         ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (d,), _same),
-        ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (f, d), _linear()),
-        ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), (f, d), _linear()),
-        ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (d, f), _linear()),
     ]
+    if c.is_moe:
+        specs += _moe_router_specs(c)
+    else:
+        specs += [
+            ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), (f, d), _linear()),
+            ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), (f, d), _linear()),
+            ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), (d, f), _linear()),
+        ]
     if c.qkv_bias:
         specs += [
             ("self_attn.q_proj.bias", ("attn", "q_proj", "bias"), (qd,), _bias(c.num_heads, hd)),
@@ -98,13 +103,61 @@ def layer_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple
     return specs
 
 
+def _moe_block_name(c: ModelConfig) -> str:
+    """Where a checkpoint keeps a layer's experts: Mixtral's `block_sparse_moe`, Qwen-MoE's `mlp`."""
+    return "block_sparse_moe" if c.architecture == "mixtral" else "mlp"
+
+
+def _moe_router_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, ...], Callable]]:
+    """layer_tensor_specs' entries for a mixture of experts besides the experts (expert_tensor_specs): the router and
+    Qwen2-MoE's shared expert with its gate."""
+    d, block = c.hidden_size, _moe_block_name(c)
+    specs = [(f"{block}.gate.weight", ("mlp", "router", "kernel"), (c.num_experts, d), _linear())]
+    s = c.shared_expert_intermediate_size
+    if s:
+        specs += [
+            (
+                f"{block}.shared_expert.gate_proj.weight",
+                ("mlp", "shared_expert", "gate_proj", "kernel"),
+                (s, d),
+                _linear(),
+            ),
+            (f"{block}.shared_expert.up_proj.weight", ("mlp", "shared_expert", "up_proj", "kernel"), (s, d), _linear()),
+            (
+                f"{block}.shared_expert.down_proj.weight",
+                ("mlp", "shared_expert", "down_proj", "kernel"),
+                (d, s),
+                _linear(),
+            ),
+            (f"{block}.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), (1, d), _linear()),
+        ]
+    return specs
+
+
+def expert_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, ...], Callable]]:
+    """Each expert projection as layer_tensor_specs gives a layer's tensors, but one checkpoint tensor per expert:
+    (name inside `layers.{i}.` with `{j}` for the expert, parameter path under `layers`, torch shape of one expert,
+    torch -> jaxpage transform of one expert); the experts are stacked on a leading axis. None for a dense model."""
+    if not c.is_moe:
+        return []
+    d, f, block = c.hidden_size, c.moe_intermediate_size, _moe_block_name(c)
+    names = ("w1", "w3", "w2") if c.architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    shapes = ((f, d), (f, d), (d, f))
+    return [
+        (f"{block}.experts.{{j}}.{name}.weight", ("mlp", "experts", projection, "kernel"), shape, _linear())
+        for name, projection, shape in zip(names, ("gate_proj", "up_proj", "down_proj"), shapes, strict=True)
+    ]
+
+
 def contract_axes(path: tuple[str, ...]) -> tuple[int, ...] | None:
     """The input axes of a weight that int8 quantization scales over (one scale per output channel), for one
     layer's tensor in jaxpage's layout; None for a parameter that stays in floats (norms, biases)."""
     if path[-1] == "embedding":
         return (1,)  # [V, D]: a scale per token (the tied LM head's output channels)
-    if path[-1] != "kernel":
+    if path[-1] != "kernel" or path[-2] in ("router", "shared_expert_gate"):  # routing stays in floats (moe.py)
         return None
+    if len(path) >= 3 and path[-3] == "experts":
+        return (1,)  # [E, in, out]: a scale per expert and output channel
     return (0, 1) if path[-2] == "o_proj" else (0,)  # o_proj [H, d, D]; the others [in, out...]
 
 
@@ -152,13 +205,21 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
         for key, value in stacked.items():
             node[key] = value if num_layers else value[0]
 
+    def layer_tensor(i: int, suffix: str, shape: tuple[int, ...], convert: Callable) -> np.ndarray:
+        """Layer i's tensor; for an expert projection (`{j}` in the name), every expert's, stacked."""
+        if "{j}" not in suffix:
+            return load(f"{prefix}layers.{i}.{suffix}", shape, convert)
+        return np.stack(
+            [load(f"{prefix}layers.{i}.{suffix.format(j=j)}", shape, convert) for j in range(c.num_experts)]
+        )
+
     layers: dict = {}
-    for suffix, path, shape, convert in layer_tensor_specs(c):
+    for suffix, path, shape, convert in [*layer_tensor_specs(c), *expert_tensor_specs(c)]:
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
         # Each layer read once and written straight into the stacked array.
-        tensors = (load(f"{prefix}layers.{i}.{suffix}", shape, convert) for i in range(c.num_layers))
+        tensors = (layer_tensor(i, suffix, shape, convert) for i in range(c.num_layers))
         store(node, path, tensors, c.num_layers)
 
     params: dict = {"embed_tokens": {}, "layers": layers, "norm": {}}

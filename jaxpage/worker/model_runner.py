@@ -153,7 +153,7 @@ class ModelRunner:
         # launch there); alone, a runner's door is its `run`.
         self.door = self.run
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
-        self._param_specs = param_specs(params)
+        self._param_specs = param_specs(params, config.expert_parallel_size > 1)
         self._pool_specs = backend.pool_specs()
         split_kv = self.tensor_parallel_size
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica

@@ -65,6 +65,24 @@ _SPLIT_AXIS = {
     ("layers", "mlp", "gate_proj", "scale"): 1,  # [L, F]
     ("layers", "mlp", "up_proj", "scale"): 1,
     ("lm_head", "scale"): 0,  # [V]
+    # Mixtures of experts (jaxpage.models.moe): every expert split by its features as the MLP is; router and the
+    # shared expert's gate replicated.
+    ("layers", "mlp", "experts", "gate_proj", "kernel"): 3,  # [L, E, D, F]
+    ("layers", "mlp", "experts", "up_proj", "kernel"): 3,
+    ("layers", "mlp", "experts", "down_proj", "kernel"): 2,  # [L, E, F, D]
+    ("layers", "mlp", "experts", "gate_proj", "scale"): 2,  # [L, E, F]
+    ("layers", "mlp", "experts", "up_proj", "scale"): 2,
+    ("layers", "mlp", "shared_expert", "gate_proj", "kernel"): 2,  # [L, D, S]
+    ("layers", "mlp", "shared_expert", "up_proj", "kernel"): 2,
+    ("layers", "mlp", "shared_expert", "down_proj", "kernel"): 1,  # [L, S, D]
+    ("layers", "mlp", "shared_expert", "gate_proj", "scale"): 1,  # [L, S]
+    ("layers", "mlp", "shared_expert", "up_proj", "scale"): 1,
+}
+# Expert parallelism instead splits the routed experts whole, by expert (axis 1 of [L, E, ...]), scales included.
+_EXPERT_PARALLEL_AXIS = {
+    ("layers", "mlp", "experts", projection, part): 1
+    for projection in ("gate_proj", "up_proj", "down_proj")
+    for part in ("kernel", "scale")
 }
 # Biases added after an all-reduce: every shard holds them, and only shard 0 adds them (see local_params).
 _ROW_PARALLEL_BIASES = (("layers", "attn", "o_proj", "bias"), ("layers", "mlp", "down_proj", "bias"))
@@ -90,17 +108,21 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices: l
     return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), MESH_AXES)
 
 
-def check_divisible(config: ModelConfig, tp: int) -> None:
+def check_divisible(config: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """ValueError naming the model's size that tensor_parallel_size `tp` does not divide."""
-    problems = [
-        f"{name} {value}"
-        for name, value in (
-            ("attention heads", config.num_heads),
-            ("vocabulary size", config.vocab_size),
-            ("intermediate size", config.intermediate_size),
-        )
-        if value % tp
+    sizes = [
+        ("attention heads", config.num_heads),
+        ("vocabulary size", config.vocab_size),
+        ("intermediate size", config.intermediate_size),
     ]
+    if config.is_moe:
+        sizes.append(
+            ("number of experts", config.num_experts)
+            if expert_parallel
+            else ("experts' intermediate size", config.moe_intermediate_size)
+        )
+        sizes.append(("shared expert's intermediate size", config.shared_expert_intermediate_size))
+    problems = [f"{name} {value}" for name, value in sizes if value % tp]
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"KV heads {kv} (which must divide it or be divisible by it)")
@@ -117,42 +139,61 @@ def with_replicated_kv_heads(config: ModelConfig, tp: int) -> ModelConfig:
 
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
-    """What one shard of `config` (already with_replicated_kv_heads) holds: its heads, features and vocabulary."""
+    """What one shard of `config` (already with_replicated_kv_heads) holds: its heads, features and vocabulary, and
+    its share of each expert's features (without expert parallelism: with it, the model picks its experts by
+    config.expert_parallel_size)."""
+    expert_parallel = config.expert_parallel_size > 1
     return dataclasses.replace(
         config,
         num_heads=config.num_heads // tp,
         num_kv_heads=config.num_kv_heads // tp,
         intermediate_size=config.intermediate_size // tp,
         vocab_size=config.vocab_size // tp,
+        moe_intermediate_size=config.moe_intermediate_size if expert_parallel else config.moe_intermediate_size // tp,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp,
     )
+
+
+def with_expert_parallel(config: ModelConfig, tp: int, expert_parallel: bool) -> ModelConfig:
+    """The model as it runs: its routed experts split over the tp shards when `expert_parallel` (a mixture of
+    experts on more than one shard), else unchanged."""
+    if not (expert_parallel and config.is_moe and tp > 1):
+        return config
+    return dataclasses.replace(config, expert_parallel_size=tp)
 
 
 def _path(key_path) -> tuple[str, ...]:
     return tuple(str(k.key) for k in key_path)
 
 
-def param_spec(path: tuple[str, ...], ndim: int, split: bool = True) -> P:
-    axis = _SPLIT_AXIS.get(path)
+def param_spec(path: tuple[str, ...], ndim: int, split: bool = True, expert_parallel: bool = False) -> P:
+    axis = (
+        _EXPERT_PARALLEL_AXIS.get(path) if expert_parallel and path in _EXPERT_PARALLEL_AXIS else _SPLIT_AXIS.get(path)
+    )
     if axis is None or not split:
         return P()
     return P(*(TP_AXIS if i == axis else None for i in range(ndim)))
 
 
-def param_specs(params) -> dict:
-    """The PartitionSpec of every parameter (a tree like `params`, of arrays or shapes)."""
-    return jax.tree_util.tree_map_with_path(lambda kp, x: param_spec(_path(kp), len(x.shape)), params)
+def param_specs(params, expert_parallel: bool = False) -> dict:
+    """The PartitionSpec of every parameter (a tree like `params`, of arrays or shapes); `expert_parallel`: the
+    routed experts split by expert (a model run with expert_parallel_size > 1)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: param_spec(_path(kp), len(x.shape), expert_parallel=expert_parallel), params
+    )
 
 
-def param_shardings(mesh: Mesh, config: ModelConfig, shapes) -> dict:
+def param_shardings(mesh: Mesh, config: ModelConfig, shapes, expert_parallel: bool = False) -> dict:
     """Where each parameter of the model as stored (`shapes`: its tree of shapes) goes as it loads: split over
-    "model" as Megatron does, but K/V projections with fewer heads than shards replicated (replicate_kv_heads then
-    makes a copy per shard)."""
+    "model" as Megatron does (the routed experts by expert with `expert_parallel`), but K/V projections with fewer
+    heads than shards replicated (replicate_kv_heads then makes a copy per shard)."""
     tp = mesh.shape[TP_AXIS]
     split_kv = config.num_kv_heads % tp == 0
 
     def sharding(kp, x):
         path = _path(kp)
-        return NamedSharding(mesh, param_spec(path, len(x.shape), split=split_kv or path not in _KV_PROJECTIONS))
+        split = split_kv or path not in _KV_PROJECTIONS
+        return NamedSharding(mesh, param_spec(path, len(x.shape), split, expert_parallel))
 
     return jax.tree_util.tree_map_with_path(sharding, shapes)
 
@@ -176,25 +217,30 @@ def replicate_kv_heads(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     return jax.tree_util.tree_map_with_path(copy, params)
 
 
-def placement(mesh: Mesh):
-    """load_model's `sharding` for tensor parallelism over `mesh`: checks that the model divides, then gives each
-    parameter's sharding as it is stored (param_shardings)."""
+def placement(mesh: Mesh, expert_parallel: bool = False):
+    """load_model's `sharding` for tensor parallelism over `mesh` (and expert parallelism, for a mixture of experts):
+    checks that the model divides, then gives each parameter's sharding as it is stored (param_shardings)."""
     from jaxpage.models.llama import param_shapes
 
     def shardings(config: ModelConfig) -> dict:
-        check_divisible(config, mesh.shape[TP_AXIS])
-        return param_shardings(mesh, config, param_shapes(config, jnp.float32))
+        split_experts = with_expert_parallel(config, mesh.shape[TP_AXIS], expert_parallel).expert_parallel_size > 1
+        check_divisible(config, mesh.shape[TP_AXIS], split_experts)
+        return param_shardings(mesh, config, param_shapes(config, jnp.float32), split_experts)
 
     return shardings
 
 
-def as_run(config: ModelConfig, params: dict, mesh: Mesh | None) -> tuple[ModelConfig, dict]:
+def as_run(
+    config: ModelConfig, params: dict, mesh: Mesh | None, expert_parallel: bool = False
+) -> tuple[ModelConfig, dict]:
     """The model as the engine runs it on `mesh` (None: one device, unchanged): with its KV heads copied where
-    there are fewer than shards (with_replicated_kv_heads, replicate_kv_heads)."""
+    there are fewer than shards (with_replicated_kv_heads, replicate_kv_heads), its experts split by expert with
+    `expert_parallel` (with_expert_parallel; placed so by placement(mesh, expert_parallel))."""
     if mesh is None:
         return config, params
     tp = mesh.shape[TP_AXIS]
-    return with_replicated_kv_heads(config, tp), replicate_kv_heads(params, config, mesh)
+    run_config = with_expert_parallel(with_replicated_kv_heads(config, tp), tp, expert_parallel)
+    return run_config, replicate_kv_heads(params, config, mesh)
 
 
 def local_params(params: dict) -> dict:
