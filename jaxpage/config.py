@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,16 @@ from jaxpage.errors import ModelLoadError
 from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, describe, fail, is_int
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
+)  # fmt: skip
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names of a layer's attention
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's activation: Llama's SiLU, Gemma's tanh-approximated GELU
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 DEFAULT_EXPERTS_PER_TOKEN = {"mixtral": 2, "qwen2_moe": 4, "qwen3_moe": 8}  # transformers' config classes' defaults
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+PHI3_ROPE_TYPES = ("default", "longrope")  # what transformers' Phi3Config accepts (its "su" and "yarn" are longrope)
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's fp8 is e4m3
 
 # The one list of each engine argument's choices (EngineConfig checks them, the CLI offers them).
@@ -38,15 +45,26 @@ def canonical_kv_cache_dtype(name: str) -> str:
 class RopeScaling:
     """RoPE frequency scaling, in the names of HF's `rope_parameters` / `rope_scaling`."""
 
-    rope_type: str  # "linear" or "llama3"
+    rope_type: str  # "linear", "llama3" or "longrope"
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    # LongRoPE (Phi-3, Phi-3.5, Phi-4-mini; jaxpage.models.rope.rope_tables): frequency i divided by short_factor[i] at
+    # positions below original_max_position_embeddings and by long_factor[i] from it on, cos and sin multiplied by
+    # attention_factor. One value per rotated pair of dimensions (ModelConfig.rotary_dim // 2).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        assert self.rope_type in ("linear", "llama3"), self.rope_type
+        assert self.rope_type in ("linear", "llama3", "longrope"), self.rope_type
         assert self.factor > 0, self.factor
+        for name in ("short_factor", "long_factor"):  # tuples, also when read back from JSON lists: hashable
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+        if self.rope_type == "longrope":
+            assert self.short_factor and self.long_factor, self  # their lengths: ModelConfig's rotary_dim // 2
+            assert self.attention_factor > 0, self.attention_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +83,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # llama.cpp's form of Llama 3 RoPE scaling (GGUF tensor rope_freqs): frequency i is divided by factor i.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Phi-3 (Phi-4-mini: 0.75): RoPE rotates the first rotary_dim = int(head_dim * partial_rotary_factor) dimensions of
+    # each head (rotate-half within them), the rest pass unrotated; its frequencies are those of a rotary_dim head.
+    partial_rotary_factor: float = 1.0
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
@@ -85,6 +106,21 @@ class ModelConfig:
     # How the model runs, not what it is: with expert parallelism (EngineConfig.enable_expert_parallel), the routed
     # experts split over this many tensor-parallel shards (jaxpage.worker.parallel); 1: every shard has every expert.
     expert_parallel_size: int = 1
+    # Gemma 2 and 3 (jaxpage.models.llama): a GELU MLP, RMSNorm scaling by (1 + weight), the embedding multiplied by
+    # sqrt(hidden_size), attention scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, logits of the
+    # attention and of the LM head soft-capped (cap * tanh(x / cap)), norms after the attention and MLP outputs
+    # (sandwich_norms), and a type per layer: "sliding_attention" layers see sliding_window keys, "full_attention"
+    # layers all (None: every layer as sliding_window says). Gemma 3's sliding layers rotate with their own RoPE base,
+    # rope_local_theta, unscaled.
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    embedding_multiplier: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
     # The weights as stored in the parameters: None (floats) or "int8" (every projection and the embedding: int8
     # with a float32 scale per output channel, see jaxpage.models.int8).
     quantization: str | None = None
@@ -101,11 +137,42 @@ class ModelConfig:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
         assert isinstance(self.eos_token_ids, tuple), self.eos_token_ids
         assert self.rope_freq_factors is None or len(self.rope_freq_factors) == self.head_dim // 2
+        assert 0 < self.partial_rotary_factor <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0, self.rotary_dim
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope":
+            lengths = {len(self.rope_scaling.short_factor), len(self.rope_scaling.long_factor)}
+            assert lengths == {self.rotary_dim // 2}, (self.rope_scaling, self.rotary_dim)
         if self.num_experts:
             assert 1 <= self.num_experts_per_tok <= self.num_experts, (self.num_experts_per_tok, self.num_experts)
             assert self.moe_intermediate_size > 0, self.moe_intermediate_size
         assert self.shared_expert_intermediate_size >= 0, self.shared_expert_intermediate_size
         assert self.expert_parallel_size == 1 or self.num_experts % self.expert_parallel_size == 0
+        assert self.hidden_act in HIDDEN_ACTS, self.hidden_act
+        if self.layer_types is not None:
+            assert isinstance(self.layer_types, tuple) and len(self.layer_types) == self.num_layers, self.layer_types
+            assert set(self.layer_types) <= set(LAYER_TYPES), self.layer_types
+            assert self.sliding_window is not None or "sliding_attention" not in self.layer_types
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q.k in attention: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def hybrid_attention(self) -> bool:
+        """Whether some layers slide and others see everything (Gemma 2 and 3): each layer picks its window."""
+        return self.layer_types is not None and len(set(self.layer_types)) > 1
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends through sliding_window."""
+        if self.layer_types is None:
+            return (self.sliding_window is not None,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor), as transformers."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:
@@ -131,8 +198,9 @@ class ModelConfig:
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
-        if fields.get("rope_freq_factors") is not None:
-            fields["rope_freq_factors"] = tuple(fields["rope_freq_factors"])
+        for key in ("rope_freq_factors", "layer_types"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
         return cls(**fields)
 
     @classmethod
@@ -155,16 +223,19 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{source}: model_type {arch!r} is not supported; jaxpage runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        if arch not in GEMMA_ARCHITECTURES and hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
         if hf.get("use_sliding_window"):
             raise ModelLoadError(f"{source}: per-layer sliding windows ({arch} use_sliding_window) are not supported")
         try:
             _refuse_unsupported_moe_options(hf, arch)
             sizes = _sizes_from_hf(hf, name)
             rope_theta, rope_scaling = _rope_from_hf(hf, name)
-            window = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None  # null: no window
+            gemma = _gemma_from_hf(hf, arch, name, sizes["num_layers"])
+            if "rope_theta" in gemma:  # Gemma 3's global layers' RoPE, from its per-layer-type parameters
+                rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+            window = hf.get("sliding_window", 4096 if arch in GEMMA_ARCHITECTURES else None)  # HF's defaults
+            window = window if arch in ("mistral", "mixtral", "phi3", *GEMMA_ARCHITECTURES) else None
             attention_bias = bool(hf.get("attention_bias", False))
             eos = hf.get("eos_token_id")
             return cls(
@@ -172,12 +243,14 @@ class ModelConfig:
                 **sizes,
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
                 qkv_bias=_qkv_bias(hf, arch, attention_bias),
-                o_bias=attention_bias and arch == "llama",
+                o_bias=attention_bias and arch in ("llama", *GEMMA_ARCHITECTURES),
                 mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
-                qk_norm=arch in ("qwen3", "qwen3_moe"),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
                 **_moe_from_hf(hf, arch, name),
+                partial_rotary_factor=_partial_rotary_from_hf(hf, arch, name, sizes["head_dim"], rope_scaling),
+                **gemma,
                 sliding_window=None if window is None else _size(name("sliding_window"), window),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
@@ -197,7 +270,79 @@ def _qkv_bias(hf: dict[str, Any], arch: str, attention_bias: bool) -> bool:
         return True
     if arch == "qwen2_moe":
         return bool(hf.get("qkv_bias", True))
-    return attention_bias and arch in ("llama", "qwen3", "qwen3_moe")
+    return attention_bias and arch in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES)
+
+
+def _optional_positive(field: str, value) -> float | None:
+    return None if value is None else _positive(field, value)
+
+
+def _gemma_layer_types(hf: dict[str, Any], arch: str, name: Callable[[str], str], num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention: transformers 5's layer_types, else the families' patterns (Gemma 2: sliding on even
+    layers; Gemma 3: every sliding_window_pattern-th layer full, the others sliding)."""
+    types = hf.get("layer_types")
+    if types is None:
+        if arch == "gemma2":
+            return tuple(LAYER_TYPES[i % 2 == 0] for i in range(num_layers))
+        key = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
+        pattern = _size(name(key), hf.get(key, 6))
+        return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(num_layers))
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        raise ModelLoadError(
+            f"{name('layer_types')} must be a list of {num_layers} of {', '.join(map(repr, LAYER_TYPES))}, "
+            f"got {describe(types)}"
+        )
+    return tuple(types)
+
+
+def _gemma3_rope(hf: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
+    """Gemma 3's RoPE: the global layers' base and scaling, and the sliding layers' base (unscaled). transformers 5
+    writes rope_parameters per layer type; checkpoints on the hub rope_theta, rope_scaling and rope_local_base_freq."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{name('rope_parameters.sliding_attention')} must be unscaled, got {describe(local)}")
+
+        def renamed(key: str) -> str:
+            return name(key.replace("rope_parameters", "rope_parameters.full_attention", 1))
+
+        theta, scaling = _rope_from_hf({"rope_parameters": params["full_attention"]}, renamed)
+        local_theta = _positive(name("rope_parameters.sliding_attention.rope_theta"), local.get("rope_theta", 10000.0))
+    else:
+        theta, scaling = _rope_from_hf(hf, name)
+        local_theta = _positive(name("rope_local_base_freq"), hf.get("rope_local_base_freq", 10000.0))
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
+
+
+def _gemma_from_hf(hf: dict[str, Any], arch: str, name: Callable[[str], str], num_layers: int) -> dict[str, Any]:
+    """ModelConfig's Gemma 2 / Gemma 3 fields (none for the other families)."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    key = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
+    act = hf.get(key, "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{name(key)} {act!r} is not supported (only 'gelu_pytorch_tanh')")
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{name('use_bidirectional_attention')} true is not supported (only causal attention)")
+    # transformers' defaults when absent: Gemma 2 caps (50 and 30), Gemma 3 does not
+    attn_cap = hf.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None)
+    final_cap = hf.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+    fields = dict(
+        hidden_act="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        embedding_multiplier=float(_size(name("hidden_size"), hf["hidden_size"])) ** 0.5,
+        query_pre_attn_scalar=_positive(name("query_pre_attn_scalar"), hf.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=_optional_positive(name("attn_logit_softcapping"), attn_cap),
+        final_logit_softcapping=_optional_positive(name("final_logit_softcapping"), final_cap),
+        sandwich_norms=True,
+        layer_types=_gemma_layer_types(hf, arch, name, num_layers),
+    )
+    if "sliding_attention" in fields["layer_types"] and "sliding_window" in hf and hf["sliding_window"] is None:
+        raise ModelLoadError(
+            f"{name('sliding_window')} must be a positive integer (the model has sliding layers), got None"
+        )
+    return fields | (_gemma3_rope(hf, name) if arch == "gemma3_text" else {})
 
 
 def _refuse_unsupported_moe_options(hf: dict[str, Any], arch: str) -> None:
@@ -320,12 +465,16 @@ def _rope_from_hf(hf: dict[str, Any], name: Callable[[str], str]) -> tuple[float
     else:
         theta = 10000.0 if hf.get("rope_theta") is None else _positive(name("rope_theta"), hf["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if hf.get("model_type") == "phi3":
+        rope_type = _phi3_rope_type(rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", factor=number("factor"))
+    if rope_type == "longrope":
+        return theta, _longrope_from_hf(hf, params, key, name, number)
     low, high = number("low_freq_factor", 1.0), number("high_freq_factor", 4.0)
     if high <= low:  # Llama 3 interpolates between the two wavelengths: equal ones divide by zero
         raise ModelLoadError(
@@ -340,6 +489,106 @@ def _rope_from_hf(hf: dict[str, Any], name: Callable[[str], str]) -> tuple[float
         high_freq_factor=high,
         original_max_position_embeddings=_size(name(f"{key}.original_max_position_embeddings"), original),
     )
+
+
+# ----- Phi-3 (Phi-3, Phi-3.5, Phi-4-mini): LongRoPE and the partial rotary factor -----
+
+PHI3_ORIGINAL_MAX_POSITION_EMBEDDINGS = 4096  # transformers' Phi3Config's default
+
+
+def _phi3_rope_type(rope_type) -> str:
+    """Phi-3's RoPE type as transformers' Phi3Config reads it: the "su" and "yarn" of older checkpoints are longrope,
+    and a type other than default and longrope is refused."""
+    rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+    if rope_type not in PHI3_ROPE_TYPES:
+        raise ModelLoadError(
+            f"RoPE type {describe(rope_type)} is not supported for phi3 (supported: {', '.join(PHI3_ROPE_TYPES)})"
+        )
+    return rope_type
+
+
+def _rope_factors(params: dict[str, Any], field: str) -> tuple[float, ...]:
+    """LongRoPE's short_factor or long_factor (`field`: its name for messages): a list of positive numbers."""
+    param = field.rsplit(".", 1)[-1]
+    if param not in params:
+        raise ModelLoadError(f"required field {field!r} is missing")
+    values = params[param]
+    if not isinstance(values, list | tuple) or not values:
+        raise ModelLoadError(f"{field} must be a list of positive numbers, got {describe(values)}")
+    return tuple(_positive(f"{field}[{i}]", value) for i, value in enumerate(values))
+
+
+def _longrope_from_hf(
+    hf: dict[str, Any], params: dict[str, Any], key: str, name: Callable[[str], str], number: Callable
+) -> RopeScaling:
+    """LongRoPE's scaling as transformers' _compute_longrope_parameters reads it (`params`: hf[key]).
+
+    original_max_position_embeddings: the top level's where the config has one, which transformers prefers to
+    rope_scaling's (for phi3 always: Phi3Config's default is 4096), else rope_scaling's, else max_position_embeddings.
+    factor: rope_scaling's, else max_position_embeddings / original_max_position_embeddings. attention_factor:
+    rope_scaling's, else sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), 1 for a factor up to 1. The
+    factors' lengths are checked against the rotary dim by _partial_rotary_from_hf.
+    """
+    max_len = hf.get("max_position_embeddings") or 4096  # checked by _sizes_from_hf; its default
+    top = hf.get("original_max_position_embeddings")
+    if top is None and hf.get("model_type") == "phi3":
+        top = PHI3_ORIGINAL_MAX_POSITION_EMBEDDINGS
+    if top is not None:
+        field = name("original_max_position_embeddings")
+        original = _size(field, top)
+    else:
+        field = name(f"{key}.original_max_position_embeddings")
+        original = _size(field, params.get("original_max_position_embeddings", max_len))
+    factor = number("factor") if params.get("factor") is not None else max_len / original
+    if params.get("attention_factor") is not None:
+        attention_factor = number("attention_factor")
+    elif factor <= 1:
+        attention_factor = 1.0
+    elif original < 2:  # the default attention factor divides by its logarithm
+        raise ModelLoadError(f"{field} must be at least 2 for LongRoPE's attention factor, got {original}")
+    else:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        "longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        short_factor=_rope_factors(params, name(f"{key}.short_factor")),
+        long_factor=_rope_factors(params, name(f"{key}.long_factor")),
+        attention_factor=attention_factor,
+    )
+
+
+def _partial_rotary_from_hf(
+    hf: dict[str, Any], arch: str, name: Callable[[str], str], head_dim: int, rope_scaling: RopeScaling | None
+) -> float:
+    """ModelConfig.partial_rotary_factor: Phi-3's, as transformers' Phi3Config reads it (rope_parameters', else the
+    top level's, as Phi-4-mini's config.json has it; else 1), in (0, 1] and giving an even rotary dim; 1 for the
+    other families (transformers' Llama rotates whole heads whatever the field says). LongRoPE's factors are checked
+    here to have one value per rotated pair of dimensions."""
+    factor, field = 1.0, name("partial_rotary_factor")
+    if arch == "phi3":
+        params = hf.get("rope_parameters")
+        value = hf.get("partial_rotary_factor", 1.0)
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            value, field = params["partial_rotary_factor"], name("rope_parameters.partial_rotary_factor")
+        try:
+            factor = check_number(field, 1.0 if value is None else value, "a number in (0, 1]", lambda x: 0 < x <= 1)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        rotary = int(head_dim * factor)
+        if rotary <= 0 or rotary % 2:
+            raise ModelLoadError(
+                f"{field} must make the rotary dim int(head_dim * {field}) even and positive (head_dim {head_dim}), "
+                f"got {describe(value)} (rotary dim {rotary})"
+            )
+    if rope_scaling is not None and rope_scaling.rope_type == "longrope":
+        key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        pairs = int(head_dim * factor) // 2
+        for param in ("short_factor", "long_factor"):
+            got = len(getattr(rope_scaling, param))
+            if got != pairs:
+                raise ModelLoadError(f"{name(f'{key}.{param}')} must have {pairs} values (rotary dim / 2), got {got}")
+    return factor
 
 
 @dataclasses.dataclass(frozen=True)

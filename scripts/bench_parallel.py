@@ -3,13 +3,16 @@
     python scripts/bench_parallel.py [--model SRC] [--devices 8] [--layouts 1x1,3x1,1x2,3x2] [--requests 8]
         [--max-tokens 32]
     python scripts/bench_parallel.py --tiny     # a tiny random model (8 heads, 2 KV heads): 1x1,2x1,4x1,8x1,1x2,2x2
+    python scripts/bench_parallel.py --tiny --moe --layouts 1x1,8x1,8x1ep   # a tiny Qwen3-MoE (8 experts, top 2)
 
 On a CPU the devices are simulated (XLA's --xla_force_host_platform_device_count=--devices, set here before jax
 starts): every "device" shares the same cores, so step times show the overhead of a layout, not its scaling; real
 scaling figures come from a machine with several accelerators. Per layout TPxDP (tensor_parallel_size x
-data_parallel_size):
+data_parallel_size; TPxDPep: with enable_expert_parallel):
   weights    bytes on each device (the most any holds), against the stored model's / TP (KV heads copied to the
              shards that read them, and the norms and o/down biases every device holds whole, come on top)
+  experts    a mixture of experts' routed experts' bytes on each device (the most any holds): 1 / TP of them
+             whether split by feature (tensor parallelism) or whole (expert parallelism)
   KV         bytes per token on each device (KV heads copied to the shards that read them count), and the pool's
   collectives all-reduces and all-gathers one run of the compiled forward pass and sampler executes, read from the
              optimized HLO with the layer loop's trip count (Megatron: 2 all-reduces per layer + 1 for the embedding;
@@ -42,6 +45,14 @@ TINY_CONFIG = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+TINY_MOE_CONFIG = TINY_CONFIG | dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    norm_topk_prob=True,
+)
 
 
 def parse_args():
@@ -53,7 +64,19 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model: checks the script anywhere")
+    parser.add_argument("--moe", action="store_true", help="with --tiny: a mixture of experts (Qwen3-MoE's shape)")
     return parser.parse_args()
+
+
+def parse_layout(text: str) -> tuple[int, int, bool]:
+    """ "TPxDP" or "TPxDPep" (expert parallelism) -> (tp, dp, expert_parallel)."""
+    expert_parallel = text.endswith("ep")
+    tp, dp = text.removesuffix("ep").split("x")
+    return int(tp), int(dp), expert_parallel
+
+
+def layout_name(tp: int, dp: int, expert_parallel: bool) -> str:
+    return f"{tp}x{dp}{'ep' if expert_parallel else ''}"
 
 
 def record_decode_steps(engine) -> list[float]:
@@ -91,9 +114,9 @@ def main() -> None:
     model = args.model
     if args.tiny:  # random weights (load_format="dummy") in a tiny Llama's shape
         model = tempfile.mkdtemp(prefix="jaxpage-bench-parallel-")
-        (Path(model) / "config.json").write_text(json.dumps(TINY_CONFIG))
+        (Path(model) / "config.json").write_text(json.dumps(TINY_MOE_CONFIG if args.moe else TINY_CONFIG))
     default = "1x1,2x1,4x1,8x1,1x2,2x2" if args.tiny else "1x1,3x1,1x2,3x2"
-    layouts = [tuple(int(n) for n in layout.split("x")) for layout in (args.layouts or default).split(",")]
+    layouts = [parse_layout(layout) for layout in (args.layouts or default).split(",")]
     rng = np.random.default_rng(0)
     engine_args = dict(
         skip_tokenizer_init=True,
@@ -105,8 +128,10 @@ def main() -> None:
     )
     log(f"{len(jax.devices())} {jax.devices()[0].platform} devices; layouts TPxDP: {layouts}")
     rows, reference = [], None
-    for tp, dp in layouts:
-        llm = LLM(model, **engine_args, tensor_parallel_size=tp, data_parallel_size=dp)
+    for tp, dp, expert_parallel in layouts:
+        llm = LLM(
+            model, **engine_args, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=expert_parallel
+        )
         engine, runner = llm.engine, llm.engine.runner
         vocab = engine.model_config.vocab_size
         if reference is None:
@@ -117,6 +142,8 @@ def main() -> None:
         engine.warmup()
         compile_s = time.perf_counter() - start
         held = parallel.device_bytes(runner.params)
+        experts = runner.params["layers"]["mlp"].get("experts")  # a mixture of experts' routed experts
+        experts_held = parallel.device_bytes(experts) if experts is not None else None
         total = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.params))
         # The model as stored, without the KV heads' copies (these are overhead of the layout).
         dtype = jax.tree.leaves(runner.params)[0].dtype
@@ -124,7 +151,8 @@ def main() -> None:
             math.prod(x.shape) * dtype.itemsize for x in jax.tree.leaves(param_shapes(engine.model_config, dtype))
         )
         specs = jax.tree.leaves(
-            parallel.param_specs(runner.params), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+            parallel.param_specs(runner.params, expert_parallel=runner.config.expert_parallel_size > 1),
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
         )
         whole = sum(
             leaf.nbytes for leaf, spec in zip(jax.tree.leaves(runner.params), specs, strict=True) if not any(spec)
@@ -145,6 +173,9 @@ def main() -> None:
         row = dict(
             tensor_parallel_size=tp,
             data_parallel_size=dp,
+            enable_expert_parallel=expert_parallel,
+            expert_bytes_per_device=None if experts_held is None else max(experts_held.values()),
+            expert_bytes_total=None if experts is None else sum(leaf.nbytes for leaf in jax.tree.leaves(experts)),
             weight_bytes_per_device=max(held.values()),
             weight_bytes_total=total,
             weight_bytes_stored_model=stored,
@@ -165,22 +196,35 @@ def main() -> None:
             same_tokens_as_first=tokens == reference,
         )
         rows.append(row)
+        expert_note = "" if experts is None else f"experts {row['expert_bytes_per_device'] / 2**20:.2f} MiB/device, "
         log(
-            f"{tp}x{dp}: weights {row['weight_bytes_per_device'] / 2**20:.1f} MiB/device "
+            f"{layout_name(tp, dp, expert_parallel)}: weights {row['weight_bytes_per_device'] / 2**20:.1f} MiB/device "
             f"({row['weight_ratio_to_stored_over_tp']:.3f} x stored model / TP), "
-            f"KV {row['kv_bytes_per_token_per_device']} B/token/device, all-reduces {forward['all-reduce']}"
-            " per forward, "
+            f"{expert_note}KV {row['kv_bytes_per_token_per_device']} B/token/device, "
+            f"all-reduces {forward['all-reduce']} per forward, "
             f"{row['tokens_per_s']:.1f} tokens/s, "
-            f"same tokens as {layouts[0][0]}x{layouts[0][1]}: {row['same_tokens_as_first']}"
+            f"same tokens as {layout_name(*layouts[0])}: {row['same_tokens_as_first']}"
         )
         del llm, engine, runner
-    columns = ("TPxDP", "MiB/dev", "x model/TP", "KV B/tok/dev", "AR/fwd", "AR/layer", "AG/smp", "tok/s", "decode s")
+    columns = (
+        "TPxDP",
+        "MiB/dev",
+        "x model/TP",
+        "expert MiB/dev",
+        "KV B/tok/dev",
+        "AR/fwd",
+        "AR/layer",
+        "AG/smp",
+        "tok/s",
+        "decode s",
+    )
     print(" ".join(f"{c:>12}" for c in columns), "compile s", "same")
     for r in rows:
         values = (
-            f"{r['tensor_parallel_size']}x{r['data_parallel_size']}",
+            layout_name(r["tensor_parallel_size"], r["data_parallel_size"], r["enable_expert_parallel"]),
             f"{r['weight_bytes_per_device'] / 2**20:.1f}",
             f"{r['weight_ratio_to_stored_over_tp']:.3f}",
+            "-" if r["expert_bytes_per_device"] is None else f"{r['expert_bytes_per_device'] / 2**20:.3f}",
             r["kv_bytes_per_token_per_device"],
             r["forward_all_reduces"],
             f"{r['forward_all_reduces_per_layer']:.2f}",

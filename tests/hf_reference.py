@@ -18,7 +18,10 @@ __all__ = [
     "TINY_FAMILIES",
     "TinyFamily",
     "hf_greedy_tokens",
+    "hf_greedy_tokens_split",
     "hf_logits",
+    "hf_logits_split",
+    "longrope_switch",
     "load_hf_model",
     "load_tiny_hf_model",
     "make_tiny_hf_model",
@@ -86,3 +89,58 @@ def hf_greedy_tokens(model, prompts: list[list[int]], num_tokens: int) -> list[l
                 token[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values
             )
     return torch.stack(tokens, 1).tolist()
+
+
+def longrope_switch(config) -> int | None:
+    """A LongRoPE model's original_max_position_embeddings, where jaxpage switches from the short factors to the long
+    ones (jaxpage.models.rope.rope_tables); None for other RoPE."""
+    params = config.rope_parameters or {}
+    return params.get("original_max_position_embeddings") if params.get("rope_type") == "longrope" else None
+
+
+def _forward_in_pieces(model, token_ids: list[int], split: int):
+    """The model's output for one unpadded sequence fed with its KV cache in two pieces, the first `split` tokens and
+    the rest (one piece when it is no longer). transformers' LongRoPE picks short or long factors per forward pass by
+    the sequence length so far, so the first piece's keys stay rotated with the short factors and every later
+    position is rotated with the long ones: jaxpage's per-position rule."""
+    import torch
+
+    pieces = [token_ids[:split], token_ids[split:]] if len(token_ids) > split else [token_ids]
+    out, start, logits = None, 0, []
+    for piece in pieces:
+        positions = torch.arange(start, start + len(piece))[None]
+        cache = None if out is None else out.cache
+        out = model(torch.tensor([piece]), position_ids=positions, cache=cache, use_cache=True)
+        logits.append(out.logits[0].float().numpy())
+        start += len(piece)
+    return out, np.concatenate(logits)
+
+
+def hf_logits_split(model, token_ids: list[int], split: int) -> np.ndarray:
+    """hf_logits with the sequence fed in two pieces at `split` (see _forward_in_pieces)."""
+    import torch
+
+    with torch.no_grad():
+        return _forward_in_pieces(model, token_ids, split)[1]
+
+
+def hf_greedy_tokens_split(model, prompts: list[list[int]], num_tokens: int, split: int) -> list[list[int]]:
+    """hf_greedy_tokens for a LongRoPE model as jaxpage runs it: one prompt at a time, prefilled in two pieces at
+    `split` (see _forward_in_pieces), then argmax decoding with the KV cache."""
+    import torch
+
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out, _ = _forward_in_pieces(model, prompt, split)
+            tokens = []
+            for position in range(len(prompt), len(prompt) + num_tokens):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(
+                    torch.tensor([tokens[-1:]]),
+                    position_ids=torch.tensor([[position]]),
+                    cache=out.cache,
+                    use_cache=True,
+                )
+            results.append(tokens)
+    return results

@@ -168,6 +168,25 @@ def test_tensor_parallel_programs_compile_for_a_tpu_slice_with_megatrons_collect
     assert build.weight_bytes < aot.placed_bytes(aot._placed_params(build.model, build.dtype, None, TPU.devices()[0]))
 
 
+# The families whose forward pass differs from Llama's on the chips: Gemma 2 (soft-capped attention logits, a window
+# picked per layer by lax.cond between two kernels) and a mixture of experts (jax.lax.ragged_dot).
+FAMILIES_TO_COMPILE = [f for f in TINY_FAMILIES if f.name in ("gemma2-softcap-hybrid", "qwen3-moe-norm-topk")]
+
+
+@pytest.mark.parametrize(
+    "target",
+    [pytest.param(TPU, marks=needs_tpu, id="tpu-v5e"), pytest.param(GPU, marks=needs_gpu, id="gpu-h200")],
+)
+@pytest.mark.parametrize("family", FAMILIES_TO_COMPILE, ids=lambda f: f.name)
+def test_model_families_forward_passes_compile_for_the_chips(tiny_model_path, target, family):
+    engine = EngineConfig(**TINY_ENGINE | dict(max_num_seqs=2))
+    build = aot.build(target, engine, aot.model_shape(str(tiny_model_path(family))))
+    aot.compile_all(build, kinds={"pool", "forward"})
+    assert build.backend.name == ("pallas_tpu" if target is TPU else "pallas_gpu")
+    assert [p.kind for p in build.programs] == ["pool", "forward", "forward"]  # decode and mixed steps
+    _checked(build)
+
+
 def _compile_for_script():
     path = Path(__file__).parents[1] / "scripts" / "compile_for.py"
     spec = importlib.util.spec_from_file_location("compile_for", path)

@@ -23,15 +23,31 @@ def hf_config(family):
 @pytest.mark.parametrize("family", TINY_FAMILIES, ids=lambda f: f.name)
 def test_rope_frequencies_equal_transformers(family):
     hf = hf_config(family)
-    ours = inverse_frequencies(ModelConfig.from_hf_config(hf.to_dict()))
+    config = ModelConfig.from_hf_config(hf.to_dict())
+    ours = inverse_frequencies(config)
+    if "full_attention" in hf.rope_parameters:  # Gemma 3: the global layers' (scaled), and the sliding layers' base
+        reference, _ = ROPE_INIT_FUNCTIONS[hf.rope_parameters["full_attention"]["rope_type"]](
+            hf, layer_type="full_attention"
+        )
+        np.testing.assert_allclose(ours, reference.numpy(), rtol=1e-6, atol=0)
+        local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+        rotary = transformers.AutoModelForCausalLM.from_config(hf).model.rotary_emb
+        reference, _ = rotary.compute_default_rope_parameters(hf, layer_type="sliding_attention")
+        np.testing.assert_allclose(inverse_frequencies(local), reference.numpy(), rtol=1e-6, atol=0)
+        return
     rope_type = hf.rope_parameters["rope_type"]
     if rope_type == "default":
         rotary = transformers.AutoModelForCausalLM.from_config(hf).model.rotary_emb
         reference, scale = rotary.compute_default_rope_parameters(hf)
     else:
         reference, scale = ROPE_INIT_FUNCTIONS[rope_type](hf)
-    assert scale == 1.0
+    # LongRoPE's attention factor multiplies cos and sin; the other types have none
+    assert scale == pytest.approx(config.rope_scaling.attention_factor if rope_type == "longrope" else 1.0, rel=1e-12)
     np.testing.assert_allclose(ours, reference.numpy(), rtol=1e-6, atol=0)
+    if rope_type == "longrope":  # the long factors' frequencies: transformers' past original_max_position_embeddings
+        original = config.rope_scaling.original_max_position_embeddings
+        long_reference, _ = ROPE_INIT_FUNCTIONS[rope_type](hf, seq_len=original + 1)
+        np.testing.assert_allclose(inverse_frequencies(config, long=True), long_reference.numpy(), rtol=1e-6, atol=0)
 
 
 def test_llama3_scaling_keeps_high_and_divides_low_frequencies():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import gguf
@@ -11,14 +12,20 @@ import torch
 from hf_reference import PARITY_PROMPTS, TINY_FAMILIES, hf_logits, make_tiny_hf_model
 
 from jaxpage.models import forward, load_model
-from jaxpage.models.gguf_loader import GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, load_gguf
+from jaxpage.models.gguf_loader import GEMMA_LAYER_TENSOR_NAMES, GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, load_gguf
 from jaxpage.models.weights import layer_tensor_specs
 from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
 GGUF_ARCH = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-    "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3",
 }  # fmt: skip
+# What a GGUF cannot say differently from llama.cpp's rules, said as llama.cpp assumes it: query_pre_attn_scalar
+# (head_dim below 27B) and Gemma 3's layer pattern (every sixth layer global, unless the metadata lists them).
+GEMMA_AS_LLAMA_CPP_ASSUMES = {
+    "gemma2-softcap-hybrid": dict(query_pre_attn_scalar=16),
+    "gemma3-qk-norm-local-rope": dict(num_hidden_layers=6, layer_types=[*["sliding_attention"] * 5, "full_attention"]),
+}
 GGUF_FAMILIES = [
     f
     for f in TINY_FAMILIES
@@ -34,7 +41,15 @@ GGUF_FAMILIES = [
         "mixtral-top2-sliding-window",
         "qwen2-moe-shared-expert",
         "qwen3-moe-norm-topk",
+        "gemma2-softcap-hybrid",
+        "gemma3-qk-norm-local-rope",
     )
+]
+GGUF_FAMILIES = [
+    dataclasses.replace(f, kwargs=f.kwargs | GEMMA_AS_LLAMA_CPP_ASSUMES[f.name])
+    if f.name in GEMMA_AS_LLAMA_CPP_ASSUMES
+    else f
+    for f in GGUF_FAMILIES
 ]
 
 
@@ -43,13 +58,16 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensor_name(hf: str) -> str:
+def gguf_tensor_name(hf: str, gemma: bool = False) -> str:
     """The inverse of the loader's GGUF -> transformers renaming."""
     inverse = {v: k for k, v in GLOBAL_TENSOR_NAMES.items()}
     if hf in inverse:
         return inverse[hf]
     _, _, layer, suffix = hf.split(".", 3)
-    return f"blk.{layer}." + {v: k for k, v in LAYER_TENSOR_NAMES.items()}[suffix]
+    names = {v: k for k, v in LAYER_TENSOR_NAMES.items()}
+    if gemma:
+        names |= {v: k for k, v in GEMMA_LAYER_TENSOR_NAMES.items()}
+    return f"blk.{layer}." + names[suffix]
 
 
 def gguf_moe_tensors(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
@@ -113,7 +131,14 @@ def write_gguf(model, path) -> None:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)  # Gemma 3: the global layers'
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf, key, None) is not None:
+            getattr(writer, f"add_{key}")(getattr(hf, key))
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
     writer.add_vocab_size(hf.vocab_size)
     writer.add_eos_token_id(2)
@@ -127,7 +152,7 @@ def write_gguf(model, path) -> None:
             writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
         if getattr(hf, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(hf.shared_expert_intermediate_size)
-    if hf.rope_parameters["rope_type"] == "llama3":
+    if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(hf.rope_parameters, head_dim))
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and hf.tie_word_embeddings:
@@ -137,7 +162,10 @@ def write_gguf(model, path) -> None:
             data = llama_cpp_permute(data, hf.num_attention_heads)
         if arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, hf.num_key_value_heads)
-        for gguf_name, part in gguf_moe_tensors(name, data) or [(gguf_tensor_name(name), data)]:
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as the scale they apply
+        gemma = arch.startswith("gemma")
+        for gguf_name, part in gguf_moe_tensors(name, data) or [(gguf_tensor_name(name, gemma), data)]:
             writer.add_tensor(gguf_name, np.ascontiguousarray(part))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -162,6 +162,66 @@ BAD_ARCHITECTURE_FIELDS = [
         dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob="x"),
         "norm_topk_prob must be true or false, got 'x'",
     ),
+    # Phi-3 (the tiny Llama's config as phi3: head_dim 16, so 8 LongRoPE factors each)
+    *[
+        (dict(model_type="phi3", **changes), message)
+        for changes, message in [
+            (
+                dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}),
+                "rope_scaling.short_factor must have 8 values (rotary dim / 2), got 3",
+            ),
+            (
+                dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 6}),
+                "rope_scaling.long_factor must have 8 values (rotary dim / 2), got 6",
+            ),
+            (
+                dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 7 + [0.0], "long_factor": [1.0] * 8}),
+                "rope_scaling.short_factor[7] must be a positive finite number, got 0.0",
+            ),
+            (
+                dict(rope_scaling={"type": "longrope", "short_factor": "1.0", "long_factor": [1.0] * 8}),
+                "rope_scaling.short_factor must be a list of positive numbers, got '1.0'",
+            ),
+            (
+                dict(rope_scaling={"type": "longrope", "long_factor": [1.0] * 8}),
+                "required field 'rope_scaling.short_factor' is missing",
+            ),
+            (
+                dict(
+                    rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+                    original_max_position_embeddings=0,
+                ),
+                "original_max_position_embeddings must be a positive integer, got 0",
+            ),
+            (
+                dict(
+                    rope_scaling={
+                        "type": "longrope",
+                        "short_factor": [1.0] * 8,
+                        "long_factor": [1.0] * 8,
+                        "attention_factor": -1,
+                    }
+                ),
+                "rope_scaling.attention_factor must be a positive finite number, got -1",
+            ),
+            (
+                dict(rope_scaling={"type": "linear", "factor": 2.0}),
+                "RoPE type 'linear' is not supported for phi3 (supported: default, longrope)",
+            ),
+            (dict(partial_rotary_factor=1.5), "partial_rotary_factor must be a number in (0, 1], got 1.5"),
+            (dict(partial_rotary_factor="0.5"), "partial_rotary_factor must be a number in (0, 1], got '0.5'"),
+            (
+                dict(partial_rotary_factor=0.3125),
+                "partial_rotary_factor must make the rotary dim int(head_dim * partial_rotary_factor) even and "
+                "positive (head_dim 16), got 0.3125 (rotary dim 5)",
+            ),
+            (
+                dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0}),
+                "rope_parameters.partial_rotary_factor must be a number in (0, 1], got 0",
+            ),
+            (dict(sliding_window=0), "sliding_window must be a positive integer, got 0"),
+        ]
+    ],
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_reference import TINY_FAMILIES, hf_greedy_tokens
+from hf_reference import TINY_FAMILIES, hf_greedy_tokens, hf_greedy_tokens_split, longrope_switch
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
@@ -14,7 +14,16 @@ from jaxpage.sampling_params import SamplingParams
 FAMILIES = [
     f
     for f in TINY_FAMILIES
-    if f.name in ("mixtral-top2-sliding-window", "qwen2-moe-shared-expert", "qwen3-moe-norm-topk")
+    if f.name
+    in (
+        "mixtral-top2-sliding-window",
+        "qwen2-moe-shared-expert",
+        "qwen3-moe-norm-topk",
+        "gemma2-softcap-hybrid",
+        "gemma3-qk-norm-local-rope",
+        "phi3-longrope",
+        "phi4-mini-partial-rotary",
+    )
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PAGE_SIZE = 8
@@ -42,7 +51,11 @@ def family_prompts(vocab_size: int) -> list[list[int]]:
 def test_engine_greedy_equals_transformers(family, tiny_model_dir):
     directory, hf_model = tiny_model_dir(family)
     prompts = family_prompts(hf_model.config.vocab_size)
-    expected = hf_greedy_tokens(hf_model, prompts, GREEDY.max_tokens)
+    split = longrope_switch(hf_model.config)  # LongRoPE: transformers fed as jaxpage's per-position rule reads it
+    if split is None:
+        expected = hf_greedy_tokens(hf_model, prompts, GREEDY.max_tokens)
+    else:
+        expected = hf_greedy_tokens_split(hf_model, prompts, GREEDY.max_tokens, split)
     llm = LLM(str(directory), **ENGINE_ARGS)
     requests = [{"prompt_token_ids": p} for p in prompts]
     # Two calls: the second prompt finds the first one's prefix pages in the cache.
@@ -53,3 +66,54 @@ def test_engine_greedy_equals_transformers(family, tiny_model_dir):
     assert scheduler.num_preemptions > 0
     assert scheduler.num_prefix_hit_tokens >= 40 // PAGE_SIZE * PAGE_SIZE
     assert llm.engine.block_manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize("attention_impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+def test_gemma2s_soft_capped_hybrid_attention_in_the_pallas_kernels(attention_impl, tiny_model_path):
+    """The kernels (in Pallas' interpreters) take Gemma 2's soft cap and each layer's window, and give the XLA
+    attention's tokens."""
+    directory = str(tiny_model_path(next(f for f in TINY_FAMILIES if f.name == "gemma2-softcap-hybrid")))
+    prompts = [{"prompt_token_ids": p} for p in family_prompts(96)[2:4]]  # 70 tokens and 3: past the window of 6
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    args = dict(skip_tokenizer_init=True, page_size=PAGE_SIZE, max_num_seqs=2, max_model_len=96)
+    want = [o.outputs[0].token_ids for o in LLM(directory, **args).generate(prompts, params)]
+    llm = LLM(directory, **args, attention_impl=attention_impl)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+# Gemma 2's chat template as its tokenizer_config.json holds it: no system role, user and model turns alternating.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+def test_gemmas_chat_template_through_llm_chat(full_vocab_dir, tmp_path):
+    """A template without a system role: LLM.chat renders user and model turns, and a system message is refused
+    with the template's own message (the server answers it with a 400), the engine unharmed."""
+    import shutil
+
+    from jaxpage.tokenizers.tokenizer import load_tokenizer
+
+    directory = shutil.copytree(full_vocab_dir, tmp_path / "gemma-template")
+    tokenizer = load_tokenizer(str(directory))
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(directory))
+    llm = LLM(str(directory), max_model_len=128, max_num_seqs=2, page_size=8)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "?"},
+    ]
+    [output] = llm.chat(turns, params)
+    prompt = load_tokenizer(str(directory)).decode(output.prompt_token_ids)
+    assert prompt.endswith("<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>user\n?<end_of_turn>\n"
+                           "<start_of_turn>model\n") and len(output.outputs[0].token_ids) == 4  # fmt: skip
+    with pytest.raises(ValueError, match="System role not supported"):
+        llm.chat([{"role": "system", "content": "Be brief."}, *turns], params)
+    assert len(llm.chat(turns, params)[0].outputs[0].token_ids) == 4

@@ -28,18 +28,22 @@ def test_bench_device_tiny_mode_runs_every_part():
 
 
 def test_bench_parallel_tiny_mode_reports_each_layout():
-    command = [sys.executable, "scripts/bench_parallel.py", "--tiny", "--layouts", "1x1,4x1,1x2", "--max-tokens", "8"]
+    """A tiny mixture of experts (8 experts): one device, 4 shards with expert parallelism, 2 replicas."""
+    command = [sys.executable, "scripts/bench_parallel.py", "--tiny", "--moe", "--layouts", "1x1,4x1ep,1x2"]
+    command += ["--max-tokens", "8", "--requests", "4"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     one, four, replicas = json.loads(result.stdout.splitlines()[-1])["layouts"]
     assert one["forward_all_reduces"] == one["sampler_all_gathers"] == 0
-    assert four["forward_all_reduces_per_layer"] == 2 and four["sampler_all_gathers"] == 1
+    assert four["forward_all_reduces_per_layer"] == 2 and four["sampler_all_gathers"] == 1  # experts: no new one
     assert four["kv_bytes_per_token_per_device"] == one["kv_bytes_per_token_per_device"] // 2  # 2 KV heads, 4 copies
     assert 1 <= four["weight_ratio_to_stored_over_tp"] < 1.1 and four["same_tokens_as_first"]
+    assert four["enable_expert_parallel"] and four["expert_bytes_per_device"] == one["expert_bytes_total"] // 4
     # Data parallelism: no collective, each replica's devices hold the whole model and their own pages.
     assert replicas["forward_all_reduces"] == replicas["sampler_all_gathers"] == 0 and not replicas["other_collectives"]
     assert replicas["weight_ratio_to_stored_over_tp"] == 1 and replicas["same_tokens_as_first"]
     assert replicas["kv_bytes_per_token_per_device"] == one["kv_bytes_per_token_per_device"]
+    assert replicas["expert_bytes_per_device"] == one["expert_bytes_per_device"] == one["expert_bytes_total"]
 
 
 def test_kv_plot_writes_a_png(tmp_path):

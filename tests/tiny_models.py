@@ -101,10 +101,78 @@ TINY_FAMILIES = [
         ),
     ),
     TinyFamily(
+        "gemma2-softcap-hybrid",
+        "Gemma2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    TinyFamily(
+        "gemma3-qk-norm-local-rope",
+        "Gemma3TextConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=4.0),
+            ),
+        ),
+    ),
+    TinyFamily(
         "smollm2-tied",
         "LlamaConfig",
         dict(
             num_attention_heads=6, num_key_value_heads=2, hidden_size=96, tie_word_embeddings=True, rope_theta=100000.0
+        ),
+    ),
+    # Phi-3: fused qkv_proj and gate_up_proj tensors. LongRoPE in the layout of Phi-3-mini-128k / Phi-3.5's config.json
+    # (rope_scaling with "type", original_max_position_embeddings at the top level), with a sliding window as
+    # Phi-3-mini-4k has one; short and long factors (one per pair of dimensions) far apart, so a mix-up shows.
+    TinyFamily(
+        "phi3-longrope",
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            original_max_position_embeddings=32,
+            sliding_window=12,
+            pad_token_id=0,  # Phi3Config's 32000 is past the tiny vocabulary (torch's Embedding refuses it)
+            rope_scaling=dict(
+                type="longrope",
+                short_factor=[1.0, 1.1, 1.25, 1.4, 1.6, 2.0, 2.5, 3.0],
+                long_factor=[1.5, 2.0, 3.0, 4.5, 6.0, 9.0, 12.0, 16.0],
+            ),
+        ),
+    ),
+    # Phi-4-mini: a partial rotary factor of 0.75 (12 of 16 dimensions rotated), LongRoPE, GQA, tied embeddings; in
+    # transformers 5's layout (rope_parameters).
+    TinyFamily(
+        "phi4-mini-partial-rotary",
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=24,
+            pad_token_id=0,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.75,
+                short_factor=[1.0, 1.05, 1.2, 1.5, 1.9, 2.4],
+                long_factor=[1.2, 2.0, 3.5, 6.0, 10.0, 16.0],
+            ),
         ),
     ),
 ]
@@ -123,6 +191,9 @@ ARCHITECTURES = {
     ),
     "Qwen2MoeConfig": ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
     "Qwen3MoeConfig": ("qwen3_moe", "Qwen3MoeForCausalLM", {}),
+    "Gemma2Config": ("gemma2", "Gemma2ForCausalLM", dict(bos_token_id=2, eos_token_id=1)),
+    "Gemma3TextConfig": ("gemma3_text", "Gemma3ForCausalLM", dict(bos_token_id=2, eos_token_id=1)),
+    "Phi3Config": ("phi3", "Phi3ForCausalLM", dict(bos_token_id=1, eos_token_id=32000, rms_norm_eps=1e-5)),
 }
 
 
@@ -162,17 +233,31 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         layer |= {"self_attn.v_proj.bias": (kv_heads * hd,)}
     if attention_bias:
         layer["self_attn.o_proj.bias"] = (d,)
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in ("gemma2", "gemma3_text"):  # the attention's and the MLP's outputs normed, and the MLP's input
+        layer |= {f"{n}_feedforward_layernorm.weight": (d,) for n in ("pre", "post")}
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
         layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
     if config.get("mlp_bias", False) and model_type == "llama":
         layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)}
+    if model_type == "phi3":
+        layer = phi3_fused_shapes(layer)
     shapes = {"model.embed_tokens.weight": (vocab, d)}
     for i in range(config["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     shapes["model.norm.weight"] = (d,)
-    if not config.get("tie_word_embeddings", False):
+    if not config.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text")):
         shapes["lm_head.weight"] = (vocab, d)
     return shapes
+
+
+def phi3_fused_shapes(layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A Llama layer's tensors as Phi-3 checkpoints hold them: q, k and v in one self_attn.qkv_proj (their rows in
+    that order), gate and up in one mlp.gate_up_proj."""
+    layer = dict(layer)
+    q, k, v = (layer.pop(f"self_attn.{p}_proj.weight") for p in "qkv")
+    gate, up = (layer.pop(f"mlp.{p}_proj.weight") for p in ("gate", "up"))
+    qkv = {"self_attn.qkv_proj.weight": (q[0] + k[0] + v[0], q[1])}
+    return layer | qkv | {"mlp.gate_up_proj.weight": (gate[0] + up[0], gate[1])}
 
 
 def moe_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:

@@ -168,11 +168,13 @@ class AttentionBackend:
         sm_scale: float,
         sliding_window: int | None,
         max_q_len: int | None,
+        soft_cap: float | None = None,
     ) -> jax.Array:  # [T, num_heads, head_dim]
         """Causal attention of the step's query tokens to their sequences' cached keys (this step's included).
 
         max_q_len (static): no live sequence has more query tokens than this (None: any number). With 1, every
-        live sequence has one query token, token s being sequence s's, and T == S."""
+        live sequence has one query token, token s being sequence s's, and T == S. soft_cap (Gemma 2): logits
+        become soft_cap * tanh(logits / soft_cap) before the mask and softmax."""
         raise NotImplementedError
 
 
@@ -184,11 +186,20 @@ class PagedAttention:
     sm_scale: float
     sliding_window: int | None = None
     max_q_len: int | None = None  # see AttentionBackend.attend
+    soft_cap: float | None = None  # see AttentionBackend.attend
 
     def __call__(self, q, k, v, batch: PagedBatch, kv_cache: KVCache, layer):
         # q [T, H, d]; k, v [T, K, d]
-        kv_cache = self.backend.write_kv(kv_cache, k, v, batch.slot_mapping, layer)
-        out = self.backend.attend(
+        kv_cache = self.store(k, v, batch, kv_cache, layer)
+        return self.attend(q, k, v, batch, kv_cache, layer), kv_cache
+
+    def store(self, k, v, batch: PagedBatch, kv_cache: KVCache, layer) -> KVCache:
+        """The step's K/V written into the pool."""
+        return self.backend.write_kv(kv_cache, k, v, batch.slot_mapping, layer)
+
+    def attend(self, q, k, v, batch: PagedBatch, kv_cache: KVCache, layer) -> jax.Array:
+        """The attention of q to the pool (which holds this step's K/V already: k and v are not read)."""
+        return self.backend.attend(
             q,
             kv_cache,
             batch,
@@ -196,5 +207,5 @@ class PagedAttention:
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
             max_q_len=self.max_q_len,
+            soft_cap=self.soft_cap,
         )
-        return out, kv_cache

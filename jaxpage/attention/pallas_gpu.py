@@ -30,8 +30,10 @@ class PallasGpuAttention(AttentionBackend):
         page_bytes = config.num_layers * page_size * kv_heads * self.pool_head_dim(config.head_dim)  # 1 byte each
         return 2**31 // page_bytes if triton_misaddresses(num_pages * page_bytes, 1) else num_pages
 
-    def attend(self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len):
-        options = dict(sm_scale=sm_scale, soft_cap=None, sliding_window=sliding_window, interpret=self.interpret)
+    def attend(
+        self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len, soft_cap=None
+    ):
+        options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, interpret=self.interpret)
         kv_lens, pools = batch.live_kv_lens(), dataclasses.astuple(kv_cache)
         if max_q_len == 1:
             from pallas_kernels.gpu_decode_attention import gpu_decode_attention, gpu_decode_tiling  # Pallas

@@ -91,7 +91,9 @@ class PallasTpuAttention(AttentionBackend):
             v_scales=write_scales(kv_cache.v_scales, v_scales),
         )
 
-    def attend(self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len):
+    def attend(
+        self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len, soft_cap=None
+    ):
         """The kernels on the pool in their layout; q's head_dim padded to the pool's, padding rows emptied, the
         block tables offset to the layer (`kernel_pool_view`)."""
         from pallas_kernels.tpu_page_pipeline import tpu_pages_per_kv_tile  # Pallas: imported when used
@@ -102,7 +104,7 @@ class PallasTpuAttention(AttentionBackend):
         pools, tables = kernel_pool_view(dataclasses.astuple(kv_cache), batch.block_tables, layer, pages_per_kv_tile)
         kv_lens = batch.live_kv_lens()
         k, v, k_scales, v_scales = pools
-        options = dict(k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale, soft_cap=None)
+        options = dict(k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale, soft_cap=soft_cap)
         options |= dict(sliding_window=sliding_window, pages_per_kv_tile=pages_per_kv_tile, interpret=self.interpret)
         if max_q_len == 1:
             from pallas_kernels.tpu_decode_attention import tpu_decode_attention

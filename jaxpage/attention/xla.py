@@ -18,10 +18,12 @@ class XlaAttention(AttentionBackend):
     def name(self) -> str:
         return "xla"
 
-    def attend(self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len):
+    def attend(
+        self, q, kv_cache: KVCache, batch: PagedBatch, layer, *, sm_scale, sliding_window, max_q_len, soft_cap=None
+    ):
         pools = (kv_cache.k, kv_cache.v)
         scales = dict(k_scales=kv_cache.k_scales, v_scales=kv_cache.v_scales)
-        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, max_q_len=max_q_len)
+        options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len)
         if max_q_len == 1:  # one query token per row: sequence s's is token s (the decode form, no prefill loop)
             assert q.shape[0] == batch.kv_lens.shape[0], (q.shape, batch.kv_lens.shape)
             rows = q.shape[0]

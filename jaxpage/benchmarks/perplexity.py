@@ -79,7 +79,7 @@ def _paged_prefill(page_size: int = 16):
             cu_q_lens=jnp.array([0, n], jnp.int32),
             num_seqs=jnp.int32(1),
         )
-        model = build(config, PagedAttention(backend, config.head_dim**-0.5, config.sliding_window), dtype)
+        model = build(config, PagedAttention(backend, config.attention_scale, config.sliding_window), dtype)
         variables = {"params": params}
         hidden, _ = model.apply(variables, token_ids, jnp.arange(n, dtype=jnp.int32), batch, kv_cache)
         return model.apply(variables, hidden, method=Llama.logits)

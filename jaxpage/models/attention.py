@@ -1,7 +1,8 @@
 """The attention interface the model layers call, and its cache-free dense implementation.
 
 The model is written once; what attention does with K/V is pluggable. An attention implementation is
-a hashable callable (it is part of the jitted function's static structure):
+a hashable callable (it is part of the jitted function's static structure), the composition of `store` (K/V into
+the cache) and `attend`:
 
     out, kv_cache = attention(q, k, v, batch, kv_cache, layer)
 
@@ -26,7 +27,15 @@ import jax.numpy as jnp
 
 
 class Attention(Protocol):
-    def __call__(self, q, k, v, batch, kv_cache, layer) -> tuple[jax.Array, object]: ...
+    def __call__(self, q, k, v, batch, kv_cache, layer) -> tuple[jax.Array, object]:
+        """store, then attend."""
+
+    def store(self, k, v, batch, kv_cache, layer) -> object:
+        """kv_cache with the step's K/V in it."""
+
+    def attend(self, q, k, v, batch, kv_cache, layer) -> jax.Array:
+        """out, from a kv_cache that `store` has written (a layer may choose between attentions after storing once:
+        see jaxpage.models.llama.layer_attention)."""
 
 
 @jax.tree_util.register_dataclass
@@ -49,13 +58,22 @@ class DenseAttention:
 
     sm_scale: float
     sliding_window: int | None = None
+    soft_cap: float | None = None  # logits become soft_cap * tanh(logits / soft_cap) (Gemma 2)
 
     def __call__(self, q, k, v, batch: DenseBatch, kv_cache, layer):
+        return self.attend(q, k, v, batch, kv_cache, layer), kv_cache
+
+    def store(self, k, v, batch: DenseBatch, kv_cache, layer):
+        return kv_cache  # no cache
+
+    def attend(self, q, k, v, batch: DenseBatch, kv_cache, layer):
         # q [B, S, Hq, D]; k, v [B, S, Hkv, D]
         b, s, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[2]
         q = q.reshape(b, s, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * self.sm_scale
+        if self.soft_cap is not None:
+            scores = jnp.tanh(scores / self.soft_cap) * self.soft_cap
         index = jnp.arange(s)
         visible = (index[None, :] <= index[:, None])[None] & batch.valid[:, None, :]  # [B, Sq, Sk]
         if self.sliding_window is not None:
@@ -66,4 +84,4 @@ class DenseAttention:
         # A padding query may see no key at all: give it zeros, not NaN.
         probs = jnp.where(visible, jax.nn.softmax(jnp.where(visible.any(-1, keepdims=True), scores, 0.0)), 0.0)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return out.reshape(b, s, num_heads, head_dim).astype(q.dtype), kv_cache
+        return out.reshape(b, s, num_heads, head_dim).astype(q.dtype)

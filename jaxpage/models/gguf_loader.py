@@ -27,6 +27,8 @@ GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
 }
 
 # Types jaxpage dequantizes; anything else is refused by name.
@@ -71,6 +73,15 @@ MOE_LAYER_TENSOR_NAMES = {
     "ffn_up_shexp.weight": "{block}.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "{block}.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "{block}.shared_expert_gate.weight",  # [D] in GGUF, [1, D] in transformers
+}
+
+
+# Gemma's norms in llama.cpp's names, where they differ from Llama's (whose ffn_norm is the norm before the MLP,
+# transformers' post_attention_layernorm in Llama and pre_feedforward_layernorm in Gemma).
+GEMMA_LAYER_TENSOR_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
 
@@ -182,6 +193,8 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
     if window and gguf_arch == "llama":  # Mistral's (a "llama" to llama.cpp); Mixtral's, below
         hf_like |= {"model_type": "mistral", "sliding_window": window}
     hf_like |= _moe_fields(field, meta, gguf_arch, gguf.metadata.get(f"{gguf_arch}.expert_weights_norm"))
+    pattern = gguf.metadata.get(f"{gguf_arch}.attention.sliding_window_pattern")
+    hf_like |= _gemma_fields(field, gguf_arch, hf_like, pattern)
     config = ModelConfig.from_hf_config(hf_like, source=str(path), names=names)
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
@@ -193,6 +206,36 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
             )
         config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
     return config
+
+
+def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value) -> dict[str, Any]:
+    """Gemma 2 / 3's config.json fields from GGUF metadata (none for other architectures), as llama.cpp reads them:
+    the sliding window and soft caps from the metadata; the layer pattern from attention.sliding_window_pattern
+    (`pattern_value`), else each family's (Gemma 2 alternating, Gemma 3 every sixth layer global); Gemma 3's local
+    RoPE base 10000; and, as GGUF keeps no query_pre_attn_scalar, llama.cpp's rule: hidden_size / heads for the 27B
+    models (46 or 62 layers), else head_dim."""
+    if gguf_arch not in ("gemma2", "gemma3"):
+        return {}
+    hidden, heads, layers = hf_like["hidden_size"], hf_like["num_attention_heads"], hf_like["num_hidden_layers"]
+    valid = all(isinstance(n, int) and n > 0 for n in (hidden, heads, layers))  # else from_hf_config names them
+    head_dim = hf_like["head_dim"] or (hidden // heads if valid else None)
+    fields = {
+        "sliding_window": field(f"{gguf_arch}.attention.sliding_window"),
+        "query_pre_attn_scalar": hidden // heads if valid and layers in (46, 62) else head_dim,
+    }
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if field(f"{gguf_arch}.{key}") is not None:
+            fields[key] = field(f"{gguf_arch}.{key}")
+    if gguf_arch == "gemma3":
+        fields["rope_local_base_freq"] = 10000.0
+    pattern = pattern_value  # a period, or a flag per layer (True: sliding)
+    if isinstance(pattern, list):
+        fields["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    elif pattern is not None:
+        fields["sliding_window_pattern"] = pattern
+    elif gguf_arch == "gemma3":
+        fields["sliding_window_pattern"] = 6
+    return fields
 
 
 def _moe_fields(field, meta, gguf_arch: str, norm) -> dict[str, Any]:
@@ -243,11 +286,19 @@ class GGUFSource:
         self._experts: dict[str, tuple[GGUFTensor, int]] = {}  # an expert's name -> (its stacked tensor, its index)
         self._stacked: tuple[str, np.ndarray] | None = None  # the last stacked tensor dequantized
         for tensor in gguf.tensors.values():
-            name = hf_name(tensor.name)
+            name = self._gemma_name(tensor.name) if config.sandwich_norms else None
+            name = name or hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
             elif config.is_moe:
                 self._add_moe_tensor(tensor)
+
+    @staticmethod
+    def _gemma_name(gguf_name: str) -> str | None:
+        parts = gguf_name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in GEMMA_LAYER_TENSOR_NAMES:
+            return f"model.layers.{parts[1]}.{GEMMA_LAYER_TENSOR_NAMES[parts[2]]}"
+        return None
 
     def _add_moe_tensor(self, tensor: GGUFTensor) -> None:
         parts = tensor.name.split(".", 2)
@@ -282,6 +333,8 @@ class GGUFSource:
             order = None if heads is None else unpermute_rows(np.arange(tensor.shape[0]), heads)
             return dequantize_transposed(tensor.data, tensor.tensor_type, tensor.shape, order).T
         weights = dequantize(tensor.data, tensor.tensor_type, tensor.shape)
+        if self._config.norm_weight_offset and name.endswith("norm.weight"):
+            return weights - self._config.norm_weight_offset  # llama.cpp stores Gemma's norms as 1 + weight
         return weights if heads is None else unpermute_rows(weights, heads)
 
     def _expert(self, tensor: GGUFTensor, j: int) -> np.ndarray:

@@ -24,6 +24,7 @@ L = num_layers, V = vocab_size); biases and q/k norms only where the config has 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -46,15 +47,30 @@ def linear(config: ModelConfig, features, use_bias: bool, dtype, name: str, axis
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * scale; with `offset` (Gemma: 1), * (offset + scale), computed in float32 as Gemma does."""
+
     eps: float
     dtype: jnp.dtype
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * normed.astype(x.dtype)  # cast before scaling, as transformers does
+
+
+def rms_norm(config: ModelConfig, dtype, name: str | None = None) -> RMSNorm:
+    return RMSNorm(config.rms_norm_eps, dtype, config.norm_weight_offset, name=name)
+
+
+def soft_cap(x, cap: float | None):
+    """cap * tanh(x / cap) (Gemma's soft-capping of logits); x unchanged without a cap."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 class SelfAttention(nn.Module):
@@ -74,13 +90,37 @@ class SelfAttention(nn.Module):
         k = projection(c.num_kv_heads, "k_proj")(x)  # [..., K, d]
         v = projection(c.num_kv_heads, "v_proj")(x)  # [..., K, d]
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = rms_norm(c, self.dtype, "q_norm")(q)
+            k = rms_norm(c, self.dtype, "k_norm")(k)
+        sliding = jnp.asarray(c.sliding_layers)[layer]  # this layer attends through the sliding window
         cos, sin = rope
+        if c.rope_local_theta is not None:  # [2, ...]: the global layers' tables, the sliding layers' (Gemma 3)
+            cos, sin = cos[sliding.astype(jnp.int32)], sin[sliding.astype(jnp.int32)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv_cache = self.attention(q, k, v, batch, kv_cache, layer)
+        out, kv_cache = layer_attention(c, self.attention, sliding)(q, k, v, batch, kv_cache, layer)
         out = linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1))(out)
         return _all_reduce(out, self.tp_axis), kv_cache
+
+
+def layer_attention(config: ModelConfig, attention: Attention, sliding: jax.Array) -> Attention:
+    """The attention of a layer: through the sliding window where the config says so (`sliding`, traced: the layers
+    are scanned; hybrids such as Gemma pick between two compiled attentions per layer with lax.cond, so each kernel
+    keeps its window static and never reads outside it), soft-capped as the config says."""
+    c = config
+
+    def with_window(window: int | None) -> Attention:
+        return dataclasses.replace(attention, sliding_window=window, soft_cap=c.attn_logit_softcapping)
+
+    if not c.hybrid_attention:
+        return with_window(c.sliding_window if c.sliding_layers[0] else None)
+    local, full = with_window(c.sliding_window), with_window(None)
+
+    def attend(q, k, v, batch, kv_cache, layer):
+        # K/V stored once, outside the branches: a pool written inside both would be copied (XLA:GPU does).
+        kv_cache = local.store(k, v, batch, kv_cache, layer)
+        return jax.lax.cond(sliding, local.attend, full.attend, q, k, v, batch, kv_cache, layer), kv_cache
+
+    return attend
 
 
 class MLP(nn.Module):
@@ -97,7 +137,12 @@ class MLP(nn.Module):
 
         gate = dense(c.intermediate_size, "gate_proj")(x)
         up = dense(c.intermediate_size, "up_proj")(x)
-        return _all_reduce(dense(c.hidden_size, "down_proj")(nn.silu(gate) * up), self.tp_axis)
+        return _all_reduce(dense(c.hidden_size, "down_proj")(activation(c)(gate) * up), self.tp_axis)
+
+
+def activation(config: ModelConfig):
+    """The MLP's gate activation: SiLU, or Gemma's GELU with the tanh approximation."""
+    return nn.silu if config.hidden_act == "silu" else functools.partial(nn.gelu, approximate=True)
 
 
 def _all_reduce(x, tp_axis: str | None):
@@ -140,12 +185,16 @@ class DecoderLayer(nn.Module):
         x, kv_cache = carry
         c = self.config
         h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, name="attn")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x), rope, batch, kv_cache, layer
+            rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer
         )
+        if c.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed too
+            h = rms_norm(c, self.dtype, "attn_output_norm")(h)
         x = x + h
         mlp = feed_forward(c, self.dtype, self.tp_axis, self.expert_method)
-        x = x + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_norm")(x))
-        return (x, kv_cache), None
+        h = mlp(rms_norm(c, self.dtype, "post_attention_norm")(x))  # the norm before the MLP, by Llama's name
+        if c.sandwich_norms:
+            h = rms_norm(c, self.dtype, "mlp_output_norm")(h)
+        return (x + h, kv_cache), None
 
 
 class Llama(nn.Module):
@@ -181,7 +230,7 @@ class Llama(nn.Module):
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=c.num_layers,
         )(c, self.attention, self.dtype, self.tp_axis, expert_method(self.platform))
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.norm = rms_norm(c, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = linear(
                 c, c.vocab_size, False, self.dtype, "lm_head", int8_method=lm_head_method(self.platform)
@@ -196,7 +245,14 @@ class Llama(nn.Module):
             here = (local >= 0) & (local < self.config.vocab_size)
             x = self.embed_tokens(jnp.where(here, local, 0)) * here[..., None].astype(self.dtype)
             x = jax.lax.psum(x, self.tp_axis)
+        if self.config.embedding_multiplier is not None:  # Gemma: by sqrt(hidden_size), rounded to the dtype
+            x = x * jnp.asarray(self.config.embedding_multiplier, self.dtype)
         rope = rope_tables(self.config, positions)
+        if self.config.rope_local_theta is not None:  # Gemma 3's sliding layers' tables beside the global ones
+            local = dataclasses.replace(
+                self.config, rope_theta=self.config.rope_local_theta, rope_scaling=None, rope_freq_factors=None
+            )
+            rope = tuple(jnp.stack(tables) for tables in zip(rope, rope_tables(local, positions), strict=True))
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, rope, batch)
         return self.norm(x), kv_cache
@@ -209,7 +265,7 @@ class Llama(nn.Module):
             logits = self.lm_head(hidden).astype(jnp.float32)
         if self.tp_axis is not None:  # each shard has its slice of the vocabulary
             logits = jax.lax.all_gather(logits, self.tp_axis, axis=logits.ndim - 1, tiled=True)
-        return logits
+        return soft_cap(logits, self.config.final_logit_softcapping)
 
 
 def build(
@@ -220,7 +276,7 @@ def build(
 
 def dense_model(config: ModelConfig, dtype) -> Llama:
     """The model with cache-free causal attention (per padded row)."""
-    return build(config, DenseAttention(sm_scale=config.head_dim**-0.5, sliding_window=config.sliding_window), dtype)
+    return build(config, DenseAttention(sm_scale=config.attention_scale), dtype)
 
 
 def param_shapes(config: ModelConfig, dtype) -> dict:

@@ -45,6 +45,9 @@ from jaxpage.models.int8 import Int8DenseGeneral, fan_in_scale, random_int8
 #   "expert_loop": a loop over the experts that received rows, each multiplying its group in chunks of a fixed
 #                  number of rows (loop_chunk_rows); the trip counts are data, the shapes are not. The CPU method.
 METHODS = ("ragged_dot", "expert_loop")
+# Every expert on every token, weighted by the routing (zero for the experts a token is not routed to): the reference
+# of the tests and the baseline of the benchmarks (scripts/bench_moe*.py), never chosen by expert_method.
+DENSE_REFERENCE = "dense_reference"
 
 
 def expert_method(platform: str | None = None) -> str:
@@ -122,12 +125,17 @@ def routed_experts(
     Expert parallelism: `experts` are the E_local experts first_expert, first_expert + 1, ... of a shard; the
     assignments to other experts are left out (their rows sort after every local group and are neither computed nor
     added), so the shards' outputs sum to the whole."""
-    if method not in METHODS:
+    if method not in (*METHODS, DENSE_REFERENCE):
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     num_tokens, top_k = expert_ids.shape
     num_experts = experts["gate_proj"]["kernel"].shape[0]
     local_ids = expert_ids.reshape(-1) - first_expert
     here = (local_ids >= 0) & (local_ids < num_experts)  # [T*k] assignments to this shard's experts
+    if method == DENSE_REFERENCE:
+        dense_weights = jnp.zeros((num_tokens, num_experts + 1), jnp.float32)  # a last column for other shards'
+        rows = jnp.repeat(jnp.arange(num_tokens), top_k)
+        dense_weights = dense_weights.at[rows, jnp.where(here, local_ids, num_experts)].set(weights.reshape(-1))
+        return _every_expert(x, experts, dense_weights[:, :num_experts])
     flat_ids = jnp.where(here, local_ids, num_experts)  # the others: a group past the last, never computed
     # Stable: within an expert's group the rows keep token order.
     order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # [T*k] assignment at each sorted position
@@ -187,21 +195,23 @@ def _dequantized(projection: dict, dtype) -> jax.Array:
     return kernel if "scale" not in projection else kernel * projection["scale"][:, None, :].astype(dtype)
 
 
-def moe_dense_reference(params: dict, x: jax.Array, top_k: int, normalize_topk: bool) -> jax.Array:
-    """MoEBlock's output [T, D] for x [T, D] and its parameters, computing every expert on every token (E/k times the
-    routed work) and weighting by the routing weights; the shared expert when the parameters have one. For tests and
-    as the benchmarks' baseline."""
-    weights, expert_ids = route(_project(x, params["router"]), top_k, normalize_topk)
-    experts = {name: _dequantized(params["experts"][name], x.dtype) for name in PROJECTIONS}
-    num_tokens, num_experts = x.shape[0], experts["gate_proj"].shape[0]
-    dense_weights = jnp.zeros((num_tokens, num_experts), jnp.float32)
-    dense_weights = dense_weights.at[jnp.arange(num_tokens)[:, None], expert_ids].set(weights)  # [T, E]
+def _every_expert(x, experts: dict, dense_weights) -> jax.Array:
+    """sum over e of dense_weights[:, e] * expert e (x): every expert on every row of x [T, D], [T, D] float32."""
+    experts = {name: _dequantized(experts[name], x.dtype) for name in PROJECTIONS}
     # Expert-major products ([E, T, F]): batched over the kernels' leading axis, no transposed copy of them (measured
     # 1.1x to 1.4x faster than token-major on CPU, so the benchmarks' baseline is not a weak one).
     gate = jnp.einsum("td,edf->etf", x, experts["gate_proj"])
     up = jnp.einsum("td,edf->etf", x, experts["up_proj"])
     every_expert = jnp.einsum("etf,efd->etd", nn.silu(gate) * up, experts["down_proj"])  # [E, T, D]
-    out = jnp.einsum("etd,te->td", every_expert.astype(jnp.float32), dense_weights).astype(x.dtype)
+    return jnp.einsum("etd,te->td", every_expert.astype(jnp.float32), dense_weights)
+
+
+def moe_dense_reference(params: dict, x: jax.Array, top_k: int, normalize_topk: bool) -> jax.Array:
+    """MoEBlock's output [T, D] for x [T, D] and its parameters, computing every expert on every token (E/k times the
+    routed work) and weighting by the routing weights; the shared expert when the parameters have one. For tests and
+    as the benchmarks' baseline."""
+    weights, expert_ids = route(_project(x, params["router"]), top_k, normalize_topk)
+    out = routed_experts(x, params["experts"], weights, expert_ids, DENSE_REFERENCE).astype(x.dtype)
     if "shared_expert" in params:
         out = out + _shared_expert_reference(x, params)
     return out

@@ -73,6 +73,13 @@ def layer_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple
         ("self_attn.o_proj.weight", ("attn", "o_proj", "kernel"), (d, qd), _linear(heads_in=c.num_heads, head_dim=hd)),
         ("post_attention_layernorm.weight", ("post_attention_norm", "scale"), (d,), _same),
     ]
+    if c.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm
+        # is the norm before the MLP (Llama's post_attention_layernorm), post_feedforward_layernorm the MLP's output
+        specs = [spec for spec in specs if spec[0] != "post_attention_layernorm.weight"] + [
+            ("post_attention_layernorm.weight", ("attn_output_norm", "scale"), (d,), _same),
+            ("pre_feedforward_layernorm.weight", ("post_attention_norm", "scale"), (d,), _same),
+            ("post_feedforward_layernorm.weight", ("mlp_output_norm", "scale"), (d,), _same),
+        ]
     if c.is_moe:
         specs += _moe_router_specs(c)
     else:
@@ -100,7 +107,41 @@ def layer_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple
             ("mlp.up_proj.bias", ("mlp", "up_proj", "bias"), (f,), _same),
             ("mlp.down_proj.bias", ("mlp", "down_proj", "bias"), (d,), _same),
         ]
+    if c.architecture == "phi3":
+        specs = _phi3_fused_specs(c, specs)
     return specs
+
+
+def _rows(start: int, stop: int, convert: Callable) -> Callable:
+    """`convert` of rows start:stop of a fused torch weight [out, in]."""
+    return lambda w: convert(w[start:stop])
+
+
+def _phi3_fused_specs(
+    c: ModelConfig, specs: list[tuple[str, tuple[str, ...], tuple[int, ...], Callable]]
+) -> list[tuple[str, tuple[str, ...], tuple[int, ...], Callable]]:
+    """Phi-3's checkpoints fuse q, k and v into `self_attn.qkv_proj.weight` [(H + 2K) * d, D] (q's rows, then k's,
+    then v's) and gate and up into `mlp.gate_up_proj.weight` [2F, D] (gate's rows, then up's): each of those
+    parameters is read from its rows of the fused tensor, so the parameter tree (and tensor parallelism, int8) is
+    Llama's. The fused tensor is read once per parameter made from it."""
+    d, f = c.hidden_size, c.intermediate_size
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    qkv, gate_up = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"
+    fused = {  # Llama's name -> (the fused tensor, its rows)
+        "self_attn.q_proj.weight": (qkv, 0, qd),
+        "self_attn.k_proj.weight": (qkv, qd, qd + kd),
+        "self_attn.v_proj.weight": (qkv, qd + kd, qd + 2 * kd),
+        "mlp.gate_proj.weight": (gate_up, 0, f),
+        "mlp.up_proj.weight": (gate_up, f, 2 * f),
+    }
+    rows = {qkv: qd + 2 * kd, gate_up: 2 * f}
+    result = []
+    for name, path, shape, convert in specs:
+        if name in fused:
+            name, start, stop = fused[name]
+            shape, convert = (rows[name], d), _rows(start, stop, convert)
+        result.append((name, path, shape, convert))
+    return result
 
 
 def _moe_block_name(c: ModelConfig) -> str:

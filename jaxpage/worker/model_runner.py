@@ -177,7 +177,7 @@ class ModelRunner:
         self.models = {  # by the shapes' max_q_len
             q_len: build(
                 shard,
-                PagedAttention(backend, config.head_dim**-0.5, config.sliding_window, q_len or None),
+                PagedAttention(backend, config.attention_scale, config.sliding_window, q_len or None),
                 dtype,
                 tp_axis,
                 backend.platform,
