@@ -19,6 +19,15 @@ the budget holds at its format's bytes per token (scales included). For 8-bit pa
 --max-num-seqs and lower --contiguous-requests so that the pool, not max_num_seqs, limits the run, e.g.
 `--formats float32,bfloat16,int8,fp8 --contiguous-requests 2 --max-num-seqs 128`. --plot draws each format's run
 (FILE-FORMAT.png with several). The last line is one JSON object.
+
+    python scripts/bench_memory.py --window-context 8192 [--window 1024]
+
+Sliding windows instead: one request grown to that many tokens on two random models of the same size (4 layers,
+D=256, 2 KV heads of 32, pages of 16): a Mistral-shaped one whose every layer slides over --window keys, and a
+Gemma-3-shaped one whose layers 1-3 slide and layer 4 sees everything. Reported: the most KV bytes the sequence held
+after any step (the pages in its block table, the null page not counted), beside the whole context's and the ideal
+(every full-attention layer the whole context, every sliding layer its window: at most the pages that span the
+window - 1 keys before the next token, plus the one it is written into).
 """
 
 from __future__ import annotations
@@ -50,7 +59,20 @@ def main() -> None:
     parser.add_argument("--workload", type=Path, help="JSONL rows {id, prompt_token_ids, max_tokens}")
     parser.add_argument("--model", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--plot", type=Path, help="PNG of KV utilization and running requests over the run")
+    parser.add_argument("--window-context", type=int, help="the sliding-window report, at this many tokens")
+    parser.add_argument("--window", type=int, default=1024)
     args = parser.parse_args()
+    if args.window_context:
+        rows = [window_run(model_type, args.window_context, args.window) for model_type in ("mistral", "gemma3_text")]
+        for row in rows:
+            print(
+                f"{row['model']}: {row['context']} tokens, window {row['window']}: held at most "
+                f"{row['kv_bytes_held_max']} B of KV ({row['held_over_whole_context']:.3f} of the whole context's "
+                f"{row['kv_bytes_whole_context']} B; ideal {row['kv_bytes_ideal']} B, held / ideal "
+                f"{row['held_over_ideal']:.3f})"
+            )
+        print(json.dumps({"window_runs": rows}))
+        return
     if args.contiguous_requests < 1:
         raise SystemExit("--contiguous-requests must be at least 1")
     formats = args.formats.split(",")
@@ -106,6 +128,51 @@ def main() -> None:
         "workload": workload,
     }
     print(json.dumps(summary))
+
+
+def window_run(model_type: str, context: int, window: int) -> dict:
+    """One request grown to `context` tokens on a random model with sliding windows (see the module docstring): the
+    most KV bytes its block table held after any step, against the whole context's and the ideal."""
+    import tempfile
+
+    from jaxpage.entrypoints.llm import LLM
+    from jaxpage.sampling_params import SamplingParams
+
+    layers, page_size = 4, 16
+    hf = dict(
+        model_type=model_type, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=context + 16,
+        sliding_window=window,
+    )  # fmt: skip
+    if model_type == "gemma3_text":
+        hf["layer_types"] = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    directory = tempfile.mkdtemp(prefix="jaxpage-bench-window-")
+    (Path(directory) / "config.json").write_text(json.dumps(hf))
+    llm = LLM(
+        directory, load_format="dummy", skip_tokenizer_init=True, max_model_len=context + 16, max_num_seqs=1,
+        max_num_batched_tokens=512, page_size=page_size, compilation_cache_dir=None, enable_prefix_caching=False,
+    )  # fmt: skip
+    engine, config = llm.engine, llm.engine.model_config
+    engine.add_request("0", {"prompt_token_ids": [i % 1000 + 3 for i in range(context - 8)]},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # fmt: skip
+    held_max, steps = 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        for seq in engine.scheduler.running:
+            held_max = max(held_max, sum(page != 0 for page in seq.block_table))
+    layer_page_bytes = page_size * config.kv_bytes_per_token(4) // layers  # one layer's K and V of a page
+    whole = -(-context // page_size) * layers * layer_page_bytes
+    window_pages = -(-(window - 1) // page_size) + 1
+    full_layers = sum(not sliding for sliding in config.sliding_layers)
+    ideal = (full_layers * -(-context // page_size) + (layers - full_layers) * window_pages) * layer_page_bytes
+    held = held_max * layers * layer_page_bytes  # a page holds every layer's K and V of its tokens
+    log(f"{model_type}: {steps} steps, at most {held_max} pages held")
+    return dict(
+        model=f"{model_type} ({layers - full_layers} of {layers} layers sliding)", context=context, window=window,
+        kv_bytes_held_max=held, kv_bytes_whole_context=whole, kv_bytes_ideal=ideal,
+        held_over_whole_context=held / whole, held_over_ideal=held / ideal,
+    )  # fmt: skip
 
 
 def run(args, rows: list[dict], config, kv_format: str, budget_bytes: int, several: bool) -> dict:

@@ -407,16 +407,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
     (all read before any is written), then the K/V of the scheduled tokens. `pool` is a shadow of the device KV
     pool: pool[page][offset] is what the K/V in that slot depends on, the tokens up to and including its own. Every
     live sequence's computed tokens must be intact in the pages its table names (catches a missing or chained
-    copy-on-write, a page handed out while referenced, a stale or unchained prefix-cache entry)."""
+    copy-on-write, a page handed out while referenced, a stale or unchained prefix-cache entry). With a sliding
+    window, each step gives back the pages outside it (free_outside_window): the tokens inside every window must
+    still be intact, and a given-back entry must lie wholly before it."""
 
     @initialize(
         num_pages=st.integers(2, 14),
         page_size=st.integers(1, 4),
         prefix_caching=st.booleans(),
         first=st.lists(st.integers(0, 2), max_size=9),
+        window=st.none() | st.integers(1, 9),
     )
-    def setup(self, num_pages, page_size, prefix_caching, first):
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching)
+    def setup(self, num_pages, page_size, prefix_caching, first, window):
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching, sliding_window=window)
         self.pool = [[None] * page_size for _ in range(num_pages)]
         self.seqs: dict[int, Sequence] = {}
         self.batch: dict[int, int] = {}  # seq_id -> tokens the next run_step computes (their slots are allocated)
@@ -446,6 +449,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert matched == 0 or bm.enable_prefix_caching
         view = self._device_view()
         for i, page in enumerate(seq.block_table):
+            if page == NULL_PAGE:  # a hit's page before the window, given back at once
+                continue
             tokens = seq.token_ids[i * ps : (i + 1) * ps]
             assert bm._page_key[page][1] == tuple(tokens)  # registered tokens equal the new prompt's
             assert view[page] == [kv_of(seq, pos) for pos in range(i * ps, (i + 1) * ps)]  # and the device's
@@ -497,6 +502,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.pool[seq.block_table[pos // ps]][pos % ps] = kv_of(seq, pos)
             seq.num_computed_tokens += n
             bm.cache_full_pages(seq)
+            bm.free_outside_window(seq)
         self.batch.clear()
 
     @precondition(
@@ -518,6 +524,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # goes its own way; with `write` it computes its next token at once, as the scheduler does.
         parent = self._pick(index, lambda s: s.num_computed_tokens > 0)
         num_tokens = max(0, parent.num_computed_tokens - back)
+        if not self.bm.can_fork(parent, num_tokens):  # parent gave back pages inside the child's window
+            assert self.bm.sliding_window is not None and num_tokens < parent.num_computed_tokens
+            return
         child = make_seq(self.next_id, parent.token_ids[:num_tokens] + suffix)
         self.next_id += 1
         self.bm.fork(parent, child, num_tokens)
@@ -550,13 +559,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_free_list = bm.num_free_pages - num_cached(bm)
         assert num_free_list + bm.num_used_pages + num_cached(bm) == bm.num_pages - 1
         table_entries = collections.Counter(page for s in self.seqs.values() for page in s.block_table)
-        assert NULL_PAGE not in table_entries
+        given_back = table_entries.pop(NULL_PAGE, 0)
+        assert given_back == 0 or bm.sliding_window is not None
         assert len(table_entries) == bm.num_used_pages
         assert all(bm._ref_counts[page] == count for page, count in table_entries.items())
         view = self._device_view()
         for seq in self.seqs.values():
-            for pos in range(seq.num_computed_tokens):
+            window_start = 0 if bm.sliding_window is None else max(0, seq.num_computed_tokens - bm.sliding_window + 1)
+            for i, page in enumerate(seq.block_table):
+                if page == NULL_PAGE:
+                    assert (i + 1) * ps <= window_start
+            for pos in range(window_start, seq.num_computed_tokens):  # every key a later token of it reads
                 assert view[seq.block_table[pos // ps]][pos % ps] == kv_of(seq, pos)
+            if bm.sliding_window is not None:  # nothing wholly outside the window is held
+                assert all(page == NULL_PAGE for page in seq.block_table[: window_start // ps])
         assert 0.0 < bm.kv_utilization() <= 1.0
 
     def teardown(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import TINY_FAMILIES
 
 from jaxpage.entrypoints.cli import main
@@ -14,8 +15,17 @@ from jaxpage.models.orbax_checkpoint import save_checkpoint
 FAMILY = next(f for f in TINY_FAMILIES if f.name == "qwen3-qk-norm-head-dim")
 
 
-def test_round_trip_gives_identical_parameters(tiny_model_dir, tmp_path):
-    config, params = load_model(tiny_model_dir(FAMILY)[0])
+# Each family's config fields (per-layer types and RoPE bases, LongRoPE's factors, experts) and parameter tree.
+ROUND_TRIP_FAMILIES = [
+    f
+    for f in TINY_FAMILIES
+    if f.name in ("qwen3-qk-norm-head-dim", "gemma3-qk-norm-local-rope", "qwen2-moe-shared-expert", "phi3-longrope")
+]
+
+
+@pytest.mark.parametrize("family", ROUND_TRIP_FAMILIES, ids=lambda f: f.name)
+def test_round_trip_gives_identical_parameters(family, tiny_model_path, tmp_path):
+    config, params = load_model(tiny_model_path(family))
     save_checkpoint(tmp_path / "ckpt", config, params)
 
     device = jax.devices()[0]

@@ -62,3 +62,14 @@ def test_scripts_import_neither_one_another_nor_the_tests():
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {name.split(".")[0] for name in imported} & local, script.name
         assert "sys.path" not in script.read_text(), f"{script.name}: import jaxpage's API instead"
+
+
+def test_bench_memory_window_report_gives_back_what_no_layer_reads():
+    command = [sys.executable, "scripts/bench_memory.py", "--window-context", "256", "--window", "40"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    every_layer, hybrid = json.loads(result.stdout.splitlines()[-1])["window_runs"]
+    # every layer slides: the sequence holds only the pages of its window (at most 4 pages of 16 tokens for 40 keys),
+    # of the context's 16
+    assert every_layer["held_over_ideal"] <= 1 and every_layer["held_over_whole_context"] <= 4 / 16
+    assert hybrid["kv_bytes_held_max"] <= hybrid["kv_bytes_whole_context"]

@@ -12,6 +12,11 @@ token ids), so a hit on page i implies the whole prefix up to page i is the same
 
 Sequences can share pages: prefix-cache hits, and fork (a request's n samples share its prompt's pages). A shared page
 that must be written is copied first (copy-on-write); the copies reach the device through take_copies.
+
+With a sliding window (a model whose every layer attends to the last `sliding_window` keys only), the pages of a
+sequence that lie wholly before the first key any of its later tokens can read are given back while it runs
+(free_outside_window): their block-table entries become the null page, which no kernel reads for a token inside
+the window (a kernel's key tile that straddles the window's start may load it, masked).
 """
 
 from __future__ import annotations
@@ -40,14 +45,19 @@ def _cdiv(a: int, b: int) -> int:
 class BlockManager:
     """Host bookkeeping of the KV page pool. Plain Python; every call is O(pages it touches)."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._free_pages: collections.deque[int] = collections.deque(range(1, num_pages))
         # Ref count 0 and registered; iteration order is LRU first.
         self._cached_pages: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -101,6 +111,7 @@ class BlockManager:
             hashes.append(key)
             parent = key
         seq.num_computed_tokens = len(hashes) * ps
+        self.free_outside_window(seq)  # a long hit's first pages may lie before the window already
         return seq.num_computed_tokens
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
@@ -187,11 +198,37 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             key = hash_page(parent, tokens)
             page = seq.block_table[i]
+            if page == NULL_PAGE:  # given back outside the window before it could be registered: the chain ends
+                return
             if key not in self._hash_to_page and page not in self._page_key:
                 self._hash_to_page[key] = page
                 self._page_key[page] = (key, tokens)
             hashes.append(key)
             parent = key
+
+    def free_outside_window(self, seq: Sequence) -> None:
+        """With a sliding window: drop seq's references to its pages that hold only tokens before
+        num_computed_tokens - sliding_window + 1, the first key its next token reads (later tokens read later keys);
+        their table entries become the null page. A page whose count reaches 0 becomes cached if registered in the
+        prefix cache (another prompt may start with it), else free. No-op without a window."""
+        if self.sliding_window is None:
+            return
+        ps, table = self.page_size, seq.block_table
+        first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1)
+        for i in range(min(first_needed // ps, len(table))):
+            page = table[i]
+            if page != NULL_PAGE:
+                table[i] = NULL_PAGE
+                self._ref_counts[page] -= 1
+                if self._ref_counts[page] == 0:
+                    self._release(page)
+
+    def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
+        """Whether a child of parent's first num_tokens tokens would find every page it reads in parent's table: not
+        when parent, further on, gave back pages inside the child's window (free_outside_window)."""
+        first_needed = 0 if self.sliding_window is None else max(0, num_tokens - self.sliding_window + 1)
+        pages = parent.block_table[: _cdiv(num_tokens, self.page_size)]
+        return all(page != NULL_PAGE or (i + 1) * self.page_size <= first_needed for i, page in enumerate(pages))
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """child (empty block table), whose first num_tokens tokens are parent's first num_tokens, shares the pages
@@ -201,10 +238,12 @@ class BlockManager:
         assert child.seq_id != parent.seq_id
         assert num_tokens <= parent.num_computed_tokens, (num_tokens, parent.num_computed_tokens)
         assert child.token_ids[:num_tokens] == parent.token_ids[:num_tokens], "fork of other tokens"
+        assert self.can_fork(parent, num_tokens), "fork of pages given back inside the child's window"
         self._register(child)
         pages = parent.block_table[: _cdiv(num_tokens, self.page_size)]
         for page in pages:
-            self._ref_counts[page] += 1
+            if page != NULL_PAGE:  # given back outside the window: outside the child's too
+                self._ref_counts[page] += 1
         child.block_table.extend(pages)
         child.num_computed_tokens = num_tokens
         child.num_draft_computed_tokens = min(parent.num_draft_computed_tokens, num_tokens)
@@ -217,6 +256,8 @@ class BlockManager:
         if seq.block_table:
             assert self._seqs.get(seq.seq_id) is seq, f"free of sequence {seq.seq_id} unknown to the block manager"
         for page in reversed(seq.block_table):
+            if page == NULL_PAGE:  # given back outside the window
+                continue
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._release(page)
@@ -243,35 +284,7 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Assert the internal invariants (for tests and debugging; O(pool size + block tables))."""
-        n, ps = self.num_pages, self.page_size
-        free, cached = set(self._free_pages), set(self._cached_pages)
-        referenced = {p for p in range(n) if self._ref_counts[p] > 0}
-        assert len(free) == len(self._free_pages), "a page is twice on the free list"
-        assert NULL_PAGE not in free | cached | referenced, "the null page was handed out"
-        assert free.isdisjoint(cached) and free.isdisjoint(referenced) and cached.isdisjoint(referenced)
-        assert len(free) + len(cached) + len(referenced) == n - 1, "a page is in no state"
-        assert self._num_referenced == len(referenced)
-        assert min(self._ref_counts) >= 0
-        counts = [0] * n
-        for seq_id, seq in self._seqs.items():
-            assert seq.seq_id == seq_id
-            assert len(seq.block_table) * ps >= seq.num_computed_tokens, f"sequence {seq_id}: computed tokens unpaged"
-            assert seq.num_draft_computed_tokens <= seq.num_computed_tokens, f"sequence {seq_id}: draft K/V ahead"
-            assert len(self._seq_hashes[seq_id]) <= len(seq.block_table)
-            for page in seq.block_table:
-                counts[page] += 1
-        assert counts == self._ref_counts, "ref counts differ from the block tables of live sequences"
-        assert self._seq_hashes.keys() == self._seqs.keys()
-        assert all(p in self._page_key for p in cached), "a cached page has no hash"
-        assert all(p not in self._page_key for p in free), "a free page has a hash"
-        assert len(self._hash_to_page) == len(self._page_key)
-        for key, page in self._hash_to_page.items():
-            assert self._page_key[page][0] == key and len(self._page_key[page][1]) == ps
-        assert self.enable_prefix_caching or not self._page_key
-        assert all(1 <= self._filled_slots[p] <= ps for p in referenced)
-        assert all(self._filled_slots[p] == 0 for p in free | cached) and self._filled_slots[NULL_PAGE] == 0
-        assert sum(self._filled_slots) == self._num_filled_slots
-        assert all(self._ref_counts[dst] > 0 and src != NULL_PAGE for dst, src in self._copies.items())
+        _check_invariants(self)
 
     def _register(self, seq: Sequence) -> None:
         known = self._seqs.setdefault(seq.seq_id, seq)
@@ -321,3 +334,40 @@ class BlockManager:
         if slots > self._filled_slots[page]:
             self._num_filled_slots += slots - self._filled_slots[page]
             self._filled_slots[page] = slots
+
+
+def _check_invariants(bm: BlockManager) -> None:
+    """BlockManager.check_invariants."""
+    n, ps = bm.num_pages, bm.page_size
+    free, cached = set(bm._free_pages), set(bm._cached_pages)
+    referenced = {p for p in range(n) if bm._ref_counts[p] > 0}
+    assert len(free) == len(bm._free_pages), "a page is twice on the free list"
+    assert NULL_PAGE not in free | cached | referenced, "the null page was handed out"
+    assert free.isdisjoint(cached) and free.isdisjoint(referenced) and cached.isdisjoint(referenced)
+    assert len(free) + len(cached) + len(referenced) == n - 1, "a page is in no state"
+    assert bm._num_referenced == len(referenced)
+    assert min(bm._ref_counts) >= 0
+    counts = [0] * n
+    for seq_id, seq in bm._seqs.items():
+        assert seq.seq_id == seq_id
+        assert len(seq.block_table) * ps >= seq.num_computed_tokens, f"sequence {seq_id}: computed tokens unpaged"
+        assert seq.num_draft_computed_tokens <= seq.num_computed_tokens, f"sequence {seq_id}: draft K/V ahead"
+        assert len(bm._seq_hashes[seq_id]) <= len(seq.block_table)
+        window_start = 0 if bm.sliding_window is None else seq.num_computed_tokens - bm.sliding_window + 1
+        for i, page in enumerate(seq.block_table):
+            if page == NULL_PAGE:  # only pages wholly outside the window are given back
+                assert (i + 1) * ps <= window_start, f"sequence {seq_id}: page {i} given back inside the window"
+                continue
+            counts[page] += 1
+    assert counts[1:] == bm._ref_counts[1:], "ref counts differ from the block tables of live sequences"
+    assert bm._seq_hashes.keys() == bm._seqs.keys()
+    assert all(p in bm._page_key for p in cached), "a cached page has no hash"
+    assert all(p not in bm._page_key for p in free), "a free page has a hash"
+    assert len(bm._hash_to_page) == len(bm._page_key)
+    for key, page in bm._hash_to_page.items():
+        assert bm._page_key[page][0] == key and len(bm._page_key[page][1]) == ps
+    assert bm.enable_prefix_caching or not bm._page_key
+    assert all(1 <= bm._filled_slots[p] <= ps for p in referenced)
+    assert all(bm._filled_slots[p] == 0 for p in free | cached) and bm._filled_slots[NULL_PAGE] == 0
+    assert sum(bm._filled_slots) == bm._num_filled_slots
+    assert all(bm._ref_counts[dst] > 0 and src != NULL_PAGE for dst, src in bm._copies.items())

@@ -327,9 +327,9 @@ class LLMEngine:
 
     def _new_replicas(self) -> None:
         """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
-        c = self.config
+        c, readers = self.config, [runner.config for runner in self.executor.runners]  # the models reading the pages
         self.replicas[:] = [
-            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config)
+            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config, readers)
             for _ in range(c.data_parallel_size)
         ]
 

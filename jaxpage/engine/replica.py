@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpage.config import CacheConfig, SchedulerConfig
+from jaxpage.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.scheduler import Scheduler
 
@@ -21,13 +21,26 @@ class Replica:
     scheduler: Scheduler
 
     @classmethod
-    def new(cls, num_pages: int, cache: CacheConfig, config: SchedulerConfig) -> Replica:
-        block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching)
+    def new(cls, num_pages: int, cache: CacheConfig, config: SchedulerConfig, models=()) -> Replica:
+        """A replica of `num_pages` pages for the models that share its block tables (the target, and a draft; none
+        given: pages kept until a request ends)."""
+        window = window_to_free(models)
+        block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, window)
         return cls(block_manager, Scheduler(config, block_manager))
 
     @property
     def load(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+
+def window_to_free(models: list[ModelConfig] | tuple) -> int | None:
+    """The window outside which a running request's KV pages are given back (BlockManager.free_outside_window): the
+    sliding window of the models that read the pages, when every layer of each reads through one and none reaches
+    further back than the first model's; else None (a hybrid's global layers, Gemma's, read every key)."""
+    if not models or not all(all(m.sliding_layers) for m in models):
+        return None
+    window = models[0].sliding_window
+    return window if all(m.sliding_window <= window for m in models) else None
 
 
 class Replicas(list):

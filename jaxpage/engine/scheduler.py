@@ -134,14 +134,14 @@ class Scheduler:
             )
             if sibling is None and seq.sampling_params is not None and seq.sampling_params.prompt_logprobs is not None:
                 hits = queried = 0  # every prompt token's log-prob is computed: nothing comes from the prefix cache
-            elif sibling is None:
-                hits = self.block_manager.match_prefix(seq)
-                queried = seq.num_tokens if self.block_manager.enable_prefix_caching else 0
-            elif sibling.num_computed_tokens >= shared:
+            elif sibling is not None and sibling.num_computed_tokens < shared:
+                continue  # the sibling is computing the prompt: fork from it once it has
+            elif sibling is not None and self.block_manager.can_fork(sibling, shared):
                 self.block_manager.fork(sibling, seq, shared)
                 hits = queried = 0
-            else:
-                continue  # the sibling is computing the prompt: fork from it once it has
+            else:  # no sibling, or one that gave back prompt pages this one reads (sliding window): the prefix cache
+                hits = self.block_manager.match_prefix(seq)
+                queried = seq.num_tokens if self.block_manager.enable_prefix_caching else 0
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0:
                 continue
@@ -217,6 +217,7 @@ class Scheduler:
                 self.block_manager.release_slots(seq, seq.num_computed_tokens)
             if not samples:
                 self.block_manager.cache_full_pages(seq)
+                self.block_manager.free_outside_window(seq)
                 continue
             new_tokens: list[int] = []
             finish_reason = stop_reason = None
@@ -227,6 +228,7 @@ class Scheduler:
                 if finish_reason is not None:
                     break
             self.block_manager.cache_full_pages(seq)
+            self.block_manager.free_outside_window(seq)
             if finish_reason is not None:
                 self.finish(seq)
             updates.append(
