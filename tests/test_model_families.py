@@ -70,16 +70,15 @@ def test_engine_greedy_equals_transformers(family, tiny_model_dir):
 
 
 @pytest.mark.parametrize("attention_impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
-def test_gemma2s_soft_capped_hybrid_attention_in_the_pallas_kernels(attention_impl, tiny_model_path):
-    """The kernels (in Pallas' interpreters) take Gemma 2's soft cap and each layer's window, and give the XLA
-    attention's tokens."""
-    directory = str(tiny_model_path(next(f for f in TINY_FAMILIES if f.name == "gemma2-softcap-hybrid")))
-    prompts = [{"prompt_token_ids": p} for p in family_prompts(96)[2:4]]  # 70 tokens and 3: past the window of 6
+def test_gemma2s_soft_capped_hybrid_attention_in_the_pallas_kernels(attention_impl, tiny_model_dir):
+    """The kernels (in Pallas' interpreters) take Gemma 2's soft cap and each layer's window: transformers' tokens."""
+    directory, hf_model = tiny_model_dir(next(f for f in TINY_FAMILIES if f.name == "gemma2-softcap-hybrid"))
+    prompts = family_prompts(96)[2:4]  # 70 tokens and 3: past the window of 6
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    args = dict(skip_tokenizer_init=True, page_size=PAGE_SIZE, max_num_seqs=2, max_model_len=96)
-    want = [o.outputs[0].token_ids for o in LLM(directory, **args).generate(prompts, params)]
-    llm = LLM(directory, **args, attention_impl=attention_impl)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    llm = LLM(str(directory), skip_tokenizer_init=True, page_size=PAGE_SIZE, max_num_seqs=2, max_model_len=96,
+              attention_impl=attention_impl)  # fmt: skip
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy_tokens(hf_model, prompts, params.max_tokens)
 
 
 # Gemma 2's chat template as its tokenizer_config.json holds it: no system role, user and model turns alternating.
