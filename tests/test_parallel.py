@@ -293,3 +293,5 @@ def test_mixture_of_experts_greedy_equals_one_device(tmp_path):
         assert expert_bytes(llm) == dict.fromkeys(range(tp), total // tp)
         experts = llm.engine.runner.params["layers"]["mlp"]["experts"]["gate_proj"]["kernel"]  # [L, E, D, F]
         assert experts.addressable_shards[0].data.shape[1:] == ((8 // tp, 64, 32) if expert_parallel else (8, 64, 4))
+    with pytest.raises(ValueError, match="does not divide the model's .*number of experts 8"):
+        LLM(directory, **ARGS, tensor_parallel_size=3, enable_expert_parallel=True)

@@ -154,10 +154,14 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     )
 
 
+def splits_experts(config: ModelConfig, tp: int, expert_parallel: bool) -> bool:
+    """Whether `expert_parallel` splits the model's experts whole: a mixture of experts on more than one shard."""
+    return expert_parallel and config.is_moe and tp > 1
+
+
 def with_expert_parallel(config: ModelConfig, tp: int, expert_parallel: bool) -> ModelConfig:
-    """The model as it runs: its routed experts split over the tp shards when `expert_parallel` (a mixture of
-    experts on more than one shard), else unchanged."""
-    if not (expert_parallel and config.is_moe and tp > 1):
+    """The model as it runs: its routed experts split over the tp shards when splits_experts, else unchanged."""
+    if not splits_experts(config, tp, expert_parallel):
         return config
     return dataclasses.replace(config, expert_parallel_size=tp)
 
@@ -223,7 +227,7 @@ def placement(mesh: Mesh, expert_parallel: bool = False):
     from jaxpage.models.llama import param_shapes
 
     def shardings(config: ModelConfig) -> dict:
-        split_experts = with_expert_parallel(config, mesh.shape[TP_AXIS], expert_parallel).expert_parallel_size > 1
+        split_experts = splits_experts(config, mesh.shape[TP_AXIS], expert_parallel)
         check_divisible(config, mesh.shape[TP_AXIS], split_experts)
         return param_shardings(mesh, config, param_shapes(config, jnp.float32), split_experts)
 
