@@ -31,7 +31,14 @@ from jaxpage.models.llama import param_shapes
 from jaxpage.targets import Target
 from jaxpage.worker.executor import make_runners
 from jaxpage.worker.model_runner import ModelRunner
-from jaxpage.worker.parallel import check_divisible, make_mesh, param_specs, with_replicated_kv_heads
+from jaxpage.worker.parallel import (
+    check_divisible,
+    make_mesh,
+    param_specs,
+    splits_experts,
+    with_expert_parallel,
+    with_replicated_kv_heads,
+)
 from jaxpage.worker.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages
 
 # Model shapes compile_for knows by name, besides the default model and model directories.
@@ -151,8 +158,8 @@ def build(
     placed = []
     for config in models:
         config = dataclasses.replace(config, quantization=engine.quantization)
-        check_divisible(config, tp)
-        config = with_replicated_kv_heads(config, tp)
+        check_divisible(config, tp, splits_experts(config, tp, engine.enable_expert_parallel))
+        config = with_expert_parallel(with_replicated_kv_heads(config, tp), tp, engine.enable_expert_parallel)
         placed.append((config, _placed_params(config, dtype, mesh, device)))
     weight_bytes = sum(placed_bytes(params) for _, params in placed)
     layout = dict(page_size=engine.page_size, tensor_parallel_size=tp)
@@ -179,7 +186,8 @@ def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:
     if mesh is None:
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(device), shapes)
     else:
-        shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(shapes))
+        specs = param_specs(shapes, expert_parallel=config.expert_parallel_size > 1)
+        shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 

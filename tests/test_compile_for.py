@@ -187,6 +187,19 @@ def test_model_families_forward_passes_compile_for_the_chips(tiny_model_path, ta
     _checked(build)
 
 
+@needs_tpu
+def test_expert_parallel_programs_compile_for_a_tpu_slice_with_no_new_collective(tiny_model_path):
+    moe = next(f for f in FAMILIES_TO_COMPILE if f.name == "qwen3-moe-norm-topk")  # 8 experts
+    engine = EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, **TINY_ENGINE | dict(max_num_seqs=2))
+    build = aot.build(TPU, engine, aot.model_shape(str(tiny_model_path(moe))))
+    aot.compile_all(build, kinds={"pool", "forward"})
+    _checked(build)
+    assert build.model.expert_parallel_size == 2
+    for p in build.programs:
+        if p.kind == "forward":  # as tensor parallelism: 2 per layer (o projection, experts) + 1 for the embedding
+            assert p.collectives == {"all-reduce": 2 * build.model.num_layers + 1}, (p.program, p.collectives)
+
+
 def _compile_for_script():
     path = Path(__file__).parents[1] / "scripts" / "compile_for.py"
     spec = importlib.util.spec_from_file_location("compile_for", path)

@@ -157,6 +157,7 @@ def feed_forward(config: ModelConfig, dtype, tp_axis: str | None, expert_method:
     c = config
     if not c.is_moe:
         return MLP(c, dtype, tp_axis, name="mlp")
+    expert_shards = c.expert_parallel_size if tp_axis is not None else 1  # the whole model (one device): every expert
     block = MoEBlock(
         c.num_experts,
         c.num_experts_per_tok,
@@ -166,8 +167,8 @@ def feed_forward(config: ModelConfig, dtype, tp_axis: str | None, expert_method:
         dtype,
         expert_method,
         c.quantization == "int8",
-        tp_axis if c.expert_parallel_size > 1 else None,
-        c.expert_parallel_size,
+        tp_axis if expert_shards > 1 else None,
+        expert_shards,
         name="mlp",
     )
     return lambda x: _all_reduce(block(x), tp_axis)
