@@ -9,16 +9,26 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from hf_reference import PARITY_PROMPTS, TINY_FAMILIES, hf_logits, make_tiny_hf_model
+from hf_reference import PARITY_PROMPTS, TINY_FAMILIES, hf_logits, hf_logits_split, longrope_switch, make_tiny_hf_model
 
+from jaxpage.errors import ModelLoadError
 from jaxpage.models import forward, load_model
-from jaxpage.models.gguf_loader import GEMMA_LAYER_TENSOR_NAMES, GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, load_gguf
+from jaxpage.models.gguf_loader import (
+    GEMMA_LAYER_TENSOR_NAMES,
+    GLOBAL_TENSOR_NAMES,
+    LAYER_TENSOR_NAMES,
+    PHI3_LAYER_TENSOR_NAMES,
+    PHI3_ROPE_FACTORS,
+    config_from_gguf,
+    load_gguf,
+    open_gguf,
+)
 from jaxpage.models.weights import layer_tensor_specs
 from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
 
 GGUF_ARCH = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-    "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3",
+    "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
 }  # fmt: skip
 # What a GGUF cannot say differently from llama.cpp's rules, said as llama.cpp assumes it: query_pre_attn_scalar
 # (head_dim below 27B) and Gemma 3's layer pattern (every sixth layer global, unless the metadata lists them).
@@ -43,6 +53,11 @@ GGUF_FAMILIES = [
         "qwen3-moe-norm-topk",
         "gemma2-softcap-hybrid",
         "gemma3-qk-norm-local-rope",
+        # As they are: llama.cpp's Phi-3 metadata says everything these two use (LongRoPE, the partial rotary factor,
+        # the sliding window; llama.cpp itself currently runs Phi-3 without its window, transformers and jaxpage with
+        # it).
+        "phi3-longrope",
+        "phi4-mini-partial-rotary",
     )
 ]
 GGUF_FAMILIES = [
@@ -58,15 +73,14 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensor_name(hf: str, gemma: bool = False) -> str:
-    """The inverse of the loader's GGUF -> transformers renaming."""
+def gguf_tensor_name(hf: str, renames: dict[str, str] | None = None) -> str:
+    """The inverse of the loader's GGUF -> transformers renaming (`renames`: the architecture's layer names that
+    differ from Llama's, GEMMA_LAYER_TENSOR_NAMES or PHI3_LAYER_TENSOR_NAMES)."""
     inverse = {v: k for k, v in GLOBAL_TENSOR_NAMES.items()}
     if hf in inverse:
         return inverse[hf]
     _, _, layer, suffix = hf.split(".", 3)
-    names = {v: k for k, v in LAYER_TENSOR_NAMES.items()}
-    if gemma:
-        names |= {v: k for k, v in GEMMA_LAYER_TENSOR_NAMES.items()}
+    names = {v: k for k, v in (LAYER_TENSOR_NAMES | (renames or {})).items()}
     return f"blk.{layer}." + names[suffix]
 
 
@@ -117,6 +131,25 @@ def llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
+def llama_cpp_phi3_metadata(writer, hf) -> list[tuple[str, np.ndarray]]:
+    """What llama.cpp's converter (convert_hf_to_gguf.py's Phi3MiniModel) writes for Phi-3 where Llama's writer
+    differs: no key_length (head_dim is embedding_length / head_count), the rotary dim as rope.dimension_count, the
+    original context length, the sliding window (0: none), and for LongRoPE the attention factor as it computes it
+    (from max_position_embeddings / original_max_position_embeddings) and the factors, returned as the tensors to
+    write."""
+    rope = hf.rope_parameters
+    original = rope["original_max_position_embeddings"]
+    partial = rope.get("partial_rotary_factor", 1.0)
+    writer.add_rope_dimension_count(int(partial * hf.hidden_size) // hf.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(hf.sliding_window or 0)
+    if not rope.get("long_factor"):
+        return []
+    scale = hf.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return [(tensor, np.asarray(rope[key], np.float32)) for key, tensor in PHI3_ROPE_FACTORS.items()]
+
+
 def write_gguf(model, path) -> None:
     """Writes a transformers model as a float32 GGUF file, as llama.cpp's converter lays it out."""
     hf = model.config
@@ -129,8 +162,10 @@ def write_gguf(model, path) -> None:
     writer.add_head_count(hf.num_attention_heads)
     writer.add_head_count_kv(hf.num_key_value_heads)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    extra_tensors = llama_cpp_phi3_metadata(writer, hf) if arch == "phi3" else []
+    if arch != "phi3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)  # Gemma 3: the global layers'
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
@@ -142,7 +177,7 @@ def write_gguf(model, path) -> None:
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
     writer.add_vocab_size(hf.vocab_size)
     writer.add_eos_token_id(2)
-    if getattr(hf, "sliding_window", None):
+    if getattr(hf, "sliding_window", None) and arch != "phi3":
         writer.add_sliding_window(hf.sliding_window)
     experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
     if experts:
@@ -154,6 +189,10 @@ def write_gguf(model, path) -> None:
             writer.add_expert_shared_feed_forward_length(hf.shared_expert_intermediate_size)
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(hf.rope_parameters, head_dim))
+    for name, data in extra_tensors:
+        writer.add_tensor(name, data)
+    renames = GEMMA_LAYER_TENSOR_NAMES if arch.startswith("gemma") else {}
+    renames = PHI3_LAYER_TENSOR_NAMES if arch == "phi3" else renames
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and hf.tie_word_embeddings:
             continue
@@ -164,8 +203,7 @@ def write_gguf(model, path) -> None:
             data = llama_cpp_permute(data, hf.num_key_value_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's converter stores Gemma's norms as the scale they apply
-        gemma = arch.startswith("gemma")
-        for gguf_name, part in gguf_moe_tensors(name, data) or [(gguf_tensor_name(name, gemma), data)]:
+        for gguf_name, part in gguf_moe_tensors(name, data) or [(gguf_tensor_name(name, renames), data)]:
             writer.add_tensor(gguf_name, np.ascontiguousarray(part))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -178,9 +216,106 @@ def test_tiny_gguf_logits_match_transformers(family, tmp_path):
     model = make_tiny_hf_model(family)
     write_gguf(model, tmp_path / "tiny.gguf")
     config, params = load_model(tmp_path / "tiny.gguf")
-    prompt = np.random.default_rng(2).integers(0, config.vocab_size, 17).tolist()
-    ours = np.asarray(forward(config, params, [prompt]))[0]
-    np.testing.assert_allclose(ours, hf_logits(model, prompt), atol=1e-4, rtol=0)
+    rng = np.random.default_rng(2)
+    # LongRoPE: 17 tokens stay below the switch to the long factors (original_max_position_embeddings, 24 or 32 in
+    # the tiny families), so a prompt past it too, against transformers fed as jaxpage's per-position rule reads it.
+    split = longrope_switch(model.config)
+    for length in (17,) if split is None else (17, split + 9):
+        prompt = rng.integers(0, config.vocab_size, length).tolist()
+        ours = np.asarray(forward(config, params, [prompt]))[0]
+        reference = hf_logits(model, prompt) if length <= (split or length) else hf_logits_split(model, prompt, split)
+        np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0, err_msg=f"{length} tokens")
+
+
+# A Phi-3 GGUF's header as llama.cpp's converter writes Phi-4-mini's (head_dim 64 / 4 = 16, 12 of them rotated), for
+# config_from_gguf; metadata keys without "phi3.", None: left out.
+PHI3_METADATA = {
+    "block_count": 1,
+    "context_length": 256,
+    "embedding_length": 64,
+    "feed_forward_length": 96,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+    "vocab_size": 96,
+    "rope.dimension_count": 12,
+    "rope.scaling.original_context_length": 24,
+    "rope.scaling.attn_factor": 1.25,
+    "attention.sliding_window": 0,
+}
+PHI3_FACTORS = {"rope_factors_short.weight": [1.0] * 6, "rope_factors_long.weight": [2.0] * 6}
+
+
+def phi3_config_from_gguf(path, metadata=None, factors=None):
+    """config_from_gguf of a Phi-3 GGUF of PHI3_METADATA updated with `metadata` and the factor tensors `factors`
+    (None: PHI3_FACTORS), without the model's tensors."""
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    for key, value in (PHI3_METADATA | (metadata or {})).items():
+        if value is not None:
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"phi3.{key}", value)
+    for name, values in (PHI3_FACTORS if factors is None else factors).items():
+        writer.add_tensor(name, np.asarray(values, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config_from_gguf(open_gguf(path), path)
+
+
+def test_phi3_gguf_rotary_dim_and_longrope(tmp_path):
+    """rope.dimension_count is Phi-3's rotary dim, not its head_dim (no key_length: embedding_length / head_count);
+    a sliding window of 0 is none; the attention factor is the file's."""
+    config = phi3_config_from_gguf(tmp_path / "m.gguf")
+    assert (config.head_dim, config.rotary_dim, config.partial_rotary_factor) == (16, 12, 0.75)
+    assert config.sliding_window is None
+    scaling = config.rope_scaling
+    assert (scaling.rope_type, scaling.original_max_position_embeddings) == ("longrope", 24)
+    assert scaling.attention_factor == 1.25
+    assert (scaling.short_factor, scaling.long_factor) == ((1.0,) * 6, (2.0,) * 6)
+    plain = phi3_config_from_gguf(tmp_path / "p.gguf", {"rope.dimension_count": None}, factors={})  # Phi-3-mini-4k
+    assert (plain.rotary_dim, plain.rope_scaling) == (16, None)
+
+
+# (metadata changed from PHI3_METADATA, the factor tensors written (None: PHI3_FACTORS); the message)
+BAD_PHI3_GGUFS = [
+    (
+        {"rope.dimension_count": 13},
+        None,
+        "metadata phi3.rope.dimension_count must be an even number from 2 to head_dim (16), got 13",
+    ),
+    (
+        {"rope.dimension_count": 18},
+        None,
+        "metadata phi3.rope.dimension_count must be an even number from 2 to head_dim (16), got 18",
+    ),
+    (
+        {},
+        {"rope_factors_long.weight": [2.0] * 6},
+        "tensor 'rope_factors_short.weight' is missing (LongRoPE: the file has 'rope_factors_long.weight')",
+    ),
+    (
+        {"rope.dimension_count": 16},
+        None,
+        "tensor 'rope_factors_short.weight' has 6 values, expected the rotary dim / 2 = 8",
+    ),
+    (
+        {},
+        PHI3_FACTORS | {"rope_factors_long.weight": [2.0, 0.0, 2.0, 2.0, 2.0, 2.0]},
+        "tensor 'rope_factors_long.weight' must hold positive finite numbers",
+    ),
+    (
+        {"rope.scaling.original_context_length": None},
+        None,
+        "metadata phi3.rope.scaling.original_context_length is missing",
+    ),
+]
+
+
+@pytest.mark.parametrize(("metadata", "factors", "message"), BAD_PHI3_GGUFS, ids=range(len(BAD_PHI3_GGUFS)))
+def test_bad_phi3_gguf_is_named(tmp_path, metadata, factors, message):
+    with pytest.raises(ModelLoadError) as error:
+        phi3_config_from_gguf(tmp_path / "m.gguf", metadata, factors)
+    assert str(error.value) == f"{tmp_path / 'm.gguf'}: {message}"
 
 
 # ----- the default model, SmolLM2-135M-Instruct (Q8_0 embeddings, Q4_1 layers) -----

@@ -8,6 +8,7 @@ transformers) rotates halves, so that permutation is undone here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "phi3": "phi3",  # Phi-3, Phi-3.5, Phi-4-mini (and Phi-4)
 }
 
 # Types jaxpage dequantizes; anything else is refused by name.
@@ -83,6 +85,17 @@ GEMMA_LAYER_TENSOR_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+
+
+# Phi-3's fused projections in llama.cpp's names, where they differ from Llama's: attn_qkv is transformers' qkv_proj
+# (q's rows, then k's, then v's, not permuted: llama.cpp rotates Phi-3's halves, as transformers does) and ffn_up its
+# gate_up_proj (gate's rows, then up's; there is no ffn_gate). weights.py splits them as it splits a checkpoint's.
+PHI3_LAYER_TENSOR_NAMES = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+# Phi-3's LongRoPE factors (one divisor per rotated pair of dimensions): transformers' short_factor and long_factor.
+PHI3_ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 
 
 def expert_names(architecture: str) -> tuple[str, str, str]:
@@ -163,7 +176,8 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
         vocab = len(gguf.metadata.get("tokenizer.ggml.tokens", []))
         names["vocab_size"] = "the number of tokenizer.ggml.tokens"
     head_dim = field(f"{gguf_arch}.attention.key_length")
-    if head_dim is None and field(f"{gguf_arch}.rope.dimension_count") is not None:
+    # (Phi-3's rope.dimension_count is its rotary dim, not its head_dim: see _phi3_fields.)
+    if head_dim is None and gguf_arch != "phi3" and field(f"{gguf_arch}.rope.dimension_count") is not None:
         head_dim = field(f"{gguf_arch}.rope.dimension_count")
         names["head_dim"] = f"metadata {gguf_arch}.rope.dimension_count"
     rope_scaling = None
@@ -195,6 +209,7 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
     hf_like |= _moe_fields(field, meta, gguf_arch, gguf.metadata.get(f"{gguf_arch}.expert_weights_norm"))
     pattern = gguf.metadata.get(f"{gguf_arch}.attention.sliding_window_pattern")
     hf_like |= _gemma_fields(field, gguf_arch, hf_like, pattern)
+    hf_like |= _phi3_fields(gguf, path, field, meta, hf_like, names)
     config = ModelConfig.from_hf_config(hf_like, source=str(path), names=names)
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
@@ -236,6 +251,63 @@ def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value)
     elif gguf_arch == "gemma3":
         fields["sliding_window_pattern"] = 6
     return fields
+
+
+def _phi3_fields(gguf: GGUFFile, path: Path, field, meta, hf_like: dict[str, Any], names: dict[str, str]) -> dict:
+    """Phi-3 / Phi-3.5 / Phi-4-mini's config.json fields from GGUF metadata (none for other architectures), as
+    llama.cpp's converter writes them: the sliding window (0: none); the partial rotary factor as
+    rope.dimension_count, the rotary dim (head_dim: attention.key_length, else embedding_length / head_count); and
+    LongRoPE, where the file has the tensors PHI3_ROPE_FACTORS, with rope.scaling.original_context_length (where the
+    long factors take over) and rope.scaling.attn_factor (absent: transformers' default). `names` gets their names
+    in the file, for from_hf_config's messages."""
+    if gguf.metadata.get("general.architecture") != "phi3":
+        return {}
+    fields: dict[str, Any] = {"sliding_window": field("phi3.attention.sliding_window") or None}
+    hidden, heads, head_dim = hf_like["hidden_size"], hf_like["num_attention_heads"], hf_like["head_dim"]
+    if head_dim is None and all(isinstance(n, int) and n > 0 for n in (hidden, heads)):  # else from_hf_config says
+        head_dim = hidden // heads
+    valid_head_dim = isinstance(head_dim, int) and head_dim > 0
+    rotary = field("phi3.rope.dimension_count")
+    if rotary is not None and valid_head_dim:
+        if not (isinstance(rotary, int) and 0 < rotary <= head_dim and rotary % 2 == 0):
+            raise ModelLoadError(
+                f"{path}: metadata phi3.rope.dimension_count must be an even number from 2 to head_dim "
+                f"({head_dim}), got {rotary!r}"
+            )
+        factor = rotary / head_dim  # from which transformers' int(head_dim * factor) must give rotary back
+        fields["partial_rotary_factor"] = factor if int(head_dim * factor) == rotary else math.nextafter(factor, 1)
+        names["partial_rotary_factor"] = "metadata phi3.rope.dimension_count / head_dim"
+    factors = _phi3_rope_factors(gguf, path, (rotary or head_dim) // 2 if valid_head_dim else None)
+    if factors is None:
+        return fields
+    rope: dict[str, Any] = {"rope_type": "longrope", **factors}
+    if field("phi3.rope.scaling.attn_factor") is not None:
+        rope["attention_factor"] = field("phi3.rope.scaling.attn_factor")
+    names["rope_scaling.attention_factor"] = "metadata phi3.rope.scaling.attn_factor"
+    names["original_max_position_embeddings"] = "metadata phi3.rope.scaling.original_context_length"
+    original = meta("rope.scaling.original_context_length")  # transformers reads it at the top level for phi3
+    return fields | {"rope_scaling": rope, "original_max_position_embeddings": original}
+
+
+def _phi3_rope_factors(gguf: GGUFFile, path: Path, pairs: int | None) -> dict[str, list[float]] | None:
+    """LongRoPE's short_factor and long_factor from the tensors PHI3_ROPE_FACTORS (None where the file has neither),
+    each checked to hold `pairs` (the rotary dim / 2; None: unchecked here) positive finite numbers."""
+    present = [tensor for tensor in PHI3_ROPE_FACTORS.values() if tensor in gguf.tensors]
+    if not present:
+        return None
+    factors = {}
+    for key, tensor in PHI3_ROPE_FACTORS.items():
+        if tensor not in gguf.tensors:
+            raise ModelLoadError(f"{path}: tensor {tensor!r} is missing (LongRoPE: the file has {present[0]!r})")
+        values = _dequantize(gguf.tensors[tensor], path).reshape(-1)
+        if pairs is not None and values.size != pairs:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor!r} has {values.size} values, expected the rotary dim / 2 = {pairs}"
+            )
+        if not np.all(np.isfinite(values) & (values > 0)):
+            raise ModelLoadError(f"{path}: tensor {tensor!r} must hold positive finite numbers")
+        factors[key] = [float(f) for f in values]
+    return factors
 
 
 def _moe_fields(field, meta, gguf_arch: str, norm) -> dict[str, Any]:
@@ -285,19 +357,22 @@ class GGUFSource:
         self._tensors = {}
         self._experts: dict[str, tuple[GGUFTensor, int]] = {}  # an expert's name -> (its stacked tensor, its index)
         self._stacked: tuple[str, np.ndarray] | None = None  # the last stacked tensor dequantized
+        renames = GEMMA_LAYER_TENSOR_NAMES if config.sandwich_norms else {}
+        renames = PHI3_LAYER_TENSOR_NAMES if config.architecture == "phi3" else renames
         for tensor in gguf.tensors.values():
-            name = self._gemma_name(tensor.name) if config.sandwich_norms else None
-            name = name or hf_name(tensor.name)
+            name = self._renamed(tensor.name, renames) or hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
             elif config.is_moe:
                 self._add_moe_tensor(tensor)
 
     @staticmethod
-    def _gemma_name(gguf_name: str) -> str | None:
+    def _renamed(gguf_name: str, renames: dict[str, str]) -> str | None:
+        """The transformers name of a layer's tensor that the architecture names differently from Llama (`renames`:
+        GEMMA_LAYER_TENSOR_NAMES, PHI3_LAYER_TENSOR_NAMES), else None."""
         parts = gguf_name.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in GEMMA_LAYER_TENSOR_NAMES:
-            return f"model.layers.{parts[1]}.{GEMMA_LAYER_TENSOR_NAMES[parts[2]]}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in renames:
+            return f"model.layers.{parts[1]}.{renames[parts[2]]}"
         return None
 
     def _add_moe_tensor(self, tensor: GGUFTensor) -> None:
