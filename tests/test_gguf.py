@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import PARITY_PROMPTS, TINY_FAMILIES, hf_logits, hf_logits_split, longrope_switch, make_tiny_hf_model
+from tiny_models import FAMILIES_BEYOND_LLAMA
 
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import forward, load_model
@@ -48,16 +49,10 @@ GGUF_FAMILIES = [
         "qwen3-qk-norm-head-dim",
         "smollm2-tied",
         "mistral-sliding-window",
-        "mixtral-top2-sliding-window",
-        "qwen2-moe-shared-expert",
-        "qwen3-moe-norm-topk",
-        "gemma2-softcap-hybrid",
-        "gemma3-qk-norm-local-rope",
-        # As they are: llama.cpp's Phi-3 metadata says everything these two use (LongRoPE, the partial rotary factor,
+        # Phi-3's as they are: llama.cpp's metadata says everything they use (LongRoPE, the partial rotary factor,
         # the sliding window; llama.cpp itself currently runs Phi-3 without its window, transformers and jaxpage with
-        # it).
-        "phi3-longrope",
-        "phi4-mini-partial-rotary",
+        # it). Gemma's as GEMMA_AS_LLAMA_CPP_ASSUMES says.
+        *FAMILIES_BEYOND_LLAMA,
     )
 ]
 GGUF_FAMILIES = [

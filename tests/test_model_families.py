@@ -7,24 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_reference import TINY_FAMILIES, hf_greedy_tokens, hf_greedy_tokens_split, longrope_switch
+from tiny_models import FAMILIES_BEYOND_LLAMA
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
-FAMILIES = [
-    f
-    for f in TINY_FAMILIES
-    if f.name
-    in (
-        "mixtral-top2-sliding-window",
-        "qwen2-moe-shared-expert",
-        "qwen3-moe-norm-topk",
-        "gemma2-softcap-hybrid",
-        "gemma3-qk-norm-local-rope",
-        "phi3-longrope",
-        "phi4-mini-partial-rotary",
-    )
-]
+FAMILIES = [f for f in TINY_FAMILIES if f.name in FAMILIES_BEYOND_LLAMA]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PAGE_SIZE = 8
 # 12 usable pages of 8 tokens: one max_model_len sequence fits, the second call's four prompts (26 pages at their

@@ -177,6 +177,18 @@ TINY_FAMILIES = [
     ),
 ]
 
+# The families whose model differs from Llama's beyond biases, norms and RoPE scaling: mixtures of experts, Gemma's
+# hybrids, Phi-3's fused weights and LongRoPE.
+FAMILIES_BEYOND_LLAMA = (
+    "mixtral-top2-sliding-window",
+    "qwen2-moe-shared-expert",
+    "qwen3-moe-norm-topk",
+    "gemma2-softcap-hybrid",
+    "gemma3-qk-norm-local-rope",
+    "phi3-longrope",
+    "phi4-mini-partial-rotary",
+)
+
 # config class -> (model_type, architecture, the defaults of that class that a config.json must state because
 # jaxpage reads them and does not assume them: transformers' own config classes fill these in)
 ARCHITECTURES = {
