@@ -18,7 +18,7 @@ from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_transposed
 from jaxpage.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
-from jaxpage.models.weights import params_from_hf_tensors
+from jaxpage.models.weights import expert_projection_names, moe_block_name, params_from_hf_tensors
 
 # GGUF general.architecture -> jaxpage architecture. Mistral models are written as "llama", and so is Mixtral (a
 # "llama" with {arch}.expert_count).
@@ -66,8 +66,8 @@ LAYER_TENSOR_NAMES = {
 
 
 # A mixture of experts' layer tensors: llama.cpp keeps each projection of every expert in one [E, out, in] tensor
-# (the experts' names: expert_names), the router and Qwen2-MoE's shared expert as the names below say (Mixtral's block
-# is block_sparse_moe in transformers, Qwen's mlp).
+# (the experts' names: weights.expert_projection_names), the router and Qwen2-MoE's shared expert as the names below
+# say (the block: weights.moe_block_name).
 STACKED_EXPERT_TENSORS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
 MOE_LAYER_TENSOR_NAMES = {
     "ffn_gate_inp.weight": "{block}.gate.weight",
@@ -96,15 +96,6 @@ PHI3_LAYER_TENSOR_NAMES = {
 }
 # Phi-3's LongRoPE factors (one divisor per rotated pair of dimensions): transformers' short_factor and long_factor.
 PHI3_ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
-
-
-def expert_names(architecture: str) -> tuple[str, str, str]:
-    """transformers' names of an expert's gate, up and down projections in `architecture`."""
-    return ("w1", "w3", "w2") if architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-
-
-def moe_block(architecture: str) -> str:
-    return "block_sparse_moe" if architecture == "mixtral" else "mlp"
 
 
 # config.json's fields by their GGUF metadata keys (after `{general.architecture}.`).
@@ -231,12 +222,10 @@ def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value)
     models (46 or 62 layers), else head_dim."""
     if gguf_arch not in ("gemma2", "gemma3"):
         return {}
-    hidden, heads, layers = hf_like["hidden_size"], hf_like["num_attention_heads"], hf_like["num_hidden_layers"]
-    valid = all(isinstance(n, int) and n > 0 for n in (hidden, heads, layers))  # else from_hf_config names them
-    head_dim = hf_like["head_dim"] or (hidden // heads if valid else None)
+    layers, per_head = hf_like["num_hidden_layers"], _hidden_per_head(hf_like)
     fields = {
         "sliding_window": field(f"{gguf_arch}.attention.sliding_window"),
-        "query_pre_attn_scalar": hidden // heads if valid and layers in (46, 62) else head_dim,
+        "query_pre_attn_scalar": per_head if per_head and layers in (46, 62) else hf_like["head_dim"] or per_head,
     }
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if field(f"{gguf_arch}.{key}") is not None:
@@ -253,6 +242,13 @@ def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value)
     return fields
 
 
+def _hidden_per_head(hf_like: dict[str, Any]) -> int | None:
+    """embedding_length / head_count (what head_dim is when attention.key_length is absent), or None where either is
+    not a positive integer (from_hf_config then names it)."""
+    hidden, heads = hf_like["hidden_size"], hf_like["num_attention_heads"]
+    return hidden // heads if all(isinstance(n, int) and n > 0 for n in (hidden, heads)) else None
+
+
 def _phi3_fields(gguf: GGUFFile, path: Path, field, meta, hf_like: dict[str, Any], names: dict[str, str]) -> dict:
     """Phi-3 / Phi-3.5 / Phi-4-mini's config.json fields from GGUF metadata (none for other architectures), as
     llama.cpp's converter writes them: the sliding window (0: none); the partial rotary factor as
@@ -263,9 +259,7 @@ def _phi3_fields(gguf: GGUFFile, path: Path, field, meta, hf_like: dict[str, Any
     if gguf.metadata.get("general.architecture") != "phi3":
         return {}
     fields: dict[str, Any] = {"sliding_window": field("phi3.attention.sliding_window") or None}
-    hidden, heads, head_dim = hf_like["hidden_size"], hf_like["num_attention_heads"], hf_like["head_dim"]
-    if head_dim is None and all(isinstance(n, int) and n > 0 for n in (hidden, heads)):  # else from_hf_config says
-        head_dim = hidden // heads
+    head_dim = hf_like["head_dim"] or _hidden_per_head(hf_like)
     valid_head_dim = isinstance(head_dim, int) and head_dim > 0
     rotary = field("phi3.rope.dimension_count")
     if rotary is not None and valid_head_dim:
@@ -381,13 +375,16 @@ class GGUFSource:
             return
         arch, layer, suffix = self._config.architecture, parts[1], parts[2]
         if suffix in MOE_LAYER_TENSOR_NAMES:
-            self._tensors[f"model.layers.{layer}.{MOE_LAYER_TENSOR_NAMES[suffix].format(block=moe_block(arch))}"] = (
-                tensor
-            )
+            self._tensors[
+                f"model.layers.{layer}.{MOE_LAYER_TENSOR_NAMES[suffix].format(block=moe_block_name(arch))}"
+            ] = tensor
         elif suffix in STACKED_EXPERT_TENSORS and len(tensor.shape) == 3:
-            projection = expert_names(arch)[STACKED_EXPERT_TENSORS[suffix]]
+            projection = expert_projection_names(arch)[STACKED_EXPERT_TENSORS[suffix]]
             for j in range(tensor.shape[0]):
-                self._experts[f"model.layers.{layer}.{moe_block(arch)}.experts.{j}.{projection}.weight"] = (tensor, j)
+                self._experts[f"model.layers.{layer}.{moe_block_name(arch)}.experts.{j}.{projection}.weight"] = (
+                    tensor,
+                    j,
+                )
 
     def names(self) -> set[str]:
         return set(self._tensors) | set(self._experts)

@@ -88,20 +88,17 @@ def route(router_logits: jax.Array, top_k: int, normalize_topk: bool) -> tuple[j
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _project(x, projection: dict, expert=None):
-    """x [R, in] through one projection {"kernel": [in, out], "scale": [out] (int8 kernels only)} of an expert, or
-    through projection[...][expert] when `expert` is given."""
+def _project(x, projection: dict):
+    """x [R, in] through one projection {"kernel": [in, out], "scale": [out] (int8 kernels only)}."""
     kernel, scale = projection["kernel"], projection.get("scale")
-    if expert is not None:
-        kernel, scale = kernel[expert], None if scale is None else scale[expert]
     y = x @ kernel.astype(x.dtype)
     return y if scale is None else y * scale.astype(x.dtype)
 
 
-def _gated_mlp(x, experts: dict, expert=None):
-    """down(silu(gate(x)) * up(x)) for rows x [R, D] (see _project for `expert`)."""
-    hidden = nn.silu(_project(x, experts["gate_proj"], expert)) * _project(x, experts["up_proj"], expert)
-    return _project(hidden, experts["down_proj"], expert)
+def _gated_mlp(x, projections: dict):
+    """down(silu(gate(x)) * up(x)) for rows x [R, D] and one expert's projections (see _project)."""
+    hidden = nn.silu(_project(x, projections["gate_proj"])) * _project(x, projections["up_proj"])
+    return _project(hidden, projections["down_proj"])
 
 
 def _ragged_project(rows, projection: dict, group_sizes, row_experts):

@@ -144,15 +144,20 @@ def _phi3_fused_specs(
     return result
 
 
-def _moe_block_name(c: ModelConfig) -> str:
+def moe_block_name(architecture: str) -> str:
     """Where a checkpoint keeps a layer's experts: Mixtral's `block_sparse_moe`, Qwen-MoE's `mlp`."""
-    return "block_sparse_moe" if c.architecture == "mixtral" else "mlp"
+    return "block_sparse_moe" if architecture == "mixtral" else "mlp"
+
+
+def expert_projection_names(architecture: str) -> tuple[str, str, str]:
+    """A checkpoint's names of an expert's gate, up and down projections: Mixtral's w1, w3, w2, Qwen-MoE's own."""
+    return ("w1", "w3", "w2") if architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
 
 def _moe_router_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, ...], Callable]]:
     """layer_tensor_specs' entries for a mixture of experts besides the experts (expert_tensor_specs): the router and
     Qwen2-MoE's shared expert with its gate."""
-    d, block = c.hidden_size, _moe_block_name(c)
+    d, block = c.hidden_size, moe_block_name(c.architecture)
     specs = [(f"{block}.gate.weight", ("mlp", "router", "kernel"), (c.num_experts, d), _linear())]
     s = c.shared_expert_intermediate_size
     if s:
@@ -181,8 +186,8 @@ def expert_tensor_specs(c: ModelConfig) -> list[tuple[str, tuple[str, ...], tupl
     torch -> jaxpage transform of one expert); the experts are stacked on a leading axis. None for a dense model."""
     if not c.is_moe:
         return []
-    d, f, block = c.hidden_size, c.moe_intermediate_size, _moe_block_name(c)
-    names = ("w1", "w3", "w2") if c.architecture == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    d, f, block = c.hidden_size, c.moe_intermediate_size, moe_block_name(c.architecture)
+    names = expert_projection_names(c.architecture)
     shapes = ((f, d), (f, d), (d, f))
     return [
         (f"{block}.experts.{{j}}.{name}.weight", ("mlp", "experts", projection, "kernel"), shape, _linear())
