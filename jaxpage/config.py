@@ -507,9 +507,8 @@ def _phi3_rope_type(rope_type) -> str:
     return rope_type
 
 
-def _rope_factors(params: dict[str, Any], field: str) -> tuple[float, ...]:
-    """LongRoPE's short_factor or long_factor (`field`: its name for messages): a list of positive numbers."""
-    param = field.rsplit(".", 1)[-1]
+def _rope_factors(params: dict[str, Any], param: str, field: str) -> tuple[float, ...]:
+    """LongRoPE's short_factor or long_factor (`param`; `field`: its name for messages): positive numbers."""
     if param not in params:
         raise ModelLoadError(f"required field {field!r} is missing")
     values = params[param]
@@ -552,8 +551,8 @@ def _longrope_from_hf(
         "longrope",
         factor=factor,
         original_max_position_embeddings=original,
-        short_factor=_rope_factors(params, name(f"{key}.short_factor")),
-        long_factor=_rope_factors(params, name(f"{key}.long_factor")),
+        short_factor=_rope_factors(params, "short_factor", name(f"{key}.short_factor")),
+        long_factor=_rope_factors(params, "long_factor", name(f"{key}.long_factor")),
         attention_factor=attention_factor,
     )
 
