@@ -61,6 +61,7 @@ def main() -> None:
     import numpy as np
 
     import jaxpage.models.llama as llama
+    from jaxpage.benchmarks.measure import record_decode_steps
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.models.moe import DENSE_REFERENCE, expert_method
     from jaxpage.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def main() -> None:
     )  # fmt: skip
     shape = f"{args.layers} layers, D={args.hidden}, F={args.intermediate}, {args.experts} experts, top-{args.top_k}"
     print(f"backend {jax.default_backend()}: Mixtral-shaped, {shape}, batch {args.batch}", flush=True)
-    engines = {}
+    engines, decode_steps = {}, {}
     report = {"backend": jax.default_backend(), "config": mixtral_config(args), "batch": args.batch, "methods": {}}
     for method in (routed, DENSE_REFERENCE):
         llama.expert_method = lambda platform=None, m=method: m  # what Llama's layers compute their experts with
@@ -88,29 +89,16 @@ def main() -> None:
         report["methods"][method] = dict(
             compile_s=time.perf_counter() - start,
             expert_bytes=sum(leaf.nbytes for leaf in jax.tree.leaves(experts)),
-            decode_steps=[],
         )
         engines[method] = llm
+        decode_steps[method] = record_decode_steps(llm.engine, num_seqs=args.batch)
     llama.expert_method = expert_method
     outputs = {}
     for _ in range(args.rounds):
         for method, llm in engines.items():
-            engine = llm.engine
-            steps = report["methods"][method]["decode_steps"]
-            step = engine.step
-
-            def timed_step(step=step, engine=engine, steps=steps):
-                result = step()
-                stats = engine.last_step_stats
-                if stats is not None and stats.num_decodes == stats.num_seqs == args.batch:
-                    steps.append(stats.device_s)
-                return result
-
-            engine.step = timed_step
             outputs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            engine.step = step
-    for row in report["methods"].values():
-        steps = row.pop("decode_steps")
+    for method, row in report["methods"].items():
+        steps = decode_steps[method]
         row["decode_steps"] = len(steps)
         row["median_decode_step_s"] = statistics.median(steps)
         row["decode_tokens_per_s"] = args.batch * len(steps) / sum(steps)

@@ -79,22 +79,6 @@ def layout_name(tp: int, dp: int, expert_parallel: bool) -> str:
     return f"{tp}x{dp}{'ep' if expert_parallel else ''}"
 
 
-def record_decode_steps(engine) -> list[float]:
-    """The device seconds of each decode-only step `engine` runs from now on (appended to the list returned)."""
-    seconds: list[float] = []
-    step = engine.step
-
-    def timed_step():
-        outputs = step()
-        stats = engine.last_step_stats
-        if stats is not None and stats.num_decodes == stats.num_seqs:
-            seconds.append(stats.device_s)
-        return outputs
-
-    engine.step = timed_step
-    return seconds
-
-
 def main() -> None:
     args = parse_args()
     flags = os.environ.get("XLA_FLAGS", "")
@@ -105,6 +89,7 @@ def main() -> None:
     import numpy as np
 
     from jaxpage.benchmarks.hlo_collectives import executed
+    from jaxpage.benchmarks.measure import record_decode_steps
     from jaxpage.benchmarks.progress import log
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.models.llama import param_shapes

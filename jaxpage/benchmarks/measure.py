@@ -47,3 +47,20 @@ def copy_bandwidth(num_bytes: int, repeats: int = 10) -> float:
         y = copy(x)
     jax.block_until_ready(y)
     return 2 * num_bytes * repeats / (time.perf_counter() - start)
+
+
+def record_decode_steps(engine, num_seqs: int | None = None) -> list[float]:
+    """The device seconds of each decode-only step `engine` runs from now on (of exactly `num_seqs` sequences, when
+    given), appended to the list returned; engine.step is wrapped for the rest of the engine's life."""
+    seconds: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        outputs = step()
+        stats = engine.last_step_stats
+        if stats is not None and stats.num_decodes == stats.num_seqs and num_seqs in (None, stats.num_seqs):
+            seconds.append(stats.device_s)
+        return outputs
+
+    engine.step = timed_step
+    return seconds
