@@ -27,6 +27,7 @@ from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
+from jaxpage.kv_cache import pool_groups
 from jaxpage.models.llama import param_shapes
 from jaxpage.targets import Target
 from jaxpage.worker.executor import make_runners
@@ -39,7 +40,7 @@ from jaxpage.worker.parallel import (
     with_expert_parallel,
     with_replicated_kv_heads,
 )
-from jaxpage.worker.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages
+from jaxpage.worker.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages, window_group_pages
 
 # Model shapes compile_for knows by name, besides the default model and model directories.
 LLAMA3_8B = ModelConfig(
@@ -125,8 +126,8 @@ class TargetBuild:
 
     @property
     def pool_array_bytes(self) -> int:
-        """The bytes per device of the target model's K pool (one array of the pool)."""
-        return placed_bytes(self.runners[0].kv_cache.k)
+        """The bytes per device of the target model's K pool (one array of the pool; each group's of a hybrid's)."""
+        return sum(placed_bytes(group.k) for group in pool_groups(self.runners[0].kv_cache))
 
     @property
     def compiled_pool_bytes(self) -> int | None:
@@ -171,9 +172,15 @@ def build(
     num_pages = addressable_pages(backend, placed[0][0], num_pages, cache, tp)
     pool_tokens = (num_pages - 1) * engine.page_size
     max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
+    window_pages = None  # a hybrid's grouped pool: its window group as large as its running sequences' windows
+    if model.hybrid_attention:
+        sizes = (model.sliding_window, engine.page_size, engine.max_num_seqs, engine.max_num_batched_tokens)
+        window_pages = window_group_pages(num_pages, *sizes)
     sized = (num_pages, max_model_len, mesh, num_speculative_tokens)
     runners = make_runners(
-        engine, backend, placed[0], placed[1] if draft is not None else None, *sized, compile_only=True
+        *(engine, backend, placed[0], placed[1] if draft is not None else None, *sized),
+        compile_only=True,
+        window_pages=window_pages,
     )
     return TargetBuild(
         target, placed[0][0], engine, dtype, backend, max_model_len, num_pages, weight_bytes, token_bytes, runners
@@ -201,7 +208,8 @@ def compile_all(build: TargetBuild, on_program=None, kinds: set[str] | None = No
     on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order. kinds: only
     the programs of these kinds (ProgramReport.kind), e.g. {"pool", "forward", "copy"}: those that touch the pool."""
     for index, runner in enumerate(build.runners):
-        pool_array_bytes = placed_bytes(runner.kv_cache.k) // runner.config.num_layers  # one layer of K
+        first = pool_groups(runner.kv_cache)[0]
+        pool_array_bytes = placed_bytes(first.k) // first.k.shape[0]  # one layer of K
         for what, get in runner.warmup_programs():
             if kinds is not None and what.program not in kinds:
                 continue

@@ -55,3 +55,40 @@ def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         )
 
     return jax.tree.map(copy, kv_cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridKVCache:
+    """The pool of a hybrid model (Gemma 2 and 3: some layers attend through a sliding window, the others to every
+    key), as vLLM's hybrid allocator keeps it: a KVCache per group of layers, each with pages of its own and its own
+    block tables. `full` stacks the layers that read every key (in layer order), `window` the sliding ones, whose
+    sequences keep only their window's pages (jaxpage.engine.kv_cache_groups), so that a long sequence holds its
+    whole context in the full layers only."""
+
+    full: KVCache
+    window: KVCache
+
+
+def pool_groups(pool: KVCache | HybridKVCache) -> tuple[KVCache, ...]:
+    """The pool's groups of layers, each a KVCache with its own pages: (full, window) for a hybrid, else (pool,)."""
+    return (pool.full, pool.window) if isinstance(pool, HybridKVCache) else (pool,)
+
+
+def group_layer_index(sliding_layers: tuple[bool, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(in the full group, in the window group): each layer's index in its group's KVCache, 0 for a layer of the
+    other group (whose write there goes to the null page)."""
+    full, window, counts = [], [], [0, 0]
+    for sliding in sliding_layers:
+        index = counts[sliding]
+        counts[sliding] += 1
+        full.append(0 if sliding else index)
+        window.append(index if sliding else 0)
+    return tuple(full), tuple(window)
+
+
+def copy_pool_pages(pool: KVCache | HybridKVCache, src: jax.Array, dst: jax.Array) -> KVCache | HybridKVCache:
+    """copy_pages in each group of the pool: src, dst [groups, C] int32, row g the copies of group g's pages
+    (pool_groups' order)."""
+    copied = [copy_pages(group, src[g], dst[g]) for g, group in enumerate(pool_groups(pool))]
+    return HybridKVCache(*copied) if isinstance(pool, HybridKVCache) else copied[0]

@@ -36,6 +36,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)
+    # A hybrid model's window group of layers, whose pages are its own (jaxpage.engine.kv_cache_groups): its table,
+    # the null page before the window.
+    window_block_table: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     sampling_params: SamplingParams | None = None  # None: greedy
     seed: int = 0  # the request's seed (drawn by the engine when the request gives none)
@@ -117,6 +120,7 @@ def prompt_logprob_rows(items: list[ScheduledSequence]) -> list[tuple[int, int, 
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     page_copies: list[tuple[int, int]]  # copy-on-write (src, dst) pages to copy, all at once, before the step
+    window_page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the window group's
 
     @property
     def num_batched_tokens(self) -> int:

@@ -24,8 +24,9 @@ the budget holds at its format's bytes per token (scales included). For 8-bit pa
 
 Sliding windows instead: one request grown to that many tokens on two random models of the same size (4 layers,
 D=256, 2 KV heads of 32, pages of 16): a Mistral-shaped one whose every layer slides over --window keys, and a
-Gemma-3-shaped one whose layers 1-3 slide and layer 4 sees everything. Reported: the most KV bytes the sequence held
-after any step (the pages in its block table, the null page not counted), beside the whole context's and the ideal
+Gemma-3-shaped one whose layers 1-3 slide and layer 4 sees everything (a grouped pool: jaxpage.engine.kv_cache_groups).
+Reported: the most KV bytes the sequence held after any step (the pages in its block tables, the null page not
+counted, each page as many layers' K and V as its group has), beside the whole context's and the ideal
 (every full-attention layer the whole context, every sliding layer its window: at most the pages that span the
 window - 1 keys before the next token, plus the one it is written into).
 """
@@ -132,7 +133,7 @@ def main() -> None:
 
 def window_run(model_type: str, context: int, window: int) -> dict:
     """One request grown to `context` tokens on a random model with sliding windows (see the module docstring): the
-    most KV bytes its block table held after any step, against the whole context's and the ideal."""
+    most KV bytes its block tables held after any step, against the whole context's and the ideal."""
     import tempfile
 
     from jaxpage.entrypoints.llm import LLM
@@ -155,19 +156,22 @@ def window_run(model_type: str, context: int, window: int) -> dict:
     engine, config = llm.engine, llm.engine.model_config
     engine.add_request("0", {"prompt_token_ids": [i % 1000 + 3 for i in range(context - 8)]},
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # fmt: skip
-    held_max, steps = 0, 0
+    layer_page_bytes = page_size * config.kv_bytes_per_token(4) // layers  # one layer's K and V of a page
+    full_layers = sum(not sliding for sliding in config.sliding_layers)
+    grouped = config.hybrid_attention  # a page of the full group holds its layers' K and V, of the window group its
+    group_layers = (full_layers, layers - full_layers) if grouped else (layers, 0)
+    held, steps = 0, 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
         for seq in engine.scheduler.running:
-            held_max = max(held_max, sum(page != 0 for page in seq.block_table))
-    layer_page_bytes = page_size * config.kv_bytes_per_token(4) // layers  # one layer's K and V of a page
+            pages = [sum(page != 0 for page in table) for table in (seq.block_table, seq.window_block_table)]
+            held = max(held, sum(n * g for n, g in zip(pages, group_layers, strict=True)) * layer_page_bytes)
     whole = -(-context // page_size) * layers * layer_page_bytes
     window_pages = -(-(window - 1) // page_size) + 1
-    full_layers = sum(not sliding for sliding in config.sliding_layers)
     ideal = (full_layers * -(-context // page_size) + (layers - full_layers) * window_pages) * layer_page_bytes
-    held = held_max * layers * layer_page_bytes  # a page holds every layer's K and V of its tokens
-    log(f"{model_type}: {steps} steps, at most {held_max} pages held")
+    groups = "grouped pool (full, window)" if grouped else "one pool"
+    log(f"{model_type}: {steps} steps, {groups}, at most {held} KV bytes held")
     return dict(
         model=f"{model_type} ({layers - full_layers} of {layers} layers sliding)", context=context, window=window,
         kv_bytes_held_max=held, kv_bytes_whole_context=whole, kv_bytes_ideal=ideal,

@@ -20,6 +20,7 @@ from jaxpage.attention import resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
 from jaxpage.config import CacheConfig, EngineConfig
+from jaxpage.kv_cache import HybridKVCache
 from jaxpage.targets import TARGETS, available, get_target
 from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages
 
@@ -185,6 +186,8 @@ def test_model_families_forward_passes_compile_for_the_chips(tiny_model_path, ta
     assert build.backend.name == ("pallas_tpu" if target is TPU else "pallas_gpu")
     assert [p.kind for p in build.programs] == ["pool", "forward", "forward"]  # decode and mixed steps
     _checked(build)
+    hybrid = family.name.startswith("gemma")  # its sliding layers' pages in a group of their own
+    assert isinstance(build.runners[0].kv_cache, HybridKVCache) == hybrid
 
 
 @needs_tpu

@@ -51,7 +51,7 @@ def test_engine_greedy_equals_transformers(family, tiny_model_dir):
     for i, (output, tokens) in enumerate(zip(outputs, expected, strict=True)):
         assert output.outputs[0].token_ids == tokens, f"prompt {i}"
     scheduler = llm.engine.scheduler
-    if llm.engine.block_manager.sliding_window is None:  # else pages go back as they leave the window: see below
+    if not all(llm.engine.model_config.sliding_layers):  # else pages go back as they leave the window: see below
         assert scheduler.num_preemptions > 0
     assert scheduler.num_prefix_hit_tokens >= 40 // PAGE_SIZE * PAGE_SIZE
     assert llm.engine.block_manager.num_used_pages == 0
@@ -144,3 +144,56 @@ def test_pages_outside_the_window_are_given_back_while_requests_run(tiny_model_d
             assert len(kept) <= -(-(window - 1) // page_size) + 1, (seq.num_computed_tokens, seq.block_table)
     assert [finished[i] for i in range(len(prompts))] == expected
     assert most_held == 2 and engine.block_manager.num_used_pages == 0 and engine.scheduler.num_preemptions > 0
+
+
+def test_a_hybrids_window_layers_keep_only_their_windows_pages(tiny_model_dir):
+    """Gemma 3's layers (two sliding with a window of 6, one full; pages of 4) in a grouped pool: the full layer's
+    pages hold every sequence's whole context, the sliding layers' pool is a group of its own, smaller, from which
+    each running sequence holds only its window's pages. Before every step every page of either group that no
+    running sequence holds is poisoned with NaN (the null pages with finite garbage, as above): the tokens stay
+    transformers', through chunked prefill and preemption."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpage.kv_cache import HybridKVCache
+    from jaxpage.worker.pool_sizing import window_pages_held
+
+    directory, hf_model = tiny_model_dir(next(f for f in TINY_FAMILIES if f.name == "gemma3-qk-norm-local-rope"))
+    window, page_size = 6, 4
+    prompts = [*family_prompts(96)[3:], *([(7 * i + j) % 90 + 3 for j in range(24 + 2 * i)] for i in range(4))]
+    expected = hf_greedy_tokens(hf_model, prompts, GREEDY.max_tokens)
+    llm = LLM(str(directory), skip_tokenizer_init=True, page_size=page_size, max_num_seqs=3, max_model_len=48,
+              num_pages=17, max_num_batched_tokens=8, enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    groups = engine.block_manager
+    pool = engine.runner.kv_cache
+    assert isinstance(pool, HybridKVCache) and pool.full.k.shape[:2] == (1, 17)
+    # 3 sequences * (the 5 keys before the next token: 2 pages, + 1 a step starts) + a step's 2 pages + the null page
+    assert pool.window.k.shape[:2] == (2, 12) and groups.window.num_pages == 12
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    finished, longest, most_held = {}, 0, 0
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+
+        def poisoned(group, table, running=running):
+            held = {page for seq in running for page in getattr(seq, table)}
+            free = np.array([p for p in range(1, group.k.shape[1]) if p not in held], np.int32)
+            return jax.tree.map(lambda x: x.at[:, free].set(jnp.nan).at[:, 0].set(1e4), group)
+
+        cache = engine.runner.kv_cache
+        engine.runner.kv_cache = HybridKVCache(
+            poisoned(cache.full, "block_table"), poisoned(cache.window, "window_block_table")
+        )
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            held = [page for page in seq.window_block_table if page != 0]
+            most_held = max(most_held, len(held))
+            longest = max(longest, seq.num_computed_tokens)
+            assert len(held) <= window_pages_held(window, page_size), (seq.num_computed_tokens, seq.window_block_table)
+            assert 0 not in seq.block_table  # the full layer reads every key
+    assert [finished[i] for i in range(len(prompts))] == expected
+    assert longest > 3 * window and most_held == 2 and engine.scheduler.num_preemptions > 0
+    assert groups.num_used_pages == groups.window.num_used_pages == 0

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxpage.engine.block_manager import BlockManager
+from jaxpage.engine.kv_cache_groups import KVCacheGroups
 from jaxpage.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.worker.pool_sizing import window_group_pages, window_pages_held
 
 PAGE_SIZE = 4
 
@@ -55,17 +57,26 @@ def kv_of(seq: Sequence, pos: int) -> tuple[int, ...]:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Requests of 1 to 3 samples, steps, aborts. `pool` plays the device: each step applies the copy-on-write copies
+    """Requests of 1 to 3 samples, steps, aborts. `pools` play the device: each step applies the copy-on-write copies
     at once, checks that every scheduled sequence finds its computed tokens in the pages its table names (what
     attention reads), then writes the new tokens. Siblings sample different tokens, so a page shared when it should
-    have been copied shows."""
+    have been copied shows. With `window` (HybridSchedulerMachine below): a hybrid model's grouped pool, whose
+    window group's table must hold each sequence's last `window` tokens' pages, and no more."""
+
+    window = None
 
     def __init__(self):
         super().__init__()
-        self.scheduler = make_scheduler()
+        if self.window is None:
+            self.scheduler = make_scheduler()
+        else:
+            window_pages = window_group_pages(24, self.window, PAGE_SIZE, 4, 16)
+            groups = KVCacheGroups(24, window_pages, PAGE_SIZE, True, self.window)
+            self.scheduler = Scheduler(SchedulerConfig(4, 16), groups)
         self.live: list[tuple[Sequence, int]] = []  # (sequence, max output tokens)
         self.next_id = 0
-        self.pool = [[None] * PAGE_SIZE for _ in range(self.scheduler.block_manager.num_pages)]
+        managers = getattr(self.scheduler.block_manager, "groups", (self.scheduler.block_manager,))
+        self.pools = [[[None] * PAGE_SIZE for _ in range(bm.num_pages)] for bm in managers]
 
     @rule(
         prompt_len=st.integers(1, 30),
@@ -89,32 +100,42 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert output.scheduled, "work is waiting but nothing was scheduled"
         assert output.num_batched_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
-        sources = [list(self.pool[src]) for src, _ in output.page_copies]  # all at once: every source read first
-        for (_, dst), data in zip(output.page_copies, sources, strict=True):
-            self.pool[dst] = data
-        written = set()
-        for item in output.scheduled:
-            seq = item.seq
-            assert seq.status is SequenceStatus.RUNNING
-            assert item.num_new_tokens >= 1
-            assert len(seq.block_table) * PAGE_SIZE >= seq.num_computed_tokens + item.num_new_tokens
-            for pos in range(item.num_computed_tokens):
-                assert self.pool[seq.block_table[pos // PAGE_SIZE]][pos % PAGE_SIZE] == kv_of(seq, pos)
-            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
-                slot = (seq.block_table[pos // PAGE_SIZE], pos % PAGE_SIZE)
-                assert slot not in written, "two sequences write one slot"
-                written.add(slot)
-        for item in output.scheduled:
-            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
-                self.pool[item.seq.block_table[pos // PAGE_SIZE]][pos % PAGE_SIZE] = kv_of(item.seq, pos)
+        self._device_step(output, self.pools[0], "block_table", output.page_copies, None)
+        if self.window is not None:
+            self._device_step(output, self.pools[1], "window_block_table", output.window_page_copies, self.window)
         for seq in running_before:
             if seq.status is SequenceStatus.WAITING:  # preempted
-                assert not seq.block_table and seq.num_computed_tokens == 0
+                assert not seq.block_table and not seq.window_block_table and seq.num_computed_tokens == 0
         update(self.scheduler, output, lambda seq: (seq.seq_id + seq.num_tokens) % 4)  # siblings differ
         for seq, max_out in list(self.live):
             if seq.status is SequenceStatus.RUNNING and len(seq.output_token_ids) >= max_out:
                 self.scheduler.finish(seq)
                 self.live.remove((seq, max_out))
+
+    @staticmethod
+    def _device_step(output, pool, table_name: str, copies, window: int | None):
+        """One group's pages through the step: copies, reads of what attention reads (the window's keys only, with
+        a window), writes."""
+        sources = [list(pool[src]) for src, _ in copies]  # all at once: every source read first
+        for (_, dst), data in zip(copies, sources, strict=True):
+            pool[dst] = data
+        written = set()
+        for item in output.scheduled:
+            seq, table = item.seq, getattr(item.seq, table_name)
+            assert seq.status is SequenceStatus.RUNNING
+            assert item.num_new_tokens >= 1
+            assert len(table) * PAGE_SIZE >= seq.num_computed_tokens + item.num_new_tokens
+            first_read = 0 if window is None else max(0, item.num_computed_tokens - window + 1)
+            for pos in range(first_read, item.num_computed_tokens):
+                assert pool[table[pos // PAGE_SIZE]][pos % PAGE_SIZE] == kv_of(seq, pos)
+            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
+                slot = (table[pos // PAGE_SIZE], pos % PAGE_SIZE)
+                assert slot not in written, "two sequences write one slot"
+                written.add(slot)
+        for item in output.scheduled:
+            table = getattr(item.seq, table_name)
+            for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
+                pool[table[pos // PAGE_SIZE]][pos % PAGE_SIZE] = kv_of(item.seq, pos)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
@@ -128,12 +149,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_add_up(self):
-        bm = self.scheduler.block_manager
-        bm.check_invariants()
-        assert bm.num_used_pages + bm.num_free_pages == bm.num_pages - 1
+        manager = self.scheduler.block_manager
+        manager.check_invariants()
+        for bm in getattr(manager, "groups", (manager,)):
+            assert bm.num_used_pages + bm.num_free_pages == bm.num_pages - 1
         assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
         for seq in self.scheduler.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table and not seq.window_block_table
+        if self.window is not None:  # between steps, a sequence holds the pages of its window's keys, no more
+            for seq in self.scheduler.running:
+                held = {page for page in seq.window_block_table if page != 0}
+                assert len(held) <= window_pages_held(self.window, PAGE_SIZE), (seq.num_computed_tokens, held)
 
     def teardown(self):
         for seq, _ in self.live:
@@ -142,6 +168,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not unfinished(self.scheduler)
 
 
+class HybridSchedulerMachine(SchedulerMachine):
+    window = 5  # a hybrid model's (Gemma's) window layers, with pages of their own: jaxpage.engine.kv_cache_groups
+
+
+TestHybridSchedulerMachine = HybridSchedulerMachine.TestCase
+TestHybridSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
-from jaxpage.kv_cache import KVCache
+from jaxpage.kv_cache import HybridKVCache, KVCache, group_layer_index
 from jaxpage.mesh_axes import POOL_SPEC, SCALE_SPEC
 from pallas_kernels import kv_quantization
 from pallas_kernels.impl import pad_head_dim
@@ -47,6 +47,20 @@ class PagedBatch:
     kv_lens: jax.Array  # [S] int32, cached tokens of each sequence after this step (0 for padding rows)
     cu_q_lens: jax.Array  # [S + 1] int32, sequence s owns tokens [cu_q_lens[s], cu_q_lens[s + 1])
     num_seqs: jax.Array  # [] int32, real sequences; rows past it are padding
+    # A hybrid model's window group of layers (jaxpage.kv_cache.HybridKVCache), whose pages are its own: where each
+    # token's K/V goes in it and each sequence's pages there (None for other models).
+    window_slot_mapping: jax.Array | None = None  # [T] int32
+    window_block_tables: jax.Array | None = None  # [S, P] int32, the null page before the window
+
+    def window_batch(self) -> PagedBatch:
+        """The batch as the window group's layers see it: its slot mapping and block tables."""
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.window_slot_mapping,
+            block_tables=self.window_block_tables,
+            window_slot_mapping=None,
+            window_block_tables=None,
+        )
 
     def live_kv_lens(self) -> jax.Array:
         """kv_lens with padding rows' (rows past num_seqs) set to 0."""
@@ -115,13 +129,19 @@ class AttentionBackend:
         return f"({dims} * 1 byte {self.kv_cache_dtype} + {kv_quantization.SCALE_DTYPE.itemsize} bytes scale)"
 
     def pool_layout(
-        self, config: ModelConfig, num_pages: int, page_size: int, compute_dtype, tensor_parallel_size: int = 1
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        compute_dtype,
+        tensor_parallel_size: int = 1,
+        num_layers: int | None = None,
     ) -> KVCache:
         """The pool's arrays as shapes and dtypes: K and V [num_layers, num_pages, page_size, num_kv_heads,
         head_dim] (the pool's head_dim), and for 8-bit pages their scales [num_layers, num_pages, page_size,
-        num_kv_heads]."""
+        num_kv_heads]. num_layers: the layers of a group (jaxpage.kv_cache.HybridKVCache); None: the model's."""
         head_dim = self.pool_head_dim(config.head_dim)
-        pages = (config.num_layers, num_pages, page_size, config.num_kv_heads, head_dim)
+        pages = (num_layers or config.num_layers, num_pages, page_size, config.num_kv_heads, head_dim)
         return self._pool_arrays(pages, pages[:-1], compute_dtype)
 
     def _pool_arrays(self, pages: tuple, scales: tuple, compute_dtype) -> KVCache:
@@ -180,25 +200,46 @@ class AttentionBackend:
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
-    """What the model's layers call (see jaxpage.models.attention): write K/V into the pool, then attend."""
+    """What the model's layers call (see jaxpage.models.attention): write K/V into the pool, then attend.
+
+    A hybrid model's pool (jaxpage.kv_cache.HybridKVCache) has a group of layers per kind of attention, each with
+    pages and block tables of its own: a layer writes into its group (and, so that no lax.cond has the pool pass
+    through it, into the other group's null page), and attends in the group its window says: through the window in
+    the window group, else in the full one."""
 
     backend: AttentionBackend
     sm_scale: float
     sliding_window: int | None = None
     max_q_len: int | None = None  # see AttentionBackend.attend
     soft_cap: float | None = None  # see AttentionBackend.attend
+    sliding_layers: tuple[bool, ...] = ()  # per layer, whether it is in the window group of a hybrid pool
 
-    def __call__(self, q, k, v, batch: PagedBatch, kv_cache: KVCache, layer):
+    def __call__(self, q, k, v, batch: PagedBatch, kv_cache: KVCache | HybridKVCache, layer):
         # q [T, H, d]; k, v [T, K, d]
         kv_cache = self.store(k, v, batch, kv_cache, layer)
         return self.attend(q, k, v, batch, kv_cache, layer), kv_cache
 
-    def store(self, k, v, batch: PagedBatch, kv_cache: KVCache, layer) -> KVCache:
+    def store(self, k, v, batch: PagedBatch, kv_cache: KVCache | HybridKVCache, layer) -> KVCache | HybridKVCache:
         """The step's K/V written into the pool."""
-        return self.backend.write_kv(kv_cache, k, v, batch.slot_mapping, layer)
+        if not isinstance(kv_cache, HybridKVCache):
+            return self.backend.write_kv(kv_cache, k, v, batch.slot_mapping, layer)
+        sliding = jnp.asarray(self.sliding_layers)[layer]
+        full_layer, window_layer = self._group_layers(layer)
+        full_slots = jnp.where(sliding, 0, batch.slot_mapping)  # slot 0: the null page
+        window_slots = jnp.where(sliding, batch.window_slot_mapping, 0)
+        return HybridKVCache(
+            full=self.backend.write_kv(kv_cache.full, k, v, full_slots, full_layer),
+            window=self.backend.write_kv(kv_cache.window, k, v, window_slots, window_layer),
+        )
 
-    def attend(self, q, k, v, batch: PagedBatch, kv_cache: KVCache, layer) -> jax.Array:
+    def attend(self, q, k, v, batch: PagedBatch, kv_cache: KVCache | HybridKVCache, layer) -> jax.Array:
         """The attention of q to the pool (which holds this step's K/V already: k and v are not read)."""
+        if isinstance(kv_cache, HybridKVCache):
+            full_layer, window_layer = self._group_layers(layer)
+            if self.sliding_window is None:
+                kv_cache, layer = kv_cache.full, full_layer
+            else:
+                kv_cache, batch, layer = kv_cache.window, batch.window_batch(), window_layer
         return self.backend.attend(
             q,
             kv_cache,
@@ -209,3 +250,7 @@ class PagedAttention:
             max_q_len=self.max_q_len,
             soft_cap=self.soft_cap,
         )
+
+    def _group_layers(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The layer's index in the full group and in the window group (0 in the group it is not in)."""
+        return tuple(jnp.asarray(index, jnp.int32)[layer] for index in group_layer_index(self.sliding_layers))

@@ -57,13 +57,23 @@ class PallasTpuAttention(AttentionBackend):
         return -(-block_bytes // page_size)
 
     def pool_layout(
-        self, config: ModelConfig, num_pages: int, page_size: int, compute_dtype, tensor_parallel_size: int = 1
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        compute_dtype,
+        tensor_parallel_size: int = 1,
+        num_layers: int | None = None,
     ) -> KVCache:
         """K and V [num_layers, num_pages, page_size, num_kv_heads * head_dim], scales [num_layers, num_pages,
         tensor_parallel_size * rows, 128]: each shard's kv heads' scales of a page in a block of
         `impl.tpu_scale_rows` rows (`impl.tpu_scale_positions`), so that sharding the rows over the mesh's model
         axis gives every shard the scales of its own kv heads (`pool_specs`)."""
-        layers, kv_heads, head_dim = config.num_layers, config.num_kv_heads, self.pool_head_dim(config.head_dim)
+        layers, kv_heads, head_dim = (
+            num_layers or config.num_layers,
+            config.num_kv_heads,
+            self.pool_head_dim(config.head_dim),
+        )
         rows = tpu_scale_rows(page_size, kv_heads // tensor_parallel_size)
         pages = (layers, num_pages, page_size, kv_heads * head_dim)
         return self._pool_arrays(pages, (layers, num_pages, tensor_parallel_size * rows, LANES), compute_dtype)

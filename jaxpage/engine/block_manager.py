@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import collections
 import hashlib
+import operator
 
 from jaxpage.sequence import Sequence
 
@@ -46,18 +47,19 @@ class BlockManager:
     """Host bookkeeping of the KV page pool. Plain Python; every call is O(pages it touches)."""
 
     def __init__(
-        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+        table: str = "block_table",  # the Sequence attribute that holds its pages here (kv_cache_groups)
     ):
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        _check_sizes(num_pages, page_size, sliding_window)
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
+        self._table = operator.attrgetter(table)
         self._free_pages: collections.deque[int] = collections.deque(range(1, num_pages))
         # Ref count 0 and registered; iteration order is LRU first.
         self._cached_pages: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -85,32 +87,29 @@ class BlockManager:
     def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Pages that allocate_slots(seq, num_new_tokens) would take from the free pool (incl. copy-on-write pages)."""
         end = seq.num_computed_tokens + num_new_tokens
-        return max(0, _cdiv(end, self.page_size) - len(seq.block_table)) + len(self._shared_pages(seq, num_new_tokens))
+        return max(0, _cdiv(end, self.page_size) - len(self._table(seq))) + len(self._shared_pages(seq, num_new_tokens))
 
-    def match_prefix(self, seq: Sequence) -> int:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether allocate_slots(seq, num_new_tokens) would find the pages it needs."""
+        return self.pages_needed(seq, num_new_tokens) <= self.num_free_pages
+
+    def match_prefix(self, seq: Sequence, max_tokens: int | None = None) -> int:
         """Give a sequence with an empty block table the longest chain of its full prompt pages found in the prefix
         cache (ref += 1 each; a cached page becomes referenced). Sets seq.num_computed_tokens to the tokens they hold
         and returns it. At most (num_prompt_tokens - 1) // page_size pages, so at least one prompt token is left to
-        compute (its logits are needed). Returns 0 when prefix caching is off."""
-        assert not seq.block_table, f"match_prefix on sequence {seq.seq_id} that already holds pages"
+        compute (its logits are needed), and no more than max_tokens. Returns 0 when prefix caching is off."""
+        assert not self._table(seq), f"match_prefix on sequence {seq.seq_id} that already holds pages"
         if not self.enable_prefix_caching:
             return 0
         self._register(seq)
-        ps = self.page_size
         hashes = self._seq_hashes[seq.seq_id]
-        parent = None
-        for i in range((seq.num_prompt_tokens - 1) // ps):
-            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            key = hash_page(parent, tokens)
-            page = self._hash_to_page.get(key)
-            if page is None or self._page_key[page][1] != tokens:
-                break
+        limit = seq.num_prompt_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_prompt_tokens - 1)
+        for key, page in self._cached_chain(seq.token_ids[:limit]):
             self._add_ref(page)
-            self._set_filled(page, ps)
-            seq.block_table.append(page)
+            self._set_filled(page, self.page_size)
+            self._table(seq).append(page)
             hashes.append(key)
-            parent = key
-        seq.num_computed_tokens = len(hashes) * ps
+        seq.num_computed_tokens = len(hashes) * self.page_size
         self.free_outside_window(seq)  # a long hit's first pages may lie before the window already
         return seq.num_computed_tokens
 
@@ -118,18 +117,22 @@ class BlockManager:
         """Tokens of a prompt that match_prefix would find in the prefix cache now (nothing changes)."""
         if not self.enable_prefix_caching:
             return 0
-        ps, parent, found = self.page_size, None, 0
-        for i in range((len(token_ids) - 1) // ps):
+        return sum(1 for _ in self._cached_chain(token_ids[: len(token_ids) - 1])) * self.page_size
+
+    def _cached_chain(self, token_ids: list[int]):
+        """(key, page) of each full page of token_ids found in the prefix cache, from the first, while they chain."""
+        ps, parent = self.page_size, None
+        for i in range(len(token_ids) // ps):
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             key = hash_page(parent, tokens)
             page = self._hash_to_page.get(key)
             if page is None or self._page_key[page][1] != tokens:
-                break
-            found, parent = found + ps, key
-        return found
+                return
+            yield key, page
+            parent = key
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make seq.block_table cover token positions [0, seq.num_computed_tokens + num_new_tokens).
+        """Make seq's block table cover token positions [0, seq.num_computed_tokens + num_new_tokens).
 
         New pages come from the free list, else by evicting the least recently used cached page. A shared page
         (ref count > 1) that these tokens would be written into is copied first: a new page replaces it in the table,
@@ -140,13 +143,13 @@ class BlockManager:
         All or nothing: returns False and changes nothing if there are not enough pages.
         """
         assert num_new_tokens >= 0, num_new_tokens
-        if self.pages_needed(seq, num_new_tokens) > self.num_free_pages:
+        if not self.can_allocate(seq, num_new_tokens):
             return False
         self._register(seq)
         ps = self.page_size
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        table = seq.block_table
+        table = self._table(seq)
         for i in self._shared_pages(seq, num_new_tokens):
             src, dst = table[i], self._take_page()
             if i * ps < start:
@@ -170,7 +173,7 @@ class BlockManager:
         is garbage that later tokens overwrite; it was never computed, so it was never registered in the prefix
         cache. Only pages of seq's alone hold such slots (allocate_slots copies a shared page before a write)."""
         assert num_tokens >= seq.num_computed_tokens, (num_tokens, seq.num_computed_tokens)
-        ps, table = self.page_size, seq.block_table
+        ps, table = self.page_size, self._table(seq)
         keep = _cdiv(num_tokens, ps)
         while len(table) > keep:
             page = table.pop()
@@ -194,10 +197,10 @@ class BlockManager:
         ps = self.page_size
         parent = hashes[-1] if hashes else None
         full_pages = min(seq.num_computed_tokens, seq.num_tokens) // ps
-        for i in range(len(hashes), min(full_pages, len(seq.block_table))):
+        for i in range(len(hashes), min(full_pages, len(self._table(seq)))):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             key = hash_page(parent, tokens)
-            page = seq.block_table[i]
+            page = self._table(seq)[i]
             if page == NULL_PAGE:  # given back outside the window before it could be registered: the chain ends
                 return
             if key not in self._hash_to_page and page not in self._page_key:
@@ -213,7 +216,7 @@ class BlockManager:
         prefix cache (another prompt may start with it), else free. No-op without a window."""
         if self.sliding_window is None:
             return
-        ps, table = self.page_size, seq.block_table
+        ps, table = self.page_size, self._table(seq)
         first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1)
         for i in range(min(first_needed // ps, len(table))):
             page = table[i]
@@ -227,24 +230,24 @@ class BlockManager:
         """Whether a child of parent's first num_tokens tokens would find every page it reads in parent's table: not
         when parent, further on, gave back pages inside the child's window (free_outside_window)."""
         first_needed = 0 if self.sliding_window is None else max(0, num_tokens - self.sliding_window + 1)
-        pages = parent.block_table[: _cdiv(num_tokens, self.page_size)]
+        pages = self._table(parent)[: _cdiv(num_tokens, self.page_size)]
         return all(page != NULL_PAGE or (i + 1) * self.page_size <= first_needed for i, page in enumerate(pages))
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """child (empty block table), whose first num_tokens tokens are parent's first num_tokens, shares the pages
         of parent that hold them (ref += 1 each) and has them computed. A last page that is only partly the child's
         is copied when the child writes into it (allocate_slots)."""
-        assert not child.block_table, f"fork into sequence {child.seq_id} that already holds pages"
+        assert not self._table(child), f"fork into sequence {child.seq_id} that already holds pages"
         assert child.seq_id != parent.seq_id
         assert num_tokens <= parent.num_computed_tokens, (num_tokens, parent.num_computed_tokens)
         assert child.token_ids[:num_tokens] == parent.token_ids[:num_tokens], "fork of other tokens"
         assert self.can_fork(parent, num_tokens), "fork of pages given back inside the child's window"
         self._register(child)
-        pages = parent.block_table[: _cdiv(num_tokens, self.page_size)]
+        pages = self._table(parent)[: _cdiv(num_tokens, self.page_size)]
         for page in pages:
             if page != NULL_PAGE:  # given back outside the window: outside the child's too
                 self._ref_counts[page] += 1
-        child.block_table.extend(pages)
+        self._table(child).extend(pages)
         child.num_computed_tokens = num_tokens
         child.num_draft_computed_tokens = min(parent.num_draft_computed_tokens, num_tokens)
         self._seq_hashes[child.seq_id].extend(self._seq_hashes.get(parent.seq_id, [])[: num_tokens // self.page_size])
@@ -253,19 +256,23 @@ class BlockManager:
         """Drop seq's references, tail first so that the tail of a prefix chain is evicted first. A page whose count
         reaches 0 becomes cached if registered in the prefix cache, else free. Clears the block table and sets
         seq.num_computed_tokens (and num_draft_computed_tokens) to 0."""
-        if seq.block_table:
+        if self._table(seq):
             assert self._seqs.get(seq.seq_id) is seq, f"free of sequence {seq.seq_id} unknown to the block manager"
-        for page in reversed(seq.block_table):
+        for page in reversed(self._table(seq)):
             if page == NULL_PAGE:  # given back outside the window
                 continue
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._release(page)
-        seq.block_table.clear()
+        self._table(seq).clear()
         seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
             del self._seq_hashes[seq.seq_id]
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """A grouped pool's window group's copies (jaxpage.engine.kv_cache_groups): none, here."""
+        return []
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src_page, dst_page) copy-on-write copies recorded since the last call; clears them. The device
@@ -296,8 +303,8 @@ class BlockManager:
         if num_new_tokens <= 0:
             return []
         ps, start = self.page_size, seq.num_computed_tokens
-        stop = min(len(seq.block_table), _cdiv(start + num_new_tokens, ps))
-        return [i for i in range(start // ps, stop) if self._ref_counts[seq.block_table[i]] > 1]
+        stop = min(len(self._table(seq)), _cdiv(start + num_new_tokens, ps))
+        return [i for i in range(start // ps, stop) if self._ref_counts[self._table(seq)[i]] > 1]
 
     def _take_page(self) -> int:
         if self._free_pages:
@@ -336,6 +343,15 @@ class BlockManager:
             self._filled_slots[page] = slots
 
 
+def _check_sizes(num_pages: int, page_size: int, sliding_window: int | None) -> None:
+    if num_pages < 2:
+        raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+
+
 def _check_invariants(bm: BlockManager) -> None:
     """BlockManager.check_invariants."""
     n, ps = bm.num_pages, bm.page_size
@@ -350,11 +366,11 @@ def _check_invariants(bm: BlockManager) -> None:
     counts = [0] * n
     for seq_id, seq in bm._seqs.items():
         assert seq.seq_id == seq_id
-        assert len(seq.block_table) * ps >= seq.num_computed_tokens, f"sequence {seq_id}: computed tokens unpaged"
+        assert len(bm._table(seq)) * ps >= seq.num_computed_tokens, f"sequence {seq_id}: computed tokens unpaged"
         assert seq.num_draft_computed_tokens <= seq.num_computed_tokens, f"sequence {seq_id}: draft K/V ahead"
-        assert len(bm._seq_hashes[seq_id]) <= len(seq.block_table)
+        assert len(bm._seq_hashes[seq_id]) <= len(bm._table(seq))
         window_start = 0 if bm.sliding_window is None else seq.num_computed_tokens - bm.sliding_window + 1
-        for i, page in enumerate(seq.block_table):
+        for i, page in enumerate(bm._table(seq)):
             if page == NULL_PAGE:  # only pages wholly outside the window are given back
                 assert (i + 1) * ps <= window_start, f"sequence {seq_id}: page {i} given back inside the window"
                 continue

@@ -121,18 +121,18 @@ class LLMEngine:
             raise ValueError(f"engine argument max_model_len {self.max_model_len} exceeds the model's {model_max}")
         dtype_bytes = params_dtype(params).itemsize
         args = (config, self.attention_backend, self.model_config, target_config, dtype_bytes, draft, self.channel)
-        self._num_pages = num_pages = engine_pool_pages(*args, self.max_model_len)
-        pool_tokens = (num_pages - 1) * config.page_size  # page 0 is the null page
+        self._num_pages, self._window_pages = engine_pool_pages(*args, self.max_model_len)
+        pool_tokens = (self._num_pages - 1) * config.page_size  # page 0 is the null page
         self.max_model_len = fit_max_model_len(self.max_model_len, pool_tokens, config.max_model_len is not None)
         spec = config.speculative_config
         k = 0 if spec is None else spec.num_speculative_tokens
-        sized = (num_pages, self.max_model_len, self.mesh, k, self.compilation_cache)
-        self.executor = Executor(make_runners(config, self.attention_backend, target, draft, *sized), self.channel)
+        sized = (self._num_pages, self.max_model_len, self.mesh, k, self.compilation_cache)
+        runners = make_runners(config, self.attention_backend, target, draft, *sized, window_pages=self._window_pages)
+        self.executor = Executor(runners, self.channel)
         self.runner = self.executor.runners[0]
-        draft_runner = self.executor.runners[1] if draft is not None else None
         self.spec_decoder = None
-        if spec is not None:
-            self.spec_decoder = SpeculativeDecoder(spec, self.max_model_len, self.runner, draft_runner)
+        if spec is not None:  # a draft model's runner follows the target's
+            self.spec_decoder = SpeculativeDecoder(spec, self.max_model_len, *self.executor.runners)
 
     @property
     def draft_runner(self) -> DraftModelRunner | None:
@@ -329,7 +329,7 @@ class LLMEngine:
         """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
         c, readers = self.config, [runner.config for runner in self.executor.runners]  # the models reading the pages
         self.replicas[:] = [
-            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config, readers)
+            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config, readers, self._window_pages)
             for _ in range(c.data_parallel_size)
         ]
 

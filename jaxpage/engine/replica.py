@@ -12,20 +12,28 @@ import dataclasses
 
 from jaxpage.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxpage.engine.block_manager import BlockManager
+from jaxpage.engine.kv_cache_groups import KVCacheGroups
 from jaxpage.engine.scheduler import Scheduler
 
 
 @dataclasses.dataclass
 class Replica:
-    block_manager: BlockManager
+    block_manager: BlockManager | KVCacheGroups
     scheduler: Scheduler
 
     @classmethod
-    def new(cls, num_pages: int, cache: CacheConfig, config: SchedulerConfig, models=()) -> Replica:
+    def new(
+        cls, num_pages: int, cache: CacheConfig, config: SchedulerConfig, models=(), window_pages: int | None = None
+    ) -> Replica:
         """A replica of `num_pages` pages for the models that share its block tables (the target, and a draft; none
-        given: pages kept until a request ends)."""
-        window = window_to_free(models)
-        block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, window)
+        given: pages kept until a request ends); window_pages: the window group's pages of a hybrid target's grouped
+        pool (jaxpage.engine.kv_cache_groups)."""
+        if window_pages is not None:
+            window = models[0].sliding_window
+            block_manager = KVCacheGroups(num_pages, window_pages, cache.page_size, cache.enable_prefix_caching, window)
+        else:
+            window = window_to_free(models)
+            block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, window)
         return cls(block_manager, Scheduler(config, block_manager))
 
     @property

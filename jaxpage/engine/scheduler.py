@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxpage.config import SchedulerConfig
 from jaxpage.engine.block_manager import BlockManager
+from jaxpage.engine.kv_cache_groups import KVCacheGroups
 from jaxpage.sequence import (  # noqa: F401 (the step's types, re-exported)
     PROMPT_LOGPROB_TOKENS,
     ScheduledSequence,
@@ -49,7 +50,7 @@ from jaxpage.sequence import (  # noqa: F401 (the step's types, re-exported)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheGroups):
         self.config = config
         self.block_manager = block_manager
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -81,7 +82,7 @@ class Scheduler:
             return True
         head = self.waiting[0]
         first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-        return self.block_manager.pages_needed(head, first_chunk) > self.block_manager.num_free_pages
+        return not self.block_manager.can_allocate(head, first_chunk)
 
     def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
         """The next step. `drafts`: draft tokens by seq_id, for decoding sequences, when `can_draft()`."""
@@ -117,7 +118,8 @@ class Scheduler:
 
         if not preempted and not drafts:
             scheduled += self._admit(budget)
-        return SchedulerOutput(scheduled, self.block_manager.take_copies())
+        manager = self.block_manager
+        return SchedulerOutput(scheduled, manager.take_copies(), manager.take_window_copies())
 
     def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""

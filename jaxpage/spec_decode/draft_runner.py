@@ -62,7 +62,7 @@ class DraftModelRunner(ModelRunner):
         token and first k - 1 draft tokens): k decode steps of this (draft) model, each sampling the next token
         from its own distribution after the row's sampling settings. Positions past a row's reserved slots write
         into the null page."""
-        pool = self._pool_specs
+        pool = self.pool.specs
         propose = functools.partial(self._propose_on_shard, k=k)
         return self._on_shards(propose, (pool, REPLICAS), (REPLICAS, REPLICAS, pool))(params, kv_cache, inputs)
 

@@ -42,10 +42,13 @@ def make_runners(
     num_speculative_tokens: int = 0,
     compilation_cache: CompilationCache | None = None,
     compile_only: bool = False,
+    window_pages: int | None = None,
 ) -> list[ModelRunner]:
     """The target's ModelRunner, and a draft model's DraftModelRunner where `draft` (each a (config, params) as it
     runs, jaxpage.worker.parallel.as_run), with the engine's step shapes (verify steps where num_speculative_tokens).
-    compile_only: for a chip this host lacks (jaxpage.aot)."""
+    compile_only: for a chip this host lacks (jaxpage.aot). window_pages: the target's pool is grouped (a hybrid
+    model's: jaxpage.kv_cache.HybridKVCache), with these pages for its window group; a draft model's pool reads the
+    full group's pages."""
     args = dict(
         num_pages=num_pages,
         page_size=config.page_size,
@@ -58,7 +61,7 @@ def make_runners(
         mesh=mesh,
         compile_only=compile_only,
     )
-    runners = [ModelRunner(*target, backend, **args, draft_probs=draft is not None)]
+    runners = [ModelRunner(*target, backend, **args, draft_probs=draft is not None, window_pages=window_pages)]
     if draft is not None:
         runners.append(DraftModelRunner(*draft, backend, **args))
     return runners
@@ -82,10 +85,16 @@ class Executor:
         program over the devices: their results, in order. draft_probs: a draft model's distributions for its
         verify step (one replica), on the device."""
         runner = self.runners[0]
-        pages = runner.pages_per_replica  # in the whole pool, each replica has a range of pages
+        # In the whole pool, each replica has a range of pages (and of the window group's, in a grouped pool).
+        pages, window_pages = runner.pages_per_replica, runner.window_pages_per_replica
         copies = [(src + r * pages, dst + r * pages) for r, o in enumerate(outputs) for src, dst in o.page_copies]
-        if copies:
-            runner.copy_pages(copies)
+        window_copies = [
+            (src + r * window_pages, dst + r * window_pages)
+            for r, o in enumerate(outputs)
+            for src, dst in o.window_page_copies
+        ]
+        if copies or window_copies:
+            runner.copy_pages(copies, window_copies)
         start = time.perf_counter()
         shape = runner.inputs.shape_for(*outputs)
         level = runner.inputs.processor_level(*outputs)

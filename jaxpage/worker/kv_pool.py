@@ -4,16 +4,15 @@ jaxpage.worker.pool_sizing."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpage.kv_cache import KVCache, copy_pages
+from jaxpage.kv_cache import HybridKVCache, KVCache, copy_pool_pages, pool_groups
 from jaxpage.worker.compilation_cache import CompiledShape
 
 logger = logging.getLogger("jaxpage")
@@ -22,26 +21,57 @@ POOL_BYTES_TOLERANCE = 0.02  # how far the compiled pool's bytes may stray from 
 COPY_CHUNK = 8  # copy-on-write page copies per call of the (one) compiled copy program
 
 
-def copy_chunks(copies: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The copy-on-write copies (src, dst) of a step as (sources, destinations) calls of the copy program, to apply
-    as if all at once (every source read before any destination is written). COPY_CHUNK at a time, so that one
-    compiled program serves any number, unless a destination is also a source (a page freed and reused within the
-    step): then in one call, whose size may compile anew (rare)."""
-    sources = {src for src, _ in copies}
-    chunk = COPY_CHUNK if not any(dst in sources for _, dst in copies) else max(COPY_CHUNK, len(copies))
+def copy_chunks(groups: list[list[tuple[int, int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The copy-on-write copies (src, dst) of a step, a list per group of the pool's layers (jaxpage.kv_cache
+    .pool_groups), as (sources, destinations) [groups, C] calls of the copy program, to apply as if all at once
+    (every source read before any destination is written). COPY_CHUNK at a time, so that one compiled program serves
+    any number, unless a destination is also a source (a page freed and reused within the step): then in one call,
+    whose size may compile anew (rare)."""
+    overlap = any(dst in {src for src, _ in copies} for copies in groups for _, dst in copies)
+    longest = max(map(len, groups))
+    chunk = COPY_CHUNK if not overlap else max(COPY_CHUNK, longest)
     calls = []
-    for start in range(0, len(copies), chunk):
-        part = copies[start : start + chunk]
-        size = COPY_CHUNK if chunk == COPY_CHUNK else 1 << (len(part) - 1).bit_length()
-        src = np.zeros(size, np.int32)  # padded with (0, 0): copies of the null page onto itself
-        dst = np.zeros(size, np.int32)
-        src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
+    for start in range(0, longest, chunk):
+        parts = [copies[start : start + chunk] for copies in groups]
+        size = COPY_CHUNK if chunk == COPY_CHUNK else 1 << (max(map(len, parts)) - 1).bit_length()
+        src = np.zeros((len(groups), size), np.int32)  # padded with (0, 0): copies of the null page onto itself
+        dst = np.zeros((len(groups), size), np.int32)
+        for g, part in enumerate(parts):
+            if part:
+                src[g, : len(part)], dst[g, : len(part)] = zip(*part, strict=True)
         calls.append((src, dst))
     return calls
 
 
+def pool_arrays(
+    backend, config, num_pages: int, window_pages: int | None, replicas: int, page_size: int, dtype, tp: int
+):
+    """The pool's arrays as shapes (AttentionBackend.pool_layout) and their PartitionSpecs (.pool_specs), for
+    `replicas` data-parallel replicas of num_pages pages each: for a hybrid model's grouped pool (window_pages not
+    None), HybridKVCaches of num_pages pages for its full layers and window_pages for its sliding ones."""
+    specs = backend.pool_specs()
+    if window_pages is None:
+        return backend.pool_layout(config, num_pages * replicas, page_size, dtype, tp), specs
+    num_window_layers = sum(config.sliding_layers)
+    layout = HybridKVCache(
+        full=backend.pool_layout(
+            config, num_pages * replicas, page_size, dtype, tp, config.num_layers - num_window_layers
+        ),
+        window=backend.pool_layout(config, window_pages * replicas, page_size, dtype, tp, num_window_layers),
+    )
+    return layout, HybridKVCache(specs, specs)
+
+
 class KVPool:
-    def __init__(self, layout: KVCache, specs: KVCache, mesh, replicated, abstract: Callable, load_or_compile):
+    def __init__(
+        self,
+        layout: KVCache | HybridKVCache,
+        specs: KVCache | HybridKVCache,
+        mesh,
+        replicated,
+        abstract: Callable,
+        load_or_compile,
+    ):
         """layout: the pool's arrays' shapes and dtypes; specs: their PartitionSpecs over `mesh` (None: one
         device); replicated: the sharding of compile-only programs' arguments (None when the pool is real);
         abstract: host arrays as those programs take them; load_or_compile: the runner's compilation cache."""
@@ -52,7 +82,7 @@ class KVPool:
         self.abstract = abstract
         self.load_or_compile = load_or_compile
         self._fill = None  # the program that makes a zeroed pool
-        self._copy_jit = jax.jit(copy_pages, donate_argnums=(0,))
+        self._copy_jit = jax.jit(copy_pool_pages, donate_argnums=(0,))
         self._copy_chunk = None  # the copy of COPY_CHUNK pages, compiled at its first use
         self.cache: KVCache | None = None  # the arrays: allocate()'s, or (compile-only) shapes()
 
@@ -65,8 +95,7 @@ class KVPool:
         """Where the pool's arrays live: sharded over the mesh, on the parameters' device when compiling only for
         one, else None (jax's default device)."""
         if self.mesh is not None:
-            specs = dataclasses.astuple(self.specs)
-            return KVCache(*(None if spec is None else NamedSharding(self.mesh, spec) for spec in specs))
+            return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs, is_leaf=_is_spec)
         if self.replicated is not None:
             return jax.tree.map(lambda _: self.replicated, self.layout)
         return None
@@ -86,7 +115,7 @@ class KVPool:
             )
             arrays = tuple((x.shape, x.dtype.name) for x in jax.tree.leaves(layout))
             self._fill = self.load_or_compile(
-                CompiledShape("pool", layout.k.shape), (), lambda: zeros.lower().compile(), static=arrays
+                CompiledShape("pool", pool_shape(layout)), (), lambda: zeros.lower().compile(), static=arrays
             )
             self._check_bytes(self._fill)
         return self._fill
@@ -115,7 +144,7 @@ class KVPool:
         )
 
     def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        if len(src) != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
+        if src.shape[-1] != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
             self.cache = self._copy_jit(self.cache, src, dst)
             return
         self.cache = self.copy_program()(self.cache, src, dst)
@@ -123,9 +152,19 @@ class KVPool:
     def copy_program(self) -> jax.stages.Compiled:
         """The copy of COPY_CHUNK pages (compiled at its first use or at warm-up)."""
         if self._copy_chunk is None:
-            ids = np.zeros(COPY_CHUNK, np.int32)
+            ids = np.zeros((len(pool_groups(self.layout)), COPY_CHUNK), np.int32)
             args = (self.cache, *self.abstract((ids, ids)))
             self._copy_chunk = self.load_or_compile(
                 CompiledShape("copy", COPY_CHUNK), args, lambda: self._copy_jit.lower(*args).compile()
             )
         return self._copy_chunk
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def pool_shape(layout: KVCache | HybridKVCache) -> tuple:
+    """What names the pool's programs in the compilation log: K's shape (each group's, for a grouped pool)."""
+    shapes = tuple(group.k.shape for group in pool_groups(layout))
+    return shapes[0] if len(shapes) == 1 else shapes

@@ -36,7 +36,7 @@ from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import PROMPT_LOGPROB_TOKENS
 from jaxpage.spec_decode.verification import verify_drafts
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, load_or_compile
-from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks
+from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks, pool_arrays, pool_shape
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
 from jaxpage.worker.step_broadcast import Header, Message
 from jaxpage.worker.step_inputs import NO_PROCESSORS, PROCESSOR_LEVELS, SampleInput, StepInput, StepInputs
@@ -125,6 +125,7 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         max_num_seqs: int,
+        window_pages: int | None = None,
         max_num_batched_tokens: int,
         max_model_len: int,
         compilation_cache: CompilationCache | None = None,
@@ -154,15 +155,16 @@ class ModelRunner:
         self.door = self.run
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
         self._param_specs = param_specs(params, config.expert_parallel_size > 1)
-        self._pool_specs = backend.pool_specs()
-        split_kv = self.tensor_parallel_size
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
         shard = shard_config(config, self.tensor_parallel_size) if split else config
         tp_axis = TP_AXIS if split else None
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
-        layout = backend.pool_layout(config, num_pages * self.data_parallel_size, page_size, dtype, split_kv)
+        self.window_pages_per_replica = window_pages  # a hybrid's grouped pool: its window group's pages
+        grouped = window_pages is not None
+        pages = (num_pages, window_pages, self.data_parallel_size, page_size)
+        pool = pool_arrays(backend, config, *pages, dtype, self.tensor_parallel_size)
         replicated = self._replicated if compile_only else None
-        self.pool = KVPool(layout, self._pool_specs, self.mesh, replicated, self._abstract, self._load_or_compile)
+        self.pool = KVPool(*pool, self.mesh, replicated, self._abstract, self._load_or_compile)
         # Compile-only: the pool as ShapeDtypeStructs where it would live, which no program fills.
         self.pool.cache = self.pool.shapes() if compile_only else self.pool.allocate()
         self.page_size = page_size
@@ -172,17 +174,14 @@ class ModelRunner:
         draft_vocab = config.vocab_size if draft_probs else 0
         stack = self.mesh is not None
         self.inputs = StepInputs(
-            self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab, config.vocab_size
+            *(self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab, config.vocab_size),
+            window_group=grouped,
         )
+        attention = functools.partial(PagedAttention, backend, config.attention_scale, config.sliding_window)
+        sliding = config.sliding_layers if grouped else ()  # a grouped pool's layers write and read their group's
         self.models = {  # by the shapes' max_q_len
-            q_len: build(
-                shard,
-                PagedAttention(backend, config.attention_scale, config.sliding_window, q_len or None),
-                dtype,
-                tp_axis,
-                backend.platform,
-            )
-            for q_len in {0, 1} | {s.max_q_len for s in self.shapes}
+            q: build(shard, attention(q or None, sliding_layers=sliding), dtype, tp_axis, backend.platform)
+            for q in {0, 1} | {s.max_q_len for s in self.shapes}
         }
         self.executables: dict[StepShape, jax.stages.Compiled] = {}  # the forward pass of each step shape
         # LM head and sampler, by (rows, k, logits processors' level: jaxpage.worker.step_inputs.PROCESSOR_LEVELS)
@@ -224,7 +223,7 @@ class ModelRunner:
             )
             return hidden[step.logits_indices], hidden[step.prompt_indices], kv_cache
 
-        pool = self._pool_specs
+        pool = self.pool.specs
         return self._on_shards(forward, (pool, REPLICAS), (REPLICAS, REPLICAS, pool))(params, kv_cache, step)
 
     def _sample_fn(self, params, hidden: jax.Array, inputs: SampleInput):
@@ -330,7 +329,7 @@ class ModelRunner:
         return programs
 
     def _pool_warmup(self) -> tuple[CompiledShape, Callable[[], jax.stages.Compiled]]:
-        return CompiledShape("pool", self.pool.layout.k.shape), self.pool.fill_program
+        return CompiledShape("pool", pool_shape(self.pool.layout)), self.pool.fill_program
 
     def _forward_program(self, shape: StepShape) -> jax.stages.Compiled:
         return self.executables.get(shape) or self.compile(shape)
@@ -406,10 +405,12 @@ class ModelRunner:
             lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated), tree
         )
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """The copy-on-write copies (src, dst) of a step, applied as if all at once (every source read before any
-        destination is written). COPY_CHUNK at a time, so that one compiled program serves any number, unless a
-        destination is also a source (a page freed and reused within the step): then in one call, whose size
-        may compile anew (rare)."""
-        for src, dst in copy_chunks(copies):
-            self._launch(Message.COPY, len(src), (src, dst))
+    def copy_pages(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
+        """The copy-on-write copies (src, dst) of a step (and of a grouped pool's window group), applied as if all at
+        once (every source read before any destination is written). COPY_CHUNK at a time, so that one compiled
+        program serves any number, unless a destination is also a source (a page freed and reused within the step):
+        then in one call, whose size may compile anew (rare)."""
+        groups = [list(copies), list(window_copies)][: self.inputs.num_pool_groups]
+        assert len(groups) == 2 or not window_copies, "window copies for a pool without a window group"
+        for src, dst in copy_chunks(groups):
+            self._launch(Message.COPY, src.shape[-1], (src, dst))

@@ -23,10 +23,12 @@ def kv_pool_pages(
     token_bytes: int,
     max_model_len: int,
     device_memory: tuple[int, int] | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pages in the pool (the null page included), from the cache's size arguments (see EngineConfig) and the
     bytes of K and V one token takes in the pool; never more than max_num_seqs sequences of max_model_len tokens
-    could use. Raises ValueError for a pool the memory cannot hold.
+    could use. Raises ValueError for a pool the memory cannot hold. reserved_bytes: what the budget pays for
+    beside these pages (a hybrid's window group: window_group_pages).
 
     device_memory: (bytes the device has, bytes in use) of the device the pool is for: a target chip's when the
     engine is built for one (jaxpage.aot); None: this host's first device (on CPU, the host's memory)."""
@@ -51,6 +53,7 @@ def kv_pool_pages(
                 budget = available // 2
         else:
             budget = int(limit * cache.gpu_memory_utilization) - in_use
+        budget -= reserved_bytes
         useful = max_num_seqs * math.ceil(max_model_len / cache.page_size) + 1  # more would never be used
         pages = min(budget // page_bytes, useful, INT32_MAX // cache.page_size)
         if pages < 2:
@@ -62,12 +65,31 @@ def kv_pool_pages(
                     "(tensor_parallel_size)"
                 )
             raise ValueError(why)
-    if available is not None and pages * page_bytes > available:
+    if available is not None and pages * page_bytes + reserved_bytes > available:
+        reserved = f" and {reserved_bytes} bytes of the window group's pages" if reserved_bytes else ""
         raise ValueError(
-            f"a KV pool of {pages} pages ({pages * page_bytes} bytes, {page_bytes} per page) does not fit in the "
-            f"{available} bytes of memory available; lower num_pages or kv_cache_memory_bytes"
+            f"a KV pool of {pages} pages ({pages * page_bytes} bytes, {page_bytes} per page){reserved} does not fit "
+            f"in the {available} bytes of memory available; lower num_pages or kv_cache_memory_bytes"
         )
     return pages
+
+
+def window_group_pages(
+    num_pages: int, sliding_window: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """The pages of a hybrid model's window group (jaxpage.engine.kv_cache_groups), the null page included: as many
+    as its running sequences can hold at once -- each the pages of its window between steps (the sliding_window - 1
+    keys before its next token, which may straddle one page more than they fill) and one page its step's tokens may
+    start, plus the pages of a step's tokens -- and never more than the full group's num_pages."""
+    window = window_pages_held(sliding_window, page_size)
+    held = max_num_seqs * (window + 1) + -(-max_num_batched_tokens // page_size) + 1
+    return min(num_pages, held)
+
+
+def window_pages_held(sliding_window: int, page_size: int) -> int:
+    """The most pages a running sequence holds between steps in a window group: those of the sliding_window - 1
+    keys before its next token (BlockManager.free_outside_window gives back the pages wholly before them)."""
+    return -(-max(sliding_window - 2, 0) // page_size) + 1
 
 
 def available_memory_bytes() -> int | None:
@@ -131,35 +153,85 @@ def engine_pool_pages(
     draft: tuple | None,
     channel: StepBroadcast | None,
     max_model_len: int,
-) -> int:
-    """The pages of an engine's KV pool (kv_pool_pages), agreed by every host (channel), logged. target_config: the
+) -> tuple[int, int | None]:
+    """The pages of an engine's KV pool (kv_pool_pages), agreed by every host (channel), logged: (pages, None), or
+    for a hybrid model's grouped pool (full group's pages, window group's: window_group_pages). target_config: the
     model as it runs (KV heads copied for tensor parallelism); draft: a draft model's (config, params), whose pool
-    the budget pays for too."""
+    (on the full group's pages) the budget pays for too."""
     tp = config.tensor_parallel_size
     layout = dict(page_size=config.page_size, tensor_parallel_size=tp)
     token_bytes = backend.kv_bytes_per_token(target_config, dtype_bytes, **layout)
+    window_token_bytes = 0  # a grouped pool's window group's, which has pages of its own
+    if model_config.hybrid_attention:
+        window_token_bytes = token_bytes * sum(model_config.sliding_layers) // model_config.num_layers
     if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
         token_bytes += backend.kv_bytes_per_token(draft[0], dtype_bytes, **layout)
-    device_token_bytes = token_bytes // tp  # each device holds its shard's KV heads
     # A device's budget and memory are its own, but simulated CPU devices share the host's: every shard of every
     # data-parallel replica (each replica has num_pages pages).
     cpu = jax.default_backend() == "cpu"
-    budget_token_bytes = token_bytes * config.data_parallel_size if cpu else device_token_bytes
-    sizing = (config.part(CacheConfig), config.max_num_seqs, budget_token_bytes, max_model_len)
-    if channel is None:
-        num_pages = kv_pool_pages(*sizing)
-    else:  # each host measures its own memory: every process takes the smallest pool, or refuses with all
+
+    def budgeted(nbytes: int) -> int:
+        return nbytes * config.data_parallel_size if cpu else nbytes // tp
+
+    window_pages = None
+    if window_token_bytes:
+        sizes = (model_config.sliding_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens)
+        window_pages = window_group_pages(INT32_MAX, *sizes)
+        reserved = budgeted(window_pages * config.page_size * window_token_bytes)
         try:
-            num_pages, refused = kv_pool_pages(*sizing), None
-        except ValueError as e:
-            num_pages, refused = 0, e
-        num_pages = channel.agree_min(num_pages)
-        if refused is not None:
-            raise refused
-        if num_pages == 0:
-            raise ValueError("another process's memory cannot hold the KV pool (see its log)")
-    num_pages = addressable_pages(backend, target_config, num_pages, sizing[0], tp)
+            num_pages = _agreed_pages(
+                config, budgeted(token_bytes - window_token_bytes), max_model_len, channel, reserved
+            )
+        except ValueError:  # the budget holds fewer pages than the window group would take
+            num_pages = 0
+        if num_pages < window_pages:  # a small pool: both groups as large (as if one)
+            num_pages = _agreed_pages(config, budgeted(token_bytes), max_model_len, channel)
+        window_pages = window_group_pages(num_pages, *sizes)
+    else:
+        num_pages = _agreed_pages(config, budgeted(token_bytes), max_model_len, channel)
+    num_pages = addressable_pages(backend, target_config, num_pages, config.part(CacheConfig), tp)
+    pool_bytes = num_pages * config.page_size * (token_bytes - window_token_bytes)
+    if window_pages is not None:
+        window_pages = min(window_pages, num_pages)
+        pool_bytes += window_pages * config.page_size * window_token_bytes
+    _log_pool(config, backend, model_config, target_config, dtype_bytes, token_bytes, num_pages, pool_bytes)
+    if window_pages is not None:
+        window_layers = sum(model_config.sliding_layers)
+        logger.info(
+            "KV cache groups: %d full-attention layers on all %d pages; %d sliding-window layers (window %d) on %d "
+            "pages of their own, as many as %d running sequences' windows take",
+            model_config.num_layers - window_layers,
+            num_pages,
+            window_layers,
+            model_config.sliding_window,
+            window_pages,
+            config.max_num_seqs,
+        )
+    return num_pages, window_pages
+
+
+def _agreed_pages(config: EngineConfig, token_bytes: float, max_model_len: int, channel, reserved: int = 0) -> int:
+    """kv_pool_pages for pages of token_bytes per token (as the budget counts them), the same on every host."""
+    sizing = (config.part(CacheConfig), config.max_num_seqs, int(token_bytes), max_model_len)
+    if channel is None:
+        return kv_pool_pages(*sizing, reserved_bytes=reserved)
+    # Each host measures its own memory: every process takes the smallest pool, or refuses with all.
+    try:
+        num_pages, refused = kv_pool_pages(*sizing, reserved_bytes=reserved), None
+    except ValueError as e:
+        num_pages, refused = 0, e
+    num_pages = channel.agree_min(num_pages)
+    if refused is not None:
+        raise refused
+    if num_pages == 0:
+        raise ValueError("another process's memory cannot hold the KV pool (see its log)")
+    return num_pages
+
+
+def _log_pool(config, backend, model_config, target_config, dtype_bytes, token_bytes, num_pages, pool_bytes):
+    tp = config.tensor_parallel_size
     copies = target_config.num_kv_heads // model_config.num_kv_heads
+    device_token_bytes = token_bytes // tp  # each device holds its shard's KV heads
     logger.info(
         "KV cache: %d bytes per token (2 * %d layers * %d kv heads%s * %s)%s; %d pages of %d tokens, %.2f GiB",
         token_bytes,
@@ -170,6 +242,5 @@ def engine_pool_pages(
         f", {device_token_bytes} per device on {tp} devices" if tp > 1 else "",
         num_pages,
         config.page_size,
-        num_pages * config.page_size * token_bytes / 2**30,
+        pool_bytes / 2**30,
     )
-    return num_pages

@@ -70,10 +70,14 @@ class StepInputs:
         stack: bool,
         draft_vocab_size: int = 0,
         vocab_size: int = 0,
+        window_group: bool = False,
     ):
         """stack: the programs take arrays stacked over the replicas (they run on a mesh); draft_vocab_size: verify
         steps take a draft model's distributions over that vocabulary (0: point masses); vocab_size: the model's
-        (the width of the logits processors' bitmasks)."""
+        (the width of the logits processors' bitmasks); window_group: the pool has a window group of layers with
+        pages of its own (jaxpage.kv_cache.HybridKVCache), whose slot mapping and block tables steps carry too."""
+        self.window_group = window_group
+        self.num_pool_groups = 2 if window_group else 1
         self.shapes = shapes
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -129,6 +133,9 @@ class StepInputs:
         cu_q_lens = np.zeros(shape.num_rows + 1, np.int32)
         kv_lens = np.zeros(shape.num_rows, np.int32)
         block_tables = np.zeros((shape.num_rows, self.block_table_width), np.int32)
+        window = self.window_group
+        window_slots = np.zeros(shape.num_tokens, np.int32) if window else None
+        window_tables = np.zeros((shape.num_rows, self.block_table_width), np.int32) if window else None
         logits_indices = np.zeros((shape.sample_rows, k + 1), np.int32)
         draft_tokens = np.zeros((shape.sample_rows, k), np.int32)
         num_drafts = np.zeros(shape.sample_rows, np.int32)
@@ -144,6 +151,10 @@ class StepInputs:
             table = np.asarray(seq.block_table, np.int32)
             slot_mapping[start:end] = table[pos // page_size] * page_size + pos % page_size
             block_tables[row, : len(table)] = table
+            if window:  # the null page before the window
+                table = np.asarray(seq.window_block_table, np.int32)
+                window_slots[start:end] = table[pos // page_size] * page_size + pos % page_size
+                window_tables[row, : len(table)] = table
             kv_lens[row] = computed + n
             # The last known token's logits, then each draft token's (repeated past the row's drafts).
             logits_indices[row] = start + known - 1 + np.minimum(np.arange(k + 1), len(drafts))
@@ -157,7 +168,9 @@ class StepInputs:
             item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
             for item in items
         )
-        attention = PagedBatch(slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)))
+        attention = PagedBatch(
+            slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)), window_slots, window_tables
+        )
         prompt_indices = np.zeros(PROMPT_LOGPROB_TOKENS, np.int32)
         rows = prompt_logprob_rows(items)
         assert len(rows) <= PROMPT_LOGPROB_TOKENS, len(rows)  # the scheduler keeps them within
@@ -182,7 +195,7 @@ class StepInputs:
         """The arrays of a message process 0 sent (jaxpage.worker.step_broadcast), as ModelRunner.run takes them;
         None for a message without any."""
         if header.kind is Message.COPY:
-            return unpack(data, (np.zeros(header.key, np.int32),) * 2)
+            return unpack(data, (np.zeros((self.num_pool_groups, header.key), np.int32),) * 2)
         if header.kind is Message.FORWARD:
             return unpack(data, self.template(self.shapes[header.key])[0])
         if header.kind is Message.STEP:  # flag: 2 * the level of logits processors + (with draft model probs)
@@ -198,7 +211,10 @@ class StepInputs:
         def size(tree) -> int:
             return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
-        sizes = {2 * COPY_CHUNK * np.dtype(np.int32).itemsize, size(self.prompt_targets_template())}
+        sizes = {
+            2 * self.num_pool_groups * COPY_CHUNK * np.dtype(np.int32).itemsize,
+            size(self.prompt_targets_template()),
+        }
         for shape in self.shapes:
             for level in PROCESSOR_LEVELS:
                 step, sample_input = self.template(shape, level)
