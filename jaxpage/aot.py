@@ -118,11 +118,15 @@ class TargetBuild:
     kv_token_bytes: int  # per device, per token (the backend's arithmetic; a draft model's pool included)
     runners: list[ModelRunner]  # the target model's, then a draft model's
     programs: list[ProgramReport] = dataclasses.field(default_factory=list)
+    window_pages: int | None = None  # a hybrid's grouped pool: its window group's pages (jaxpage.kv_cache)
+    window_token_bytes: int = 0  # ... and the bytes a token takes there, per device (out of kv_token_bytes)
 
     @property
     def pool_bytes(self) -> int:
-        """The pool's bytes per device by the engine's budget arithmetic (pages * page_size * bytes per token)."""
-        return self.num_pages * self.engine.page_size * self.kv_token_bytes
+        """The pool's bytes per device by the engine's budget arithmetic (pages * page_size * bytes per token, in
+        each group of a grouped pool)."""
+        full = self.num_pages * self.engine.page_size * (self.kv_token_bytes - self.window_token_bytes)
+        return full + (self.window_pages or 0) * self.engine.page_size * self.window_token_bytes
 
     @property
     def pool_array_bytes(self) -> int:
@@ -182,9 +186,12 @@ def build(
         compile_only=True,
         window_pages=window_pages,
     )
-    return TargetBuild(
-        target, placed[0][0], engine, dtype, backend, max_model_len, num_pages, weight_bytes, token_bytes, runners
-    )
+    sizes = (max_model_len, num_pages, weight_bytes, token_bytes, runners)
+    build = TargetBuild(target, placed[0][0], engine, dtype, backend, *sizes, window_pages=window_pages)
+    if window_pages is not None:  # the sliding layers' share of the target's bytes per token
+        target_token_bytes = backend.kv_bytes_per_token(placed[0][0], dtype.itemsize, **layout) // tp
+        build.window_token_bytes = target_token_bytes * sum(model.sliding_layers) // model.num_layers
+    return build
 
 
 def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:
