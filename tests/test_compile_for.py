@@ -139,7 +139,7 @@ def _checked(build: aot.TargetBuild) -> None:
 @needs_tpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_a_tiny_models_programs_compile_for_a_tpu(tiny_model_path, kv_cache_dtype):
-    engine = EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE | dict(max_num_seqs=2))  # each kind, few shapes
+    engine = EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE | dict(max_num_seqs=1))  # each kind once
     build = aot.build(TPU, engine, aot.model_shape(str(tiny_model_path(TINY_GQA))), num_speculative_tokens=2)
     # With an 8-bit pool, only the programs that touch the pool differ: the samplers are the ones "auto" compiles.
     aot.compile_all(build, kinds=None if kv_cache_dtype == "auto" else {"pool", "forward", "copy"})
@@ -149,7 +149,7 @@ def test_a_tiny_models_programs_compile_for_a_tpu(tiny_model_path, kv_cache_dtyp
     verifiers = ["verify", "verify+masks", "verify+penalties"]
     if kv_cache_dtype != "auto":
         samplers = verifiers = []
-    assert kinds == ["pool", "forward", *samplers, "forward", "forward", *verifiers, "forward", *verifiers,
+    assert kinds == ["pool", "forward", *samplers, "forward", "forward", *verifiers,
                      *(["prompt_logprobs"] if samplers else []), "copy"]  # fmt: skip
     _checked(build)
 
@@ -164,8 +164,9 @@ def test_tensor_parallel_programs_compile_for_a_tpu_slice_with_megatrons_collect
     for p in build.programs:
         if p.kind == "forward":  # 2 per layer (after the o and down projections) + 1 for the embedding
             assert p.collectives == {"all-reduce": 2 * layers + 1}, (p.program, p.collectives)
-        if p.kind == "sample":  # the logits gathered whole
-            assert p.collectives == {"all-gather": 1}, (p.program, p.collectives)
+        if p.kind == "sample":  # the logits gathered whole (one row's: XLA makes the gather an all-reduce)
+            gather = "all-reduce" if p.program.endswith("rows=1") else "all-gather"
+            assert p.collectives == {gather: 1}, (p.program, p.collectives)
     assert build.weight_bytes < aot.placed_bytes(aot._placed_params(build.model, build.dtype, None, TPU.devices()[0]))
 
 
@@ -180,7 +181,7 @@ FAMILIES_TO_COMPILE = [f for f in TINY_FAMILIES if f.name in ("gemma2-softcap-hy
 )
 @pytest.mark.parametrize("family", FAMILIES_TO_COMPILE, ids=lambda f: f.name)
 def test_model_families_forward_passes_compile_for_the_chips(tiny_model_path, target, family):
-    engine = EngineConfig(**TINY_ENGINE | dict(max_num_seqs=2))
+    engine = EngineConfig(**TINY_ENGINE | dict(max_num_seqs=1))
     build = aot.build(target, engine, aot.model_shape(str(tiny_model_path(family))))
     aot.compile_all(build, kinds={"pool", "forward"})
     assert build.backend.name == ("pallas_tpu" if target is TPU else "pallas_gpu")
@@ -217,7 +218,7 @@ def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, 
     argv = ["--target", "gpu-h200", "--model", str(tiny_model_path(TINY_GQA)), "--kv-cache-dtype", "int8"]
     argv += [
         "--max-num-seqs",
-        "4",
+        "1",
         "--max-num-batched-tokens",
         "128",
         "--num-pages",

@@ -33,9 +33,10 @@ def test_every_step_has_a_shape(max_num_seqs, max_num_batched_tokens):
         assert bucket_for(n, mixed) >= n
 
 
-def test_the_default_arguments_compile_twelve_programs():
+def test_the_default_arguments_compile_fourteen_programs():
     shapes = step_shapes(max_num_seqs=64, max_num_batched_tokens=512)
     assert [str(s) for s in shapes] == [
+        "decode(T=1, S=1, R=1)",  # one request alone: no padding row, an LM head of one row
         "decode(T=4, S=4, R=8)",
         "decode(T=8, S=8, R=8)",
         "decode(T=16, S=16, R=32)",
@@ -47,7 +48,7 @@ def test_the_default_arguments_compile_twelve_programs():
         "mixed(T=512, S=64, R=64)",
     ]
     assert StepShape(4, 4, 8, 1) in shapes
-    assert len(shapes) + len({s.sample_rows for s in shapes}) == 12  # 9 forward passes, 3 samplers
+    assert len(shapes) + len({s.sample_rows for s in shapes}) == 14  # 10 forward passes, 4 samplers
 
 
 @given(st.integers(1, 512), st.integers(1, 4096), st.integers(1, 16), st.integers(1, 512))

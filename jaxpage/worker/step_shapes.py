@@ -1,13 +1,13 @@
 """The static shapes a step is padded to (host side, no jax): each is compiled once, ahead of its first use.
 
 Every step is padded to one of a few shapes:
-  decode-only steps (every sequence has one new token): T tokens = S rows, a power of two from 4, or 24 or 48, up
-      to the most sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
+  decode-only steps (every sequence has one new token): T tokens = S rows, 1, a power of two from 4, or 24 or 48,
+      up to the most sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
   mixed steps (some sequence computes several tokens): T = 128, 512, 2048, ... up to max_num_batched_tokens (always
       the last), S = min(T, max_num_seqs);
   verify steps, with speculative decoding (k draft tokens at most per sequence, some sequence brings drafts, none
       has more than k + 1 new tokens): S = 1, 2, 4, ... up to max_verify_rows rows, T = S * (k + 1).
-The sampler takes R >= S rows, R = 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
+The sampler takes R >= S rows, R = 1, 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
 decode and mixed steps. A verify step's sampler is the verification (jaxpage.spec_decode.verification): the LM head over
 k + 1 positions of each of its S rows. Which kind a step is, is known here, on the host: a decode-only step compiles
 only the decode attention, a verify step the ragged one told that no sequence has more than k + 1 query rows.
@@ -22,6 +22,9 @@ import dataclasses
 # with 24 and 48 between (a step of 25-48 sequences took 420 ms padded to 32/64, 270-350 ms at 24/48). Mixed steps
 # are mostly full prefill chunks: buckets 128, 512, 2048, ... and the token budget. The sampler's rows (its LM head
 # reads every row) go by powers of 4 from 8: it compiles once per row count, shared by decode and mixed steps.
+# One request alone has shapes of its own, a decode step of one row and a sampler of one row: with the default model
+# (float32, batch 1, scripts/bench_latency.py) its decode step took 42.6 ms padded to 4 rows (LM head over 8) and
+# 31.0 ms at one (the LM head of one row reads the embedding at 4.6 ms, of 8 rows at 10.2 ms).
 MIN_DECODE_BUCKET = 4
 DECODE_HALF_STEPS = (16, 32)  # decode buckets also at 1.5 x these: 24, 48
 MIN_MIXED_BUCKET = 128
@@ -72,8 +75,8 @@ def step_shapes(
     """Every shape a step can take: decode-only, then mixed, then verify shapes (with num_speculative_tokens k > 0,
     for up to max_verify_rows sequences), each kind small to large."""
     max_rows = min(max_num_seqs, max_num_batched_tokens)  # the most sequences a step can hold
-    sample_rows = powers_of_two(MIN_SAMPLE_ROWS, max_rows, factor=4)
-    decode_sizes = powers_of_two(MIN_DECODE_BUCKET, max_rows)
+    sample_rows = sorted({1} | set(powers_of_two(MIN_SAMPLE_ROWS, max_rows, factor=4)))
+    decode_sizes = sorted({1} | set(powers_of_two(MIN_DECODE_BUCKET, max_rows)))
     decode_sizes = sorted(set(decode_sizes) | {t * 3 // 2 for t in DECODE_HALF_STEPS if t * 3 // 2 < max_rows})
     decode = [StepShape(t, t, bucket_for(t, sample_rows), 1) for t in decode_sizes]
     mixed = [
