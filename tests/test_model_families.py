@@ -114,8 +114,6 @@ def test_pages_outside_the_window_are_given_back_while_requests_run(tiny_model_d
     (a kernel's key tile that straddles the window's start loads it, masked; the engine's null page holds zeros and
     padding K/V, never NaN), and the tokens stay transformers', through chunked prefill and preemption (eight
     sequences of 3 to 34 prompt tokens in a pool of one max_model_len sequence)."""
-    import jax
-    import jax.numpy as jnp
 
     directory, hf_model = tiny_model_dir(next(f for f in TINY_FAMILIES if f.name == "mistral-sliding-window"))
     window, page_size = 5, 4
@@ -129,11 +127,7 @@ def test_pages_outside_the_window_are_given_back_while_requests_run(tiny_model_d
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
     finished, most_held = {}, 0
     while engine.has_unfinished_requests():
-        held = {page for seq in engine.scheduler.running for page in seq.block_table}
-        free = np.array([p for p in range(1, engine.block_manager.num_pages) if p not in held], np.int32)
-        engine.runner.kv_cache = jax.tree.map(
-            lambda x, free=free: x.at[:, free].set(jnp.nan).at[:, 0].set(1e4), engine.runner.kv_cache
-        )
+        engine.runner.kv_cache = poisoned(engine.runner.kv_cache, engine.scheduler.running, "block_table")
         for output in engine.step():
             if output.finished:
                 finished[int(output.request_id)] = output.outputs[0].token_ids
@@ -152,8 +146,6 @@ def test_a_hybrids_window_layers_keep_only_their_windows_pages(tiny_model_dir):
     each running sequence holds only its window's pages. Before every step every page of either group that no
     running sequence holds is poisoned with NaN (the null pages with finite garbage, as above): the tokens stay
     transformers', through chunked prefill and preemption."""
-    import jax
-    import jax.numpy as jnp
 
     from jaxpage.kv_cache import HybridKVCache
     from jaxpage.worker.pool_sizing import window_pages_held
@@ -174,16 +166,9 @@ def test_a_hybrids_window_layers_keep_only_their_windows_pages(tiny_model_dir):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
     finished, longest, most_held = {}, 0, 0
     while engine.has_unfinished_requests():
-        running = engine.scheduler.running
-
-        def poisoned(group, table, running=running):
-            held = {page for seq in running for page in getattr(seq, table)}
-            free = np.array([p for p in range(1, group.k.shape[1]) if p not in held], np.int32)
-            return jax.tree.map(lambda x: x.at[:, free].set(jnp.nan).at[:, 0].set(1e4), group)
-
-        cache = engine.runner.kv_cache
+        cache, running = engine.runner.kv_cache, engine.scheduler.running
         engine.runner.kv_cache = HybridKVCache(
-            poisoned(cache.full, "block_table"), poisoned(cache.window, "window_block_table")
+            poisoned(cache.full, running, "block_table"), poisoned(cache.window, running, "window_block_table")
         )
         for output in engine.step():
             if output.finished:
@@ -197,3 +182,15 @@ def test_a_hybrids_window_layers_keep_only_their_windows_pages(tiny_model_dir):
     assert [finished[i] for i in range(len(prompts))] == expected
     assert longest > 3 * window and most_held == 2 and engine.scheduler.num_preemptions > 0
     assert groups.num_used_pages == groups.window.num_used_pages == 0
+
+
+def poisoned(pool, running, table: str):
+    """The pool (a KVCache) with NaN in every page no running sequence's `table` holds, and large finite garbage in
+    the null page (a kernel's key tile that straddles a window's start loads it, masked; the engine's null page holds
+    zeros and padding K/V, never NaN)."""
+    import jax
+    import jax.numpy as jnp
+
+    held = {page for seq in running for page in getattr(seq, table)}
+    free = np.array([p for p in range(1, pool.k.shape[1]) if p not in held], np.int32)
+    return jax.tree.map(lambda x: x.at[:, free].set(jnp.nan).at[:, 0].set(1e4), pool)
