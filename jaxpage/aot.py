@@ -40,7 +40,13 @@ from jaxpage.worker.parallel import (
     with_expert_parallel,
     with_replicated_kv_heads,
 )
-from jaxpage.worker.pool_sizing import addressable_pages, fit_max_model_len, kv_pool_pages, window_group_pages
+from jaxpage.worker.pool_sizing import (
+    addressable_pages,
+    engine_window_pages,
+    fit_max_model_len,
+    kv_pool_pages,
+    window_share,
+)
 
 # Model shapes compile_for knows by name, besides the default model and model directories.
 LLAMA3_8B = ModelConfig(
@@ -176,10 +182,7 @@ def build(
     num_pages = addressable_pages(backend, placed[0][0], num_pages, cache, tp)
     pool_tokens = (num_pages - 1) * engine.page_size
     max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
-    window_pages = None  # a hybrid's grouped pool: its window group as large as its running sequences' windows
-    if model.hybrid_attention:
-        sizes = (model.sliding_window, engine.page_size, engine.max_num_seqs, engine.max_num_batched_tokens)
-        window_pages = window_group_pages(num_pages, *sizes)
+    window_pages = engine_window_pages(engine, model, num_pages)  # a hybrid's grouped pool: its window group's
     sized = (num_pages, max_model_len, mesh, num_speculative_tokens)
     runners = make_runners(
         *(engine, backend, placed[0], placed[1] if draft is not None else None, *sized),
@@ -187,11 +190,13 @@ def build(
         window_pages=window_pages,
     )
     sizes = (max_model_len, num_pages, weight_bytes, token_bytes, runners)
-    build = TargetBuild(target, placed[0][0], engine, dtype, backend, *sizes, window_pages=window_pages)
-    if window_pages is not None:  # the sliding layers' share of the target's bytes per token
-        target_token_bytes = backend.kv_bytes_per_token(placed[0][0], dtype.itemsize, **layout) // tp
-        build.window_token_bytes = target_token_bytes * sum(model.sliding_layers) // model.num_layers
-    return build
+    target_token_bytes = backend.kv_bytes_per_token(placed[0][0], dtype.itemsize, **layout) // tp
+    window_token_bytes = window_share(model, target_token_bytes)
+    return TargetBuild(
+        *(target, placed[0][0], engine, dtype, backend, *sizes),
+        window_pages=window_pages,
+        window_token_bytes=window_token_bytes,
+    )
 
 
 def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:

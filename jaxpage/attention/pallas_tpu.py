@@ -69,11 +69,8 @@ class PallasTpuAttention(AttentionBackend):
         tensor_parallel_size * rows, 128]: each shard's kv heads' scales of a page in a block of
         `impl.tpu_scale_rows` rows (`impl.tpu_scale_positions`), so that sharding the rows over the mesh's model
         axis gives every shard the scales of its own kv heads (`pool_specs`)."""
-        layers, kv_heads, head_dim = (
-            num_layers or config.num_layers,
-            config.num_kv_heads,
-            self.pool_head_dim(config.head_dim),
-        )
+        layers, kv_heads = num_layers or config.num_layers, config.num_kv_heads
+        head_dim = self.pool_head_dim(config.head_dim)
         rows = tpu_scale_rows(page_size, kv_heads // tensor_parallel_size)
         pages = (layers, num_pages, page_size, kv_heads * head_dim)
         return self._pool_arrays(pages, (layers, num_pages, tensor_parallel_size * rows, LANES), compute_dtype)

@@ -256,15 +256,16 @@ class BlockManager:
         """Drop seq's references, tail first so that the tail of a prefix chain is evicted first. A page whose count
         reaches 0 becomes cached if registered in the prefix cache, else free. Clears the block table and sets
         seq.num_computed_tokens (and num_draft_computed_tokens) to 0."""
-        if self._table(seq):
+        table = self._table(seq)
+        if table:
             assert self._seqs.get(seq.seq_id) is seq, f"free of sequence {seq.seq_id} unknown to the block manager"
-        for page in reversed(self._table(seq)):
+        for page in reversed(table):
             if page == NULL_PAGE:  # given back outside the window
                 continue
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._release(page)
-        self._table(seq).clear()
+        table.clear()
         seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
@@ -303,8 +304,9 @@ class BlockManager:
         if num_new_tokens <= 0:
             return []
         ps, start = self.page_size, seq.num_computed_tokens
-        stop = min(len(self._table(seq)), _cdiv(start + num_new_tokens, ps))
-        return [i for i in range(start // ps, stop) if self._ref_counts[self._table(seq)[i]] > 1]
+        table = self._table(seq)
+        stop = min(len(table), _cdiv(start + num_new_tokens, ps))
+        return [i for i in range(start // ps, stop) if self._ref_counts[table[i]] > 1]
 
     def _take_page(self) -> int:
         if self._free_pages:

@@ -86,6 +86,23 @@ def window_group_pages(
     return min(num_pages, held)
 
 
+def engine_window_pages(config: EngineConfig, model_config: ModelConfig, num_pages: int) -> int | None:
+    """window_group_pages for an engine's arguments and a hybrid model whose full group has num_pages pages; None for
+    a model that is not hybrid (its pool has one group)."""
+    if not model_config.hybrid_attention:
+        return None
+    sizes = (model_config.sliding_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens)
+    return window_group_pages(num_pages, *sizes)
+
+
+def window_share(model_config: ModelConfig, token_bytes: int) -> int:
+    """Of a model's KV bytes per token, what its window group takes (a hybrid's sliding layers'; 0 for a model
+    that is not hybrid)."""
+    if not model_config.hybrid_attention:
+        return 0
+    return token_bytes * sum(model_config.sliding_layers) // model_config.num_layers
+
+
 def window_pages_held(sliding_window: int, page_size: int) -> int:
     """The most pages a running sequence holds between steps in a window group: those of the sliding_window - 1
     keys before its next token (BlockManager.free_outside_window gives back the pages wholly before them)."""
@@ -161,9 +178,7 @@ def engine_pool_pages(
     tp = config.tensor_parallel_size
     layout = dict(page_size=config.page_size, tensor_parallel_size=tp)
     token_bytes = backend.kv_bytes_per_token(target_config, dtype_bytes, **layout)
-    window_token_bytes = 0  # a grouped pool's window group's, which has pages of its own
-    if model_config.hybrid_attention:
-        window_token_bytes = token_bytes * sum(model_config.sliding_layers) // model_config.num_layers
+    window_token_bytes = window_share(model_config, token_bytes)  # a grouped pool's window group's
     if draft is not None:  # the draft model's pool has the same pages: the budget pays for both
         token_bytes += backend.kv_bytes_per_token(draft[0], dtype_bytes, **layout)
     # A device's budget and memory are its own, but simulated CPU devices share the host's: every shard of every
@@ -173,26 +188,22 @@ def engine_pool_pages(
     def budgeted(nbytes: int) -> int:
         return nbytes * config.data_parallel_size if cpu else nbytes // tp
 
-    window_pages = None
-    if window_token_bytes:
-        sizes = (model_config.sliding_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens)
-        window_pages = window_group_pages(INT32_MAX, *sizes)
-        reserved = budgeted(window_pages * config.page_size * window_token_bytes)
+    held = engine_window_pages(config, model_config, INT32_MAX)  # the most pages a window group can need
+    num_pages = 0
+    if held is not None:  # the window group's pages first, the full group's from the rest of the budget
+        reserved = budgeted(held * config.page_size * window_token_bytes)
         try:
             num_pages = _agreed_pages(
                 config, budgeted(token_bytes - window_token_bytes), max_model_len, channel, reserved
             )
         except ValueError:  # the budget holds fewer pages than the window group would take
-            num_pages = 0
-        if num_pages < window_pages:  # a small pool: both groups as large (as if one)
-            num_pages = _agreed_pages(config, budgeted(token_bytes), max_model_len, channel)
-        window_pages = window_group_pages(num_pages, *sizes)
-    else:
+            pass
+    if held is None or num_pages < held:  # one group, or a small pool: both groups as large, as if one
         num_pages = _agreed_pages(config, budgeted(token_bytes), max_model_len, channel)
     num_pages = addressable_pages(backend, target_config, num_pages, config.part(CacheConfig), tp)
+    window_pages = engine_window_pages(config, model_config, num_pages)
     pool_bytes = num_pages * config.page_size * (token_bytes - window_token_bytes)
     if window_pages is not None:
-        window_pages = min(window_pages, num_pages)
         pool_bytes += window_pages * config.page_size * window_token_bytes
     _log_pool(config, backend, model_config, target_config, dtype_bytes, token_bytes, num_pages, pool_bytes)
     if window_pages is not None:
