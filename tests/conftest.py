@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
 import pytest
 
 # TINY_COMMON_CONFIG and TINY_FAMILIES are imported from here by test_config and test_orbax_checkpoint.
@@ -23,6 +24,14 @@ SIMULATED_DEVICES = 8
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED_DEVICES}"
 ).strip()
+
+# On a GPU, float32 matrix products in float32: jax's default precision makes them TF32 there (10-bit mantissas),
+# and the tests compare float32 programs with their references at float32 tolerances. The engine asks for it itself
+# (ModelRunner: a float32 model's programs); this covers the programs the tests build directly, here and in the
+# commands they start. Only on a GPU: on CPU it changes nothing, and Mosaic refuses "highest" for bfloat16 operands.
+if jax.default_backend() == "gpu":
+    os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 # With pytest-xdist (README: -n auto --dist loadfile) each file runs whole on one worker, and a worker that finishes a

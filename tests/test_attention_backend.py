@@ -141,7 +141,7 @@ def test_kernels_match_the_xla_backend(name, seqs, max_q_len):
     got_cache = xla_pool(got_cache, GQA.num_kv_heads) if backend.tpu_layout else got_cache
     assert got_cache.k.shape[-1] == head_dim
     for got_pool, want_pool in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
-        np.testing.assert_array_equal(np.asarray(got_pool[..., : GQA.head_dim]), np.asarray(want_pool))
+        np.testing.assert_array_equal(real_pages(got_pool)[..., : GQA.head_dim], real_pages(want_pool))
         assert (np.asarray(got_pool[..., GQA.head_dim :]) == 0).all()
     got, want = np.asarray(got), np.asarray(want)
     assert np.isfinite(got).all()
@@ -166,7 +166,13 @@ def test_decode_only_and_mixed_give_the_same_attention(seqs):
         for d in (None, 1)
     ]
     np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(outs[0][1].k), np.asarray(outs[1][1].k))
+    np.testing.assert_array_equal(real_pages(outs[0][1].k), real_pages(outs[1][1].k))
+
+
+def real_pages(pool) -> np.ndarray:
+    """A pool [layers, pages, ...] without its null page (page 0): the step's padding tokens all write there, and on
+    a GPU a scatter's writes to one slot land in any order (element by element), so its contents may differ."""
+    return np.asarray(pool)[:, 1:]
 
 
 def test_verify_and_mixed_give_the_same_attention():

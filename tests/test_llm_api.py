@@ -443,6 +443,20 @@ def test_the_full_logits_never_leave_the_step(tiny_dir):
         assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(rows, k + 1), (rows,), (rows, k + 1), top, top]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float32_models_matmuls_are_float32(tiny_dir, dtype):
+    # jax's default precision makes float32 matrix products TF32 on a GPU and one bfloat16 pass on a TPU; a float32
+    # model asks for float32 ("highest") in every program it compiles. A bfloat16 model keeps the caller's setting
+    # (here jax's default: the tests' conftest asks for "highest" everywhere else).
+    with jax.default_matmul_precision("default"):
+        llm = make_llm(tiny_dir, dtype=dtype)
+        llm.generate(token_prompts(PROMPTS[:1]), SamplingParams(temperature=0, max_tokens=2))
+    runner = llm.engine.runner
+    programs = [*runner.executables.values(), *runner.samplers.values()]
+    dots = [line for program in programs for line in program.as_text().splitlines() if " dot(" in line]
+    assert dots and all(("operand_precision={highest,highest}" in dot) == (dtype == "float32") for dot in dots)
+
+
 def test_page_copies_apply_as_if_all_at_once(tiny_dir):
     runner = make_llm(tiny_dir).engine.runner
     pool = np.random.default_rng(0).standard_normal(runner.kv_cache.k.shape).astype(np.float32)

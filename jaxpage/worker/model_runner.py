@@ -14,6 +14,7 @@ compiling.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -113,6 +114,13 @@ def sampler_name(rows: int, k: int, level: int) -> CompiledShape:
     logits processors after a "+" ("sample+masks", "verify+penalties")."""
     suffix = ("", "+masks", "+penalties")[level]
     return CompiledShape(f"verify{suffix}", (rows, k)) if k else CompiledShape(f"sample{suffix}", rows)
+
+
+def matmul_precision(dtype):
+    """The context a model of `dtype` compiles in: a float32 model's matrix products in float32 ("highest"), where
+    jax's default precision would make them TF32 on a GPU and one bfloat16 pass on a TPU (vLLM's float32 gets float32
+    products too: torch keeps TF32 off for them); other dtypes keep the caller's setting."""
+    return jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
 
 
 class ModelRunner:
@@ -293,7 +301,8 @@ class ModelRunner:
         config, the attention backend and what.shape) and the arguments' shapes and dtypes; logged."""
         static = (*((self.config, self.backend, what.shape) if static is None else static), self.tensor_parallel_size)
         devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-        executable, done = load_or_compile(self.compilation_cache, what, static, args, devices, compile_it)
+        with matmul_precision(self.dtype):
+            executable, done = load_or_compile(self.compilation_cache, what, static, args, devices, compile_it)
         self.compile_log.append(done)
         logger.info("%s", done)
         return executable
