@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jaxpage.attention import AttentionBackend, resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
-from jaxpage.benchmarks.hlo_copies import large_copies
+from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_groups
 from jaxpage.models.llama import param_shapes
@@ -103,6 +103,9 @@ class ProgramReport:
     bytes_accessed: float | None = None
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> executed per run (hlo_collectives)
     pool_copies: tuple[str, ...] = ()  # HLO instructions that copy or transpose a pool-sized array
+    # ... and those that copy a dynamic slice as large as one layer's smallest weight matrix (a layer's weights copied
+    # out of the stacked arrays before its products: every weight read three times a step), the pool copies apart
+    weight_copies: tuple[str, ...] = ()
 
     @property
     def compiled(self) -> bool:
@@ -222,6 +225,7 @@ def compile_all(build: TargetBuild, on_program=None, kinds: set[str] | None = No
     for index, runner in enumerate(build.runners):
         first = pool_groups(runner.kv_cache)[0]
         pool_array_bytes = placed_bytes(first.k) // first.k.shape[0]  # one layer of K
+        weight_bytes = layer_weight_bytes(runner.params)
         for what, get in runner.warmup_programs():
             if kinds is not None and what.program not in kinds:
                 continue
@@ -233,21 +237,33 @@ def compile_all(build: TargetBuild, on_program=None, kinds: set[str] | None = No
                 error = f"{type(e).__name__}: {e}"
                 report = ProgramReport(label, what.program, time.perf_counter() - start, error=error)
             else:
-                report = describe(label, what.program, time.perf_counter() - start, compiled, pool_array_bytes)
+                seconds = time.perf_counter() - start
+                report = describe(label, what.program, seconds, compiled, pool_array_bytes, weight_bytes)
             build.programs.append(report)
             if on_program is not None:
                 on_program(report)
     return build.programs
 
 
-def describe(label: str, kind: str, seconds: float, compiled, pool_array_bytes: int) -> ProgramReport:
+def layer_weight_bytes(params) -> int:
+    """The bytes per device of one layer's smallest weight matrix (the layers' parameters are stacked over a leading
+    axis; norms' scales and biases, one vector a layer, are not matrices)."""
+    leaves = [leaf for leaf in jax.tree.leaves(params["layers"]) if leaf.ndim >= 3]
+    return min(placed_bytes(leaf) // leaf.shape[0] for leaf in leaves)
+
+
+def describe(
+    label: str, kind: str, seconds: float, compiled, pool_array_bytes: int, weight_bytes: int | None = None
+) -> ProgramReport:
     """The report of one compiled program; pool_array_bytes: the bytes per device of one layer of one pool array
-    (a copy that large is a copy of the pool)."""
+    (a copy that large is a copy of the pool); weight_bytes: those of one layer's smallest weight matrix
+    (layer_weight_bytes; None: weight copies not looked for)."""
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, list):  # older jax: one dict per program
         cost = cost[0] if cost else None
     hlo = compiled.as_text()
+    pool_copies = large_copies(hlo, pool_array_bytes)
     return ProgramReport(
         label,
         kind,
@@ -260,7 +276,8 @@ def describe(label: str, kind: str, seconds: float, compiled, pool_array_bytes: 
         flops=None if not cost else cost.get("flops"),
         bytes_accessed=None if not cost else cost.get("bytes accessed"),
         collectives={k: n for k, n in executed(hlo).items() if n},
-        pool_copies=() if kind == "pool" else tuple(large_copies(hlo, pool_array_bytes)),  # "pool" writes it
+        pool_copies=() if kind == "pool" else tuple(pool_copies),  # "pool" writes it
+        weight_copies=tuple(c for c in sliced_copies(hlo, weight_bytes or math.inf) if c not in pool_copies),
     )
 
 

@@ -107,7 +107,8 @@ def compiler_estimate(engine, batch: int, kv_len: int, param_bytes: int, kv_toke
     shape = runner.inputs.smallest_shape("decode", batch)
     programs = (runner.executables[shape], runner.samplers[shape.sample_rows, shape.num_draft_positions, 0])
     layer_bytes = aot.placed_bytes(runner.kv_cache.k) // engine.model_config.num_layers  # a copy this large: the pool
-    reports = [aot.describe(str(shape), "forward", 0.0, program, layer_bytes) for program in programs]
+    weight_bytes = aot.layer_weight_bytes(runner.params)
+    reports = [aot.describe(str(shape), "forward", 0.0, program, layer_bytes, weight_bytes) for program in programs]
     flops = [r.flops for r in reports]
     accessed = [r.bytes_accessed for r in reports]
     out = {
@@ -115,6 +116,7 @@ def compiler_estimate(engine, batch: int, kv_len: int, param_bytes: int, kv_toke
         "compiler_flops": None if None in flops else sum(flops),  # XLA's GPU compiler gives no cost analysis
         "compiler_bytes_accessed": None if None in accessed else sum(accessed),
         "compiler_pool_copies": sum(len(r.pool_copies) for r in reports),
+        "compiler_weight_copies": sum(len(r.weight_copies) for r in reports),
     }
     target = target_of(jax.devices()[0])
     if target is not None:
@@ -170,6 +172,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (runs anywhere)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--attention-impl", default="auto", help="the engine's attention_impl (auto, xla, pallas, ...)")
+    parser.add_argument("--batch-sizes", help="decode batches to time, comma-separated (default 1,64; --tiny 1,8)")
+    parser.add_argument("--skip-throughput", action="store_true", help="only the decode step times")
     args = parser.parse_args()
     from jaxpage.entrypoints.llm import LLM
 
@@ -179,12 +184,15 @@ def main() -> None:
     prompt_lens, max_tokens = ((16, 128), (8, 32)) if args.tiny else ((128, 1025), (64, 257))
     results = {"backend": backend, "device": str(jax.devices()[0]), "model": "tiny" if args.tiny else "llama3-8b"}
     results["kv_cache_dtype"] = args.kv_cache_dtype
+    results["attention_impl"] = args.attention_impl
+    if args.batch_sizes:
+        batches = tuple(int(b) for b in args.batch_sizes.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         write_config(directory, shape, dtype)
         start = time.perf_counter()
         engine_args = dict(load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_num_seqs=64)
-        engine_args |= dict(kv_cache_dtype=args.kv_cache_dtype)
+        engine_args |= dict(kv_cache_dtype=args.kv_cache_dtype, attention_impl=args.attention_impl)
         engine_args |= dict(max_model_len=2048, max_num_batched_tokens=512, enable_prefix_caching=False)
         llm = LLM(str(directory), **engine_args)
         results["engine_start_s"] = round(time.perf_counter() - start, 1)
@@ -215,6 +223,9 @@ def main() -> None:
             results[f"decode_batch_{batch}"] = entry
             log(f"decode batch {batch}: {entry}")
 
+        if args.skip_throughput:
+            print(json.dumps(results))
+            return
         rows = workload(engine.model_config.vocab_size, num_requests, prompt_lens, max_tokens)
         log(f"throughput: {len(rows)} requests, {sum(r['max_tokens'] for r in rows)} output tokens; compile run")
         compiled = engine.runner.num_compilations

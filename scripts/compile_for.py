@@ -14,11 +14,13 @@ engine sizes it on that chip: gpu_memory_utilization of the chip's HBM less the 
 For each program (the pool's fill, each forward step shape, each sampler or verification, the page copy, a draft
 model's forward passes and proposals): compiled or the compiler's error, compile seconds, the compiler's memory
 analysis per device (arguments, outputs, temporaries, code), its cost analysis (FLOPs and bytes accessed; XLA's GPU
-compiler gives none), the collectives one run executes, and any copy of a KV pool in the optimized HLO. Then the
-checks: every program compiled; no KV pool copied; no temporary as large as a pool; the pool's compiled bytes
-within 2% of the engine's budget arithmetic; with tensor parallelism, the collectives Megatron needs (2 all-reduces
-per layer and 1 for the embedding in a forward pass, the logits' all-gather in a sampler); per-device memory
-(weights + pool + the largest temporary) within the chip's HBM. And the decode step's roofline ESTIMATE at batch 1
+compiler gives none), the collectives one run executes, and any copy of a KV pool or of a dynamic slice as large
+as one layer's smallest weight matrix in the optimized HLO. Then the checks: every program compiled; no KV pool
+copied; no layer's weights copied (XLA's GPU compiler copies each layer's weights out of a scan over stacked layers:
+the model unrolls its layers there); no temporary as large as a pool; the pool's compiled bytes within 2% of the
+engine's budget arithmetic; with tensor parallelism, the collectives Megatron needs (2 all-reduces per layer and 1
+for the embedding in a forward pass, the logits' all-gather in a sampler); per-device memory (weights + pool + the
+largest temporary) within the chip's HBM. And the decode step's roofline ESTIMATE at batch 1
 and 64 (max(bytes / HBM bandwidth, FLOPs / peak), the chip's published figures; a compiler estimate, not a
 measurement). Exits 1 when a check fails. --json writes the whole report.
 """
@@ -142,6 +144,8 @@ def print_program(report) -> None:
     print(line, flush=True)
     for copy in report.pool_copies:
         print(f"    POOL COPY: {copy[:200]}")
+    for copy in report.weight_copies:
+        print(f"    WEIGHT COPY: {copy[:200]}")
 
 
 def run_checks(build) -> list[tuple[str, bool, str]]:
@@ -151,6 +155,7 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
     programs = build.programs
     failed = [p.program for p in programs if not p.compiled]
     copies = [p.program for p in programs if p.pool_copies]
+    weight_copies = [p.program for p in programs if p.weight_copies]
     big_temps = [
         f"{p.program} ({p.temp_bytes / MIB:,.0f} MiB)" for p in programs if p.temp_bytes >= build.pool_array_bytes
     ]
@@ -158,6 +163,7 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
     checks = [
         ("every program compiled", not failed, ", ".join(failed) or f"{len(programs)} programs"),
         ("no KV pool copied", not copies, ", ".join(copies) or "no copy or transpose of a pool-sized array"),
+        ("no layer's weights copied", not weight_copies, ", ".join(weight_copies) or "none as large as a layer's"),
         ("no temporary as large as a pool", not big_temps, ", ".join(big_temps) or "none"),
     ]
     if compiled_pool is not None:

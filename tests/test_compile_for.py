@@ -7,6 +7,7 @@ reason. The others (targets, the pool arithmetic for a chip's memory, finding co
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -18,7 +19,7 @@ from tiny_models import TINY_FAMILIES
 from jaxpage import aot
 from jaxpage.attention import resolve_backend
 from jaxpage.benchmarks.hlo_collectives import executed
-from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies
+from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.kv_cache import HybridKVCache
 from jaxpage.targets import TARGETS, available, get_target
@@ -126,12 +127,56 @@ ENTRY %main (w: s8[32,4096,14336], i: s32[]) -> (s8[1,4096,14336], s8[32,4096,14
     assert [line.split(" = ")[0] for line in large_copies(hlo, 4096 * 14336)] == ["%whole"]
 
 
+def test_sliced_copies_are_copies_of_a_dynamic_slice():
+    # XLA's GPU compiler in a scan over stacked layers: one layer's weight sliced out and copied (a fusion whose
+    # computation slices and copies), beside a gather of token rows copied as large: only the first is a sliced copy.
+    hlo = """
+HloModule m
+
+%fused_dynamic_slice (p: bf16[32,4096,14336], i: s32[]) -> bf16[1,4096,14336] {
+  %p = bf16[32,4096,14336]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %dynamic_slice.1 = bf16[1,4096,14336]{2,1,0} dynamic-slice(%p, %i, %c, %c), dynamic_slice_sizes={1,4096,14336}
+  ROOT %copy.1 = bf16[1,4096,14336]{2,1,0} copy(%dynamic_slice.1)
+}
+
+ENTRY %main (w: bf16[32,4096,14336], i: s32[], rows: bf16[4096,14336]) -> (bf16[1,4096,14336], bf16[4096,14336]) {
+  %w = bf16[32,4096,14336]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %rows = bf16[4096,14336]{2,1,0} parameter(2)
+  %layer = bf16[1,4096,14336]{2,1,0} fusion(%w, %i), kind=kCustom, calls=%fused_dynamic_slice
+  %gathered = bf16[4096,14336]{1,0} copy(%rows)
+  ROOT %t = (bf16[1,4096,14336], bf16[4096,14336]) tuple(%layer, %gathered)
+}"""
+    assert [line.split(" = ")[0] for line in large_copies(hlo, 4096 * 14336)] == ["%layer", "%gathered"]
+    assert [line.split(" = ")[0] for line in sliced_copies(hlo, 4096 * 14336)] == ["%layer"]
+
+
+@needs_gpu
+def test_a_gpus_programs_read_each_layers_weights_in_place(monkeypatch):
+    # A scan over stacked layers makes XLA's GPU compiler copy each layer's weights out before its products; the
+    # model unrolls its layers on a GPU (llama.layer_unroll), and compile_for's check finds the copies when it does not.
+    model = dataclasses.replace(
+        aot.model_shape("llama3-8b"), num_layers=2, hidden_size=512, intermediate_size=2048, vocab_size=2048
+    )
+    # XLA's attention: the copies are the scan's whatever the attention, and the Triton kernels' compiles take seconds.
+    engine = EngineConfig(**TINY_ENGINE | dict(max_num_seqs=1, max_num_batched_tokens=32, attention_impl="xla"))
+    for scanned in (False, True):
+        if scanned:
+            monkeypatch.setattr("jaxpage.models.llama.layer_unroll", lambda config, platform=None: 1)
+        build = aot.build(GPU, engine, model)
+        aot.compile_all(build, kinds={"forward"})
+        assert any(p.weight_copies for p in build.programs) == scanned, [p.weight_copies for p in build.programs]
+
+
 def _checked(build: aot.TargetBuild) -> None:
-    """Every program compiled, none copies the pool or holds a temporary as large as it, and the pool's compiled
-    bytes are within 2% of the budget arithmetic."""
+    """Every program compiled, none copies the pool or a layer's weights or holds a temporary as large as the pool,
+    and the pool's compiled bytes are within 2% of the budget arithmetic."""
     failed = {p.program: p.error for p in build.programs if not p.compiled}
     assert not failed, failed
     assert not [p.pool_copies for p in build.programs if p.pool_copies]
+    assert not [p.weight_copies for p in build.programs if p.weight_copies]
     assert max(p.temp_bytes for p in build.programs) < build.pool_array_bytes
     assert abs(build.compiled_pool_bytes / build.pool_bytes - 1) <= 0.02, (build.compiled_pool_bytes, build.pool_bytes)
 

@@ -60,6 +60,31 @@ def large_copies(hlo: str, min_bytes: int) -> list[str]:
     return found
 
 
+def sliced_copies(hlo: str, min_bytes: int) -> list[str]:
+    """The copies of at least min_bytes that `large_copies` finds and that copy a dynamic slice (a fusion that slices
+    and copies, or a copy of a dynamic-slice): one layer's weights copied out of the arrays a scan over layers
+    stacks, as XLA's GPU compiler does before each of that layer's matrix products."""
+    computations = hlo_collectives.computations(hlo)[0]
+    slices = {_name(line) for lines in computations.values() for line in lines if _op(line) == "dynamic-slice"}
+    found = []
+    for line in large_copies(hlo, min_bytes):
+        callees = _fusion_callees(line)
+        if any(_op(inner) == "dynamic-slice" for callee in callees for inner in computations.get(callee, ())):
+            found.append(line)
+        elif not callees and any(f"%{name})" in line or f"%{name}," in line for name in slices):
+            found.append(line)
+    return found
+
+
+def _op(line: str) -> str | None:
+    match = _INSTRUCTION.match(line)
+    return match.group(2) if match else None
+
+
+def _name(line: str) -> str:
+    return line.split("=")[0].replace("ROOT", "").strip().lstrip("%")
+
+
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
