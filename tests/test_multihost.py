@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 from live_server import free_port
 from test_batch import ENGINE, PROMPTS, choices, completion_line, read_records, write_lines
 
@@ -40,7 +41,7 @@ def batch_process(tiny_dir, input_path, output_path, port: int, process_id: int,
         tiny_dir,
     ]
     # Each process its own simulated devices (the tests' 8 would not be its host's).
-    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
     return subprocess.Popen(
         [*command, *engine, *hosts, *options, "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
