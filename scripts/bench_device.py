@@ -3,6 +3,7 @@
     bash scripts/bench_device.sh [OUT_DIR]     # on an NVIDIA H200: the 8B shape in bfloat16, under 8 minutes
     python scripts/bench_device.py --tiny      # anywhere: a tiny model of the same structure (checks the script)
     python scripts/bench_device.py --kv-cache-dtype int8   # 8-bit KV pages (the roofline counts their bytes)
+    python scripts/bench_device.py --skip-hf --skip-throughput --batch-sizes 1 --attention-impl xla   # one step, A/B
 
 1. Decode step time at batch 1 and 64. Each request has a 512-token random prompt; once every request decodes, 16
    steps are timed (after 3 untimed ones). The HBM roofline of a step is the bytes it must read -- every weight
