@@ -294,9 +294,7 @@ class LLMEngine:
             for replica, seq in ended:  # ended by a stop string or their request's failure
                 self._finish_seq(replica, seq)
             host_s = (scheduled - start, time.perf_counter() - scheduled)  # scheduling; the rest, the device's included
-            self.last_step_stats = StepStats.of(
-                steps, results, seq_updates, num_sampled, *host_s, self.model_config.sliding_window
-            )
+            self.last_step_stats = StepStats.of(steps, results, seq_updates, num_sampled, *host_s, self.model_config)
             return outputs
 
     def _execute(self, steps: list[SchedulerOutput]) -> tuple[list, dict[int, int] | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpage.config import ModelConfig
 from jaxpage.sequence import ScheduledSequence, SchedulerOutput, SequenceUpdate
 
 
@@ -17,7 +18,9 @@ class StepStats:
     num_draft_tokens: int  # speculative tokens verified (0 without speculative decoding)
     num_accepted_tokens: int  # ... and accepted
     num_sampled: int  # sequences whose logits give a token this step (the rows of the LM head)
-    num_attended_keys: int  # query-key pairs of the step's causal attention (sum over its tokens of keys seen)
+    # query-key pairs of the step's causal attention (sum over its tokens of keys seen), per layer: a hybrid's sliding
+    # and full layers see different keys, and this is their mean
+    num_attended_keys: float
     shape: str  # the step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"
     schedule_s: float  # host: the scheduler
     prepare_s: float  # host: the step's arrays
@@ -37,11 +40,13 @@ class StepStats:
         num_sampled: int,
         schedule_s: float,
         after_s: float,
-        sliding_window: int | None,
+        model: ModelConfig,
     ) -> StepStats:
         """A step's stats: its replicas' scheduled steps, their StepOutputs and the scheduler's updates; num_sampled
         counted before the update; after_s: from the end of scheduling to the outputs."""
         every = [item for o in steps for item in o.scheduled]
+        sliding = sum(model.sliding_layers)  # layers that see the window, the others every key
+        windows = [(model.sliding_window, sliding), (None, model.num_layers - sliding)]
         return cls(
             num_seqs=len(every),
             num_tokens=sum(o.num_batched_tokens for o in steps),
@@ -49,7 +54,8 @@ class StepStats:
             num_draft_tokens=sum(len(item.draft_token_ids) for item in every),
             num_accepted_tokens=sum(update.num_accepted for update in updates),
             num_sampled=num_sampled,
-            num_attended_keys=sum(attended_keys(item, sliding_window) for item in every),
+            num_attended_keys=sum(n * attended_keys(item, window) for item in every for window, n in windows if n)
+            / model.num_layers,
             shape=str(results[0].shape),
             schedule_s=schedule_s,
             prepare_s=results[0].prepare_s,
