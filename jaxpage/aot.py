@@ -277,7 +277,9 @@ def describe(
         bytes_accessed=None if not cost else cost.get("bytes accessed"),
         collectives={k: n for k, n in executed(hlo).items() if n},
         pool_copies=() if kind == "pool" else tuple(pool_copies),  # "pool" writes it
-        weight_copies=tuple(c for c in sliced_copies(hlo, weight_bytes or math.inf) if c not in pool_copies),
+        weight_copies=()
+        if weight_bytes is None
+        else tuple(c for c in sliced_copies(hlo, weight_bytes) if c not in pool_copies),
     )
 
 
