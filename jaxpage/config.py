@@ -736,6 +736,12 @@ class EngineConfig:
     enable_expert_parallel: bool = arg(
         False, "split a mixture of experts' experts over the tensor-parallel devices, whole (default: off)"
     )
+    # Asynchronous scheduling (LLMEngine.step): the host schedules and prepares step n + 1 while the device runs step
+    # n, which feeds its sampled tokens to step n + 1 on the device; the same tokens as synchronous scheduling.
+    # None: on for GPU and TPU, off on CPU; not with speculative decoding or several hosts.
+    async_scheduling: bool | None = arg(
+        None, "schedule the next step while the device runs this one (default: on GPU and TPU, off on CPU)"
+    )
     # Several hosts (jaxpage.entrypoints.distributed): one process per host, joined by jax.distributed.initialize with
     # these (None: for JAX to find, e.g. on a TPU pod; JAX reads $JAX_COORDINATOR_ADDRESS itself). Process 0 serves; the
     # others follow it (LLMEngine.follow). All None and no $JAX_COORDINATOR_ADDRESS: one process.
@@ -812,6 +818,8 @@ class EngineConfig:
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
         put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
         check_bool(arg("enable_expert_parallel"), self.enable_expert_parallel)
+        if self.async_scheduling is not None:
+            check_bool(arg("async_scheduling"), self.async_scheduling)
         if self.coordinator_address is not None:
             address = self.coordinator_address
             host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
@@ -822,6 +830,11 @@ class EngineConfig:
         if self.process_id is not None:
             limit = None if self.num_processes is None else self.num_processes - 1
             put("process_id", check_int(arg("process_id"), self.process_id, 0, limit))
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError(
+                "engine argument async_scheduling: speculative decoding proposes its drafts from the tokens of the "
+                "step before on the host; leave async_scheduling unset (or False) with speculative_config"
+            )
         if self.data_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(
                 "engine argument speculative_config: speculative decoding runs without data parallelism "

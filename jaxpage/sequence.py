@@ -27,7 +27,13 @@ class Sequence:
     With a draft model (speculative decoding), its own pool has the same pages: `num_draft_computed_tokens`, at
     most num_computed_tokens, of the tokens have their K/V there too. The draft model catches up only when the
     sequence drafts (DraftModelRunner.catch_up), so that steps that do not draft do not run it. Only the scheduler
-    writes a Sequence (its block manager the block table): Scheduler.update_from_output after each step.
+    writes a Sequence (its block manager the block table): Scheduler.launched when a step is on its way to the
+    device, Scheduler.update_from_output when its tokens are back.
+
+    With asynchronous scheduling the scheduler plans the next step before the tokens of the step on the device are
+    known: `num_pending_tokens` counts the tokens a launched step samples for this sequence that are not in
+    token_ids yet. The step after reads such a token from the device (jaxpage.worker.step_inputs); the host appends
+    it when its step's results come back.
     """
 
     seq_id: int
@@ -46,6 +52,7 @@ class Sequence:
     controls: LogitsControls | None = None
     group: tuple[Sequence, ...] = dataclasses.field(default=(), repr=False)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache had when first admitted (None: not yet)
+    num_pending_tokens: int = 0  # sampled by launched steps, not yet known here (asynchronous scheduling)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -65,8 +72,14 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens still to run through the model: the rest of the prompt, or the last sampled token."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens still to run through the model: the rest of the prompt, or the last sampled token (known or
+        pending)."""
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled after the prompt, the pending ones included."""
+        return self.num_tokens + self.num_pending_tokens - self.num_prompt_tokens
 
     def append_token(self, token_id: int) -> None:
         """Commits a token (the scheduler does, in update_from_output); a grammar's matcher follows it."""
@@ -81,15 +94,19 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the cache when the step starts
     num_new_tokens: int  # tokens whose K/V this step computes, draft tokens included
     draft_token_ids: tuple[int, ...] = ()  # speculative tokens after the sequence's last one, verified this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last known token, so its logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+    # Whether this step reaches the sequence's last token (known or pending), so its logits give the next one.
+    samples: bool = False
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledSequence:
-        return cls(seq, seq.num_computed_tokens, num_new_tokens, draft_token_ids)
+        reached = seq.num_computed_tokens + num_new_tokens - len(draft_token_ids)
+        return cls(
+            seq,
+            seq.num_computed_tokens,
+            num_new_tokens,
+            draft_token_ids,
+            reached == seq.num_tokens + seq.num_pending_tokens,
+        )
 
 
 # Prompt tokens a step can give log-probs of (SamplingParams.prompt_logprobs): the forward pass hands the sampler

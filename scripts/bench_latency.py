@@ -2,6 +2,7 @@
 program timed alone.
 
     python scripts/bench_latency.py [--model PATH] [--batch-sizes 1,4,64] [--tokens 128] [--quantization int8] [--hf]
+        [--async-scheduling off|on|both]
 
 Per batch size: that many requests of a 16-token prompt decode --tokens tokens each (greedy, ignore_eos), after a
 warm-up that compiles every step shape. Every decode-only step of the run is split as the engine times it
@@ -12,7 +13,10 @@ The idle gap is the device part of a step less those programs: dispatch, transfe
 Reported per batch size: the medians in milliseconds, decode tokens/s, host time (schedule + prepare +
 postprocess) as a share of the step, and the time to the first token (from adding the requests) beside the device
 time of the steps before it (the prompts' prefill). --hf: transformers' float32 `generate` at batch 1 on the same
-model, same run. Compiled shapes and compile seconds are printed as they compile. The last line is one JSON object.
+model, same run. Each of it with synchronous and asynchronous scheduling (an engine each, same run), unless
+--async-scheduling says one; with asynchronous scheduling a step's parts overlap other steps' device time, and the
+step time is the wall time between two outputs. Compiled shapes and compile seconds are printed as they compile. The
+last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hf", action="store_true", help="transformers' generate at batch 1 too")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each program alone")
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["off", "on", "both"],
+        default="both",
+        help="the engine's async_scheduling; both: an engine of each, one after the other, in this run",
+    )
     args = parser.parse_args()
     from jaxpage.entrypoints.llm import LLM
 
@@ -43,17 +53,21 @@ def main() -> None:
     engine_args = dict(dtype=args.dtype, max_num_seqs=max(sizes), max_model_len=PROMPT_LEN + args.tokens + 16)
     if args.quantization:
         engine_args["quantization"] = args.quantization
-    llm = LLM(args.model, **engine_args) if args.model else LLM(**engine_args)
-    start = time.perf_counter()
-    compiled = llm.engine.warmup()
-    log(f"warm-up: {len(compiled)} programs in {time.perf_counter() - start:.1f} s")
-    rows = [measure(llm.engine, batch, args.tokens, args.repeats) for batch in sizes]
+    rows = []
+    for mode in ("off", "on") if args.async_scheduling == "both" else (args.async_scheduling,):
+        mode_args = dict(engine_args, async_scheduling=mode == "on")
+        llm = LLM(args.model, **mode_args) if args.model else LLM(**mode_args)
+        start = time.perf_counter()
+        compiled = llm.engine.warmup()
+        log(f"async_scheduling {mode}: warm-up: {len(compiled)} programs in {time.perf_counter() - start:.1f} s")
+        rows += [dict(measure(llm.engine, batch, args.tokens, args.repeats), async_scheduling=mode) for batch in sizes]
+        del llm
     result = {"jaxpage": rows, "engine_args": engine_args}
     if args.hf:
-        result["hf_generate_batch1_tokens_per_s"] = hf_generate_tokens_per_s(args.model, args.tokens)
-        one = next((r for r in rows if r["batch"] == 1), None)
-        if one is not None:
-            result["jaxpage_over_hf_batch1"] = one["decode_tokens_per_s"] / result["hf_generate_batch1_tokens_per_s"]
+        hf = result["hf_generate_batch1_tokens_per_s"] = hf_generate_tokens_per_s(args.model, args.tokens)
+        for row in rows:
+            if row["batch"] == 1:
+                result[f"jaxpage_over_hf_batch1_async_{row['async_scheduling']}"] = row["decode_tokens_per_s"] / hf
     for row in rows:
         print(describe(row))
     if args.hf:
@@ -80,7 +94,7 @@ def measure(engine, batch: int, tokens: int, repeats: int) -> dict:
         outputs = engine.step()
         wall = time.perf_counter() - start
         stats = engine.last_step_stats
-        if first_token_s is None:
+        if first_token_s is None and stats is not None:  # asynchronous: the first step's stats come a call later
             prefill.append((wall, stats))
             if any(o.outputs[0].token_ids for o in outputs):
                 first_token_s = time.perf_counter() - added
@@ -187,7 +201,8 @@ def hf_generate_tokens_per_s(model: str | None, tokens: int) -> float:
 
 def describe(row: dict) -> str:
     return (
-        f"batch {row['batch']:>3} {row['shape']}: step {row['step_ms']:.1f} ms = schedule {row['schedule_ms']:.2f} "
+        f"async {row.get('async_scheduling', 'off'):>3}, batch {row['batch']:>3} {row['shape']}: "
+        f"step {row['step_ms']:.1f} ms = schedule {row['schedule_ms']:.2f} "
         f"+ prepare {row['prepare_ms']:.2f} + device {row['device_ms']:.1f} (forward alone "
         f"{row['forward_alone_ms']:.1f}, sampler alone {row['sampler_alone_ms']:.1f}, gap {row['idle_gap_ms']:.1f}) "
         "+ postprocess "

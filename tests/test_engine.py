@@ -43,11 +43,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 # One engine per behaviour of the pool and the scheduler, several behaviours per engine (each default-model engine
 # costs its compile): pages of 16 with prefix caching; pages of 8, every prompt chunked (16 tokens a step) and
-# preemption (22 pages of 8: not enough for all at once; the pool must hold one max_model_len sequence); pages of 32
-# without prefix caching.
+# preemption (22 pages of 8: not enough for all at once; the pool must hold one max_model_len sequence), scheduled
+# asynchronously (each step launched before the tokens of the one before are on the host); pages of 32 without prefix
+# caching.
 ENGINE_VARIANTS = {
     "default": dict(),
-    "page-size-8-chunked-preemption": dict(page_size=8, num_pages=23, max_num_batched_tokens=16, max_model_len=160),
+    "page-size-8-chunked-preemption-async": dict(
+        page_size=8, num_pages=23, max_num_batched_tokens=16, max_model_len=160, async_scheduling=True
+    ),
     "page-size-32-no-prefix-caching": dict(page_size=32, enable_prefix_caching=False),
 }
 
@@ -61,6 +64,7 @@ def test_greedy_equals_transformers(variant, smollm2_path, hf_greedy):
         assert output.outputs[0].token_ids == expected, prompt
         assert output.outputs[0].finish_reason == "length"
     engine = llm.engine
+    assert engine.async_scheduling == ("async" in variant)
     if "preemption" in variant:
         assert engine.scheduler.num_preemptions > 0
     if "no-prefix-caching" in variant:

@@ -307,9 +307,12 @@ def test_no_module_imports_one_from_a_layer_above_it():
 
 def test_only_the_scheduler_writes_a_sequence():
     # One writer per piece of state (issue 27): a Sequence's tokens, computed counts and status are written by the
-    # scheduler (schedule, update_from_output) and the block manager it owns (counts as pages are matched, forked or
-    # freed), nowhere else: not the engine, the output processor, the proposers or the runners.
-    fields = {"token_ids", "num_computed_tokens", "num_draft_computed_tokens", "status", "block_table", "group"}
+    # scheduler (schedule, launched, update_from_output) and the block manager it owns (counts as pages are matched,
+    # forked or freed), nowhere else: not the engine, the output processor, the proposers or the runners.
+    fields = {
+        *("token_ids", "num_computed_tokens", "num_draft_computed_tokens", "num_pending_tokens"),
+        *("status", "block_table", "group"),
+    }
     writers = set()
     for name, path in project_modules().items():
         for node in ast.walk(ast.parse(path.read_text())):

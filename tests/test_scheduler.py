@@ -28,6 +28,7 @@ def make_scheduler(num_pages=24, max_num_seqs=4, max_tokens=16, prefix_caching=T
 def update(scheduler: Scheduler, output, token_of=lambda seq: 7) -> list:
     """The scheduler's update after the step `output`, in which each sequence that samples draws token_of(seq)."""
     tokens = np.array([token_of(item.seq) for item in output.scheduled], np.int32).reshape(-1, 1)
+    scheduler.launched(output)
     return scheduler.update_from_output(output, tokens)
 
 
@@ -420,6 +421,7 @@ def test_the_update_keeps_accepted_drafts_gives_back_rejected_slots_and_caches_f
     assert len(seq.block_table) == 3
     seq.num_draft_computed_tokens = 3
     tokens = np.array([[8, 9, 42, -1, -1, -1]], np.int32)  # 2 drafts accepted, then the target's 42
+    scheduler.launched(output)
     (result,) = scheduler.update_from_output(output, tokens, np.array([2]), draft_computed={seq.seq_id: 12})
     assert result.token_ids == [8, 9, 42] and (result.num_draft_tokens, result.num_accepted) == (5, 2)
     assert seq.token_ids[6:] == [100, 8, 9, 42] and seq.num_computed_tokens == 9
@@ -433,6 +435,7 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_sequence_there():
     scheduler, seq = one_decoding_sequence(SamplingParams(max_tokens=None, stop_token_ids=[9]))
     output = scheduler.schedule({seq.seq_id: [8, 9, 10]})
     tokens = np.array([[8, 9, 10, 11]], np.int32)  # every draft accepted
+    scheduler.launched(output)
     (result,) = scheduler.update_from_output(output, tokens, np.array([3]))
     assert result.token_ids == [8, 9] and (result.finish_reason, result.stop_reason) == ("stop", 9)
     assert seq.output_token_ids == [100, 8, 9] and seq.status is SequenceStatus.FINISHED
@@ -464,6 +467,7 @@ def test_a_sequence_ends_when_its_grammar_is_complete_and_its_matcher_follows_ev
     seq.controls = LogitsControls(vocab_size=200, matcher=matcher)
     matcher.consumed.append(100)  # the first token, committed before the controls were attached here
     output = scheduler.schedule({seq.seq_id: [8, 9]})
+    scheduler.launched(output)
     (result,) = scheduler.update_from_output(output, np.array([[8, 9, 10]], np.int32), np.array([2]))
     assert matcher.consumed == [100, 8, 9]  # the grammar completes at 9: the sampled 10 is not taken
     assert (result.token_ids, result.finish_reason, result.stop_reason) == ([8, 9], "stop", None)

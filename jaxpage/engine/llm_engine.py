@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -19,7 +18,8 @@ from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.input_processor import InputProcessor
 from jaxpage.engine.output_processor import OutputProcessor, Request
 from jaxpage.engine.replica import Replica, Replicas, choose_replica
-from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
+from jaxpage.engine.scheduler import Scheduler
+from jaxpage.engine.step_pipeline import InFlightStep, StepPipeline, use_async_scheduling
 from jaxpage.engine.step_stats import StepStats
 from jaxpage.models.llama import params_dtype
 from jaxpage.models.loader import load_model
@@ -108,6 +108,9 @@ class LLMEngine:
         )
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
+        self.async_scheduling = use_async_scheduling(config, self.attention_backend.platform, jax.process_count())
+        marked = self.output_processor.mark_scheduled
+        self.pipeline = StepPipeline(self.replicas, self.executor, self.spec_decoder, self.async_scheduling, marked)
         if self.channel is not None and self.is_leader:  # the followers must hear that it ends, at exit if not before
             atexit.register(self.channel.stop)
 
@@ -256,58 +259,42 @@ class LLMEngine:
         """Runs one step, schedule -> execute -> update; returns the outputs of the requests that progressed or ended
         (aborted ones included).
 
+        With asynchronous scheduling (see `async_scheduling`) a step schedules and launches the next one before it
+        waits for the one launched by the call before, whose outputs it returns: the host works while the device
+        does, and outputs come a call later (the first call returns none).
+
         A request whose own post-processing fails (its detokenization, say) ends with finish_reason "error" and
         RequestOutput.error saying why; the others go on. If the device step itself fails, no request can be
         blamed: every unfinished request ends with that error, the pool is made anew, and the engine serves on.
         """
         with self._lock:
             self._check_leader("step")
-            start = time.perf_counter()
-            # Speculative decoding runs without data parallelism: on the one replica.
-            drafts = self.spec_decoder.propose(self.scheduler) if self.spec_decoder is not None else None
-            steps = [r.scheduler.schedule(drafts if i == 0 else None) for i, r in enumerate(self.replicas)]
-            if not any(o.scheduled for o in steps):
-                return self.output_processor.take_ended()
-            scheduled = time.perf_counter()
-            every = [item for o in steps for item in o.scheduled]
-            num_sampled = sum(item.samples for item in every)  # before the new tokens are appended
-            self.output_processor.mark_scheduled(every, time.time())
             try:
-                results, draft_computed = self._execute(steps)
+                done = self.pipeline.advance()
+                if done is None:
+                    return self.output_processor.take_ended()
+                results = self.pipeline.results(done)
             except Exception as e:  # not a request's fault: every request was checked when it was added
                 logger.exception("engine step failed; every unfinished request ends with this error")
                 self._fail_all(f"engine step failed ({type(e).__name__}: {e})")
                 return self.output_processor.take_ended()
-            for output, result in zip(steps, results, strict=True):
-                self.output_processor.record_prompt_logprobs(output.scheduled, result)
-            updates = [
-                (update, result)
-                for replica, output, result in zip(self.replicas, steps, results, strict=True)
-                for update in replica.scheduler.update_from_output(
-                    output, result.token_ids, result.num_accepted, draft_computed
-                )
-            ]
-            seq_updates = [update for update, _ in updates]
-            if self.spec_decoder is not None:
-                self.spec_decoder.observe(results[0].shape, results[0].device_s, seq_updates)
-            outputs, ended = self.output_processor.process(updates, time.time())
-            for replica, seq in ended:  # ended by a stop string or their request's failure
-                self._finish_seq(replica, seq)
-            host_s = (scheduled - start, time.perf_counter() - scheduled)  # scheduling; the rest, the device's included
-            self.last_step_stats = StepStats.of(steps, results, seq_updates, num_sampled, *host_s, self.model_config)
-            return outputs
+            return self._outputs(done, results)
 
-    def _execute(self, steps: list[SchedulerOutput]) -> tuple[list, dict[int, int] | None]:
-        """Runs the scheduled step of every replica on the device (a draft model's drafts first, where it drafts):
-        (each replica's StepOutput, the draft model's computed tokens by seq_id or None)."""
-        started = time.perf_counter()
-        draft_probs = draft_computed = None
-        if self.spec_decoder is not None:
-            steps[0], draft_probs, draft_computed = self.spec_decoder.draft(steps[0])
-        results = self.executor.execute(steps, draft_probs)
-        if draft_probs is not None:  # the step's seconds include the draft model's
-            results[0] = dataclasses.replace(results[0], device_s=time.perf_counter() - started - results[0].prepare_s)
-        return results, draft_computed
+    def _outputs(self, step: InFlightStep, results: list) -> list[RequestOutput]:
+        """A step's results into its sequences (the schedulers' update) and its requests' outputs, which it
+        returns."""
+        start = time.perf_counter()
+        for output, result in zip(step.steps, results, strict=True):
+            self.output_processor.record_prompt_logprobs(output.scheduled, result)
+        updates = self.pipeline.update(step, results)
+        outputs, ended = self.output_processor.process(updates, time.time())
+        for replica, seq in ended:  # ended by a stop string or their request's failure
+            self._finish_seq(replica, seq)
+        seq_updates, postprocess_s = [update for update, _ in updates], time.perf_counter() - start
+        self.last_step_stats = StepStats.of(
+            step.steps, results, seq_updates, step.num_sampled, step.schedule_s, postprocess_s, self.model_config
+        )
+        return outputs
 
     def _end_request(self, request: Request, finish_reason: str, error: str | None = None) -> None:
         """Ends a request outside the normal flow ("abort" or "error"): its unfinished samples stop, its pages are
@@ -318,6 +305,7 @@ class LLMEngine:
     def _fail_all(self, error: str) -> None:
         """After a failed device step: every unfinished request ends with `error`, and the page pool and its
         bookkeeping start afresh (the failed step may have consumed the donated pool)."""
+        self.pipeline.drop()
         for request in list(self.output_processor.requests.values()):
             self._end_request(request, "error", error)
         self._new_replicas()

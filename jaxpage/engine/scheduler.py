@@ -10,7 +10,15 @@ Every step the scheduler builds one ragged batch under two budgets, `max_num_seq
 2. Then, if nothing was preempted, waiting sequences in arrival order (preempted ones in front),
    each after a prefix-cache lookup, with as much of their prompt as the token budget allows.
 
-A sequence whose scheduled tokens reach the end of its known tokens gets a token sampled this step.
+A sequence whose scheduled tokens reach the end of its tokens gets a token sampled this step.
+
+A step's bookkeeping comes in two halves: `launched` when the step is on its way to the device (its tokens are
+computed: the counts advance, each sampled token is pending), `update_from_output` when its tokens are back (they are
+appended, the sequences that end are finished). Run back to back they make a synchronous step. With asynchronous
+scheduling the engine schedules and launches the next step between the two: a sequence decodes its pending token
+(the device feeds it in), and one whose pending token ends it by its length is not scheduled; one that a pending
+token ends otherwise (EOS, a stop token or string) computes one more token, which update_from_output throws away
+with the rest of a finished sequence's results.
 
 Speculative decoding: `schedule(drafts)` takes draft tokens proposed for decoding sequences. A sequence with a draft
 of d tokens computes 1 + d tokens (its last token, then the draft), whose slots are reserved like any others; the
@@ -65,13 +73,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Ends a sequence (done or aborted) and returns its pages."""
+        """Ends a sequence (done or aborted) and returns its pages; the tokens of its launched steps will be
+        thrown away."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.num_pending_tokens = 0
 
     def can_draft(self) -> bool:
         """Whether this step can verify drafts: every running sequence decodes and no waiting one can be admitted
@@ -96,7 +106,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or self._ends_by_length(seq):  # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0:  # its prompt's log-probs wait for the next step
@@ -187,6 +197,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def launched(self, output: SchedulerOutput) -> None:
+        """The step `output` is on its way to the device: its scheduled tokens count as computed (draft tokens
+        included, until update_from_output gives back the rejected ones), and each sampled token is pending."""
+        for item in output.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_pending_tokens += item.samples
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether a pending token ends seq by max_tokens or max_model_len, whatever its value."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.sampling_params.max_tokens if seq.sampling_params is not None else None
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return True
+        limit = self.config.max_model_len
+        return limit is not None and seq.num_tokens + seq.num_pending_tokens >= limit
+
     def update_from_output(
         self,
         output: SchedulerOutput,
@@ -194,9 +221,11 @@ class Scheduler:
         num_accepted: np.ndarray | None = None,
         draft_computed: dict[int, int] | None = None,
     ) -> list[SequenceUpdate]:
-        """After the device ran the step `output`: the one writer of what a step changes in its sequences.
+        """After the device ran the step `output` (`launched` before): the one writer of what its results change in
+        its sequences. Items of sequences that finished since it was launched (an abort, or a token of the step
+        before) are passed over: what they computed is thrown away.
 
-        The scheduled tokens are computed, but for the draft tokens that verification rejected (`num_accepted`:
+        The scheduled tokens stay computed, but for the draft tokens that verification rejected (`num_accepted`:
         accepted draft tokens per item; None: none drafted), whose slots go back. Each item that samples gets its
         accepted drafts and then its sampled token (`token_ids[i]`: [k + 1] per item), up to the first that ends it:
         a stop token id, EOS (unless ignore_eos), max_tokens or max_model_len; an ended sequence's pages are freed.
@@ -206,21 +235,26 @@ class Scheduler:
         updates = []
         for i, item in enumerate(output.scheduled):
             seq = item.seq
-            samples = item.samples  # before tokens are appended
+            if seq.status is SequenceStatus.FINISHED:
+                continue
             accepted = int(num_accepted[i]) if num_accepted is not None else 0
             rejected = len(item.draft_token_ids) - accepted
             assert 0 <= rejected <= len(item.draft_token_ids), (rejected, item)
-            seq.num_computed_tokens += item.num_new_tokens - rejected
+            running = seq.status is SequenceStatus.RUNNING  # not preempted since it was launched
+            if running:
+                seq.num_computed_tokens -= rejected
             if draft_computed is not None and seq.seq_id in draft_computed:
                 seq.num_draft_computed_tokens = draft_computed[seq.seq_id]
             # A draft model's K/V of rejected drafts is not the sequence's.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-            if rejected:
+            if rejected and running:
                 self.block_manager.release_slots(seq, seq.num_computed_tokens)
-            if not samples:
-                self.block_manager.cache_full_pages(seq)
-                self.block_manager.free_outside_window(seq)
+            if not item.samples:
+                if running:
+                    self.block_manager.cache_full_pages(seq)
+                    self.block_manager.free_outside_window(seq)
                 continue
+            seq.num_pending_tokens -= 1
             new_tokens: list[int] = []
             finish_reason = stop_reason = None
             for token in token_ids[i, : accepted + 1].tolist():
@@ -229,8 +263,9 @@ class Scheduler:
                 finish_reason, stop_reason = self._finished_by(seq, token)
                 if finish_reason is not None:
                     break
-            self.block_manager.cache_full_pages(seq)
-            self.block_manager.free_outside_window(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_pages(seq)
+                self.block_manager.free_outside_window(seq)
             if finish_reason is not None:
                 self.finish(seq)
             updates.append(

@@ -39,11 +39,11 @@ class StepStats:
         updates: list[SequenceUpdate],
         num_sampled: int,
         schedule_s: float,
-        after_s: float,
+        postprocess_s: float,
         model: ModelConfig,
     ) -> StepStats:
         """A step's stats: its replicas' scheduled steps, their StepOutputs and the scheduler's updates; num_sampled
-        counted before the update; after_s: from the end of scheduling to the outputs."""
+        counted before the update; postprocess_s: from the results on the host to the outputs."""
         every = [item for o in steps for item in o.scheduled]
         sliding = sum(model.sliding_layers)  # layers that see the window, the others every key
         windows = [(model.sliding_window, sliding), (None, model.num_layers - sliding)]
@@ -60,7 +60,7 @@ class StepStats:
             schedule_s=schedule_s,
             prepare_s=results[0].prepare_s,
             device_s=results[0].device_s,
-            postprocess_s=after_s - results[0].prepare_s - results[0].device_s,
+            postprocess_s=postprocess_s,
         )
 
 

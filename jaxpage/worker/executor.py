@@ -14,6 +14,7 @@ on a leading axis, and gives each replica its own results back. The runner build
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -27,8 +28,22 @@ from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
 from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch, step_flag
 from jaxpage.worker.step_broadcast import Message, StepBroadcast
+from jaxpage.worker.step_shapes import StepShape
 
 logger = logging.getLogger("jaxpage")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step on its way (Executor.launch_step): its replicas' scheduled steps and the device arrays of its results."""
+
+    outputs: list[SchedulerOutput]
+    shape: StepShape
+    sampled: tuple  # the sampler's token ids, accepted draft tokens, log-probs (ModelRunner._run_step)
+    want_logprobs: bool  # some row asked for log-probs (else they are not read)
+    prompt_logprobs: tuple | None  # the prompt log-probs program's results, None: none asked
+    prepare_s: float  # host: building its arrays
+    dispatched: float  # time.perf_counter() when it was launched
 
 
 def make_runners(
@@ -84,6 +99,17 @@ class Executor:
         """Runs one step of every data-parallel replica (an output each, in order; empty ones are padding), as one
         program over the devices: their results, in order. draft_probs: a draft model's distributions for its
         verify step (one replica), on the device."""
+        return self.results(self.launch_step(outputs, draft_probs))
+
+    def launch_step(
+        self,
+        outputs: list[SchedulerOutput],
+        draft_probs: jax.Array | None = None,
+        pending_rows: list[dict[int, int]] | None = None,
+    ) -> LaunchedStep:
+        """Launches one step of every replica (see execute) without waiting for it: its results come with
+        `results`. pending_rows: each replica's (by seq_id) rows of the launched step before, whose sampled tokens
+        this one reads on the device (asynchronous scheduling; the runner keeps the latest step's)."""
         runner = self.runners[0]
         # In the whole pool, each replica has a range of pages (and of the window group's, in a grouped pool).
         pages, window_pages = runner.pages_per_replica, runner.window_pages_per_replica
@@ -98,47 +124,56 @@ class Executor:
         start = time.perf_counter()
         shape = runner.inputs.shape_for(*outputs)
         level = runner.inputs.processor_level(*outputs)
-        prepared = [runner.inputs.prepare(output, shape, level) for output in outputs]
+        pending_rows = pending_rows or [{}] * len(outputs)
+        prepared = [runner.inputs.prepare(o, shape, level, rows) for o, rows in zip(outputs, pending_rows, strict=True)]
         step, sample_input = runner.inputs.stacked(prepared)
         dispatched = time.perf_counter()
-        flag = step_flag(level, draft_probs is not None)
+        flag = step_flag(level, draft_probs is not None, feeds=any(pending_rows))
         key = runner.shapes.index(shape)
-        token_ids, num_accepted, logprobs = self.launch(0, Message.STEP, key, (step, sample_input), flag, draft_probs)
+        sampled = self.launch(0, Message.STEP, key, (step, sample_input), flag, draft_probs)
         want_logprobs = any(bool(s.want_logprobs) for _, s in prepared)
+        prompt_logprobs = self._prompt_logprobs(outputs)
+        return LaunchedStep(outputs, shape, sampled, want_logprobs, prompt_logprobs, dispatched - start, dispatched)
+
+    def results(self, launched: LaunchedStep) -> list[StepOutput]:
+        """A launched step's results on the host, a StepOutput per replica (waiting for the device)."""
+        runner = self.runners[0]
+        token_ids, num_accepted, logprobs = launched.sampled
         token_ids, num_accepted = fetch(token_ids), fetch(num_accepted)
-        logprobs = tuple(fetch(x) for x in logprobs) if want_logprobs else (None, None, None)
+        logprobs = tuple(fetch(x) for x in logprobs) if launched.want_logprobs else (None, None, None)
+        prompt_logprobs = launched.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = tuple(fetch(x) for x in prompt_logprobs)
         if runner.mesh is None:  # one replica: give its results the replica axis they have on several devices
             token_ids, num_accepted = token_ids[None], num_accepted[None]
             logprobs = tuple(x if x is None else x[None] for x in logprobs)
-        prompt_logprobs = self._prompt_logprobs(outputs)
-        device_s = time.perf_counter() - dispatched
+            prompt_logprobs = None if prompt_logprobs is None else tuple(x[None] for x in prompt_logprobs)
+        device_s = time.perf_counter() - launched.dispatched
         results = []
-        for r, output in enumerate(outputs):
+        for r, output in enumerate(launched.outputs):
             count = len(output.scheduled)
             mine = tuple(x if x is None else x[r, :count] for x in logprobs)
             prompt = None if prompt_logprobs is None else tuple(x[r] for x in prompt_logprobs)
-            results.append(
-                StepOutput(
-                    token_ids[r, :count],
-                    num_accepted[r, :count],
-                    *mine,
-                    shape,
-                    dispatched - start,
-                    device_s,
-                    prompt,
-                )
+            step = StepOutput(
+                token_ids[r, :count],
+                num_accepted[r, :count],
+                *mine,
+                launched.shape,
+                launched.prepare_s,
+                device_s,
+                prompt,
             )
+            results.append(step)
         return results
 
     def _prompt_logprobs(self, outputs: list[SchedulerOutput]) -> tuple | None:
-        """After a step: the prompt log-probs its items asked for (see StepOutput.prompt_logprobs), each array with
-        a leading replica axis; None when no item asked (nothing is launched)."""
+        """After a step's launch: the program of the prompt log-probs its items asked for (see
+        StepOutput.prompt_logprobs), launched; None when no item asked (nothing is launched)."""
         if not any(prompt_logprob_rows(output.scheduled) for output in outputs):
             return None
         runner = self.runners[0]
         targets = runner.inputs.stacked([runner.inputs.prompt_targets(output) for output in outputs])
-        arrays = tuple(fetch(x) for x in self.launch(0, Message.PROMPT_LOGPROBS, 0, targets))
-        return arrays if runner.mesh is not None else tuple(x[None] for x in arrays)
+        return self.launch(0, Message.PROMPT_LOGPROBS, 0, targets)
 
     def reset(self) -> None:
         """Every runner's pool afresh (after a failed step, whose donated pool may be gone)."""

@@ -40,7 +40,15 @@ from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, lo
 from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks, pool_arrays, pool_shape
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
 from jaxpage.worker.step_broadcast import Header, Message
-from jaxpage.worker.step_inputs import NO_PROCESSORS, PROCESSOR_LEVELS, SampleInput, StepInput, StepInputs
+from jaxpage.worker.step_inputs import (  # noqa: F401 (step_flag re-exported)
+    NO_PROCESSORS,
+    PROCESSOR_LEVELS,
+    SampleInput,
+    StepInput,
+    StepInputs,
+    split_step_flag,
+    step_flag,
+)
 from jaxpage.worker.step_shapes import StepShape, step_shapes
 
 logger = logging.getLogger("jaxpage")
@@ -103,10 +111,17 @@ def sample_rows(logits: jax.Array, inputs: SampleInput) -> tuple:
     return token_ids, num_accepted, logprobs
 
 
-def step_flag(level: int, with_draft_probs: bool) -> int:
-    """A STEP message's flag: the sampler's level of logits processors, and whether it takes a draft model's
-    distributions."""
-    return 2 * level + int(with_draft_probs)
+def last_tokens(token_ids: jax.Array, num_accepted: jax.Array, rows: int) -> jax.Array:
+    """[rows] int32: each sampler row's last token (after its accepted drafts), zeros past them: what the next step
+    reads of them on the device (StepInput.fed_tokens, asynchronous scheduling)."""
+    last = jnp.take_along_axis(token_ids, num_accepted[:, None], axis=1)[:, 0]
+    return jnp.zeros(rows, jnp.int32).at[: last.shape[0]].set(last)
+
+
+def abstract(tree, sharding):
+    """Host-made step arrays as a compile-only program lowers them: ShapeDtypeStructs placed as `sharding` says
+    (every device holding them whole; jit would otherwise place numpy arguments on this host's default device)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding), tree)
 
 
 def sampler_name(rows: int, k: int, level: int) -> CompiledShape:
@@ -198,6 +213,7 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_fn)
         self.prompt_logprobs_program: jax.stages.Compiled | None = None
         self.prompt_hidden: jax.Array | None = None  # the latest step's hidden rows for prompt log-probs
+        self.last_tokens: jax.Array | None = None  # the latest step's last token of each sampler row (fed_tokens)
 
     @property
     def kv_cache(self) -> KVCache:
@@ -227,7 +243,7 @@ class ModelRunner:
 
         def forward(params, kv_cache, step):
             hidden, kv_cache = self.models[max_q_len].apply(
-                {"params": params}, step.token_ids, step.positions, step.attention, kv_cache
+                {"params": params}, step.with_fed_tokens(), step.positions, step.attention, kv_cache
             )
             return hidden[step.logits_indices], hidden[step.prompt_indices], kv_cache
 
@@ -253,7 +269,8 @@ class ModelRunner:
         drafts are verified (jaxpage.spec_decode.verification). The full logits never leave this function; the log-probs
         are computed only when some row asks for them."""
         logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)  # [R * (k + 1), V] float32
-        return sample_rows(logits, inputs)
+        token_ids, num_accepted, logprobs = sample_rows(logits, inputs)
+        return token_ids, num_accepted, logprobs, last_tokens(token_ids, num_accepted, self.inputs.max_sample_rows)
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
@@ -350,10 +367,11 @@ class ModelRunner:
     # ----- host side -----
 
     def _run_step(self, shape: StepShape, step: StepInput, sample_input: SampleInput, level: int) -> tuple:
-        """The step's forward pass and sampler, launched (see _sample_on_shard for what they return)."""
+        """The step's forward pass and sampler, launched (see _sample_on_shard); its rows' last tokens stay here."""
         forward, sampler = self._forward_program(shape), self._sampler_program(shape, level)
         hidden, self.prompt_hidden, self.kv_cache = forward(self.params, self.kv_cache, step)
-        return sampler(self.params, hidden, sample_input)
+        *results, self.last_tokens = sampler(self.params, hidden, sample_input)
+        return tuple(results)
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed pool of the same shape (after a failed step, whose donated pool may be gone)."""
@@ -379,9 +397,11 @@ class ModelRunner:
             _, _, self.kv_cache = self._forward_program(self.shapes[key])(self.params, self.kv_cache, payload)
         elif kind is Message.STEP:
             step, sample_input = payload
-            level, with_draft_probs = divmod(flag, 2)
+            level, feeds, with_draft_probs = split_step_flag(flag)
             if with_draft_probs:
                 sample_input = dataclasses.replace(sample_input, draft_probs=draft_probs)
+            if feeds:  # tokens of the step before, read on the device (StepInput.feed_index)
+                step = dataclasses.replace(step, fed_tokens=self.last_tokens)
             return self._run_step(self.shapes[key], step, sample_input, level)
         elif kind is Message.PROMPT_LOGPROBS:
             return self.compile_prompt_logprobs()(self.params, self.prompt_hidden, payload)
@@ -406,13 +426,8 @@ class ModelRunner:
         return jax.tree.leaves(self.params)[0].sharding
 
     def _abstract(self, tree):
-        """Host-made step arrays as compile_only lowers them: ShapeDtypeStructs every device holds whole (jit would
-        otherwise place numpy arguments on this host's default device); unchanged otherwise."""
-        if not self.compile_only:
-            return tree
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated), tree
-        )
+        """Host-made step arrays as compile_only lowers them (see abstract); unchanged otherwise."""
+        return abstract(tree, self._replicated) if self.compile_only else tree
 
     def copy_pages(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
         """The copy-on-write copies (src, dst) of a step (and of a grouped pool's window group), applied as if all at

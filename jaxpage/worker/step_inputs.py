@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.attention import PagedBatch
@@ -30,6 +31,16 @@ class StepInput:
     attention: PagedBatch
     logits_indices: jax.Array  # [R * (k + 1)] int32, the tokens whose logits each sampler row uses (k: see SampleInput)
     prompt_indices: jax.Array  # [PROMPT_LOGPROB_TOKENS] int32, the tokens whose hidden states give prompt log-probs
+    # Asynchronous scheduling: a token the host does not know yet, sampled by the step before, is read on the device:
+    # feed_index[t] >= 0 takes token t from row feed_index[t] of that step's sampled tokens, `fed_tokens`
+    # [max sample rows] (each row's last token; ModelRunner puts the previous step's in); -1 keeps token_ids[t].
+    feed_index: jax.Array  # [T] int32
+    fed_tokens: jax.Array  # [max sample rows] int32
+
+    def with_fed_tokens(self) -> jax.Array:
+        """token_ids with the fed ones in (on the device, inside the forward pass)."""
+        fed = self.fed_tokens[jnp.maximum(self.feed_index, 0)]
+        return jnp.where(self.feed_index >= 0, fed, self.token_ids)
 
 
 @jax.tree_util.register_dataclass
@@ -49,12 +60,24 @@ NO_PROCESSORS, MASKS, PENALTIES = 0, 1, 2
 PROCESSOR_LEVELS = (NO_PROCESSORS, MASKS, PENALTIES)
 
 
+def step_flag(level: int, with_draft_probs: bool, feeds: bool = False) -> int:
+    """A STEP message's flag: the sampler's level of logits processors, whether the step reads tokens of the step
+    before on the device (StepInput.feed_index), and whether its sampler takes a draft model's distributions."""
+    return 4 * level + 2 * int(feeds) + int(with_draft_probs)
+
+
+def split_step_flag(flag: int) -> tuple[int, bool, bool]:
+    """(level, feeds, with_draft_probs) of a step_flag."""
+    level, rest = divmod(flag, 4)
+    return level, bool(rest & 2), bool(rest & 1)
+
+
 def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
     """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
     padded to num_rows."""
     return sampling_metadata_from_params(
         [item.seq.sampling_params if item.samples else None for item in items],
-        steps=[len(item.seq.output_token_ids) for item in items],
+        steps=[item.seq.num_output_tokens for item in items],
         seeds=[item.seq.seed for item in items],
         num_rows=num_rows,
     )
@@ -87,6 +110,7 @@ class StepInputs:
         self.data_parallel_size = data_parallel_size
         self.stack = stack
         self.draft_vocab_size = draft_vocab_size
+        self.max_sample_rows = max(shape.sample_rows for shape in shapes)  # the rows of fed_tokens
 
     def shape_for(self, *outputs: SchedulerOutput) -> StepShape:
         """The smallest shape of the step's kind that holds it (or each data-parallel replica's step, all padded to
@@ -117,17 +141,24 @@ class StepInputs:
         return MASKS if controls else NO_PROCESSORS
 
     def prepare(
-        self, output: SchedulerOutput, shape: StepShape, level: int = NO_PROCESSORS
+        self,
+        output: SchedulerOutput,
+        shape: StepShape,
+        level: int = NO_PROCESSORS,
+        pending_rows: dict[int, int] | None = None,
     ) -> tuple[StepInput, SampleInput]:
         """The step's arrays (numpy), padded to `shape`: the forward pass's and the sampler's (with a draft model's
         distributions, for a verify step with drafts from a draft model), with logits processors' arrays as
-        `level` says (see processor_level)."""
+        `level` says (see processor_level). pending_rows: by seq_id, the row of the launched step before this one
+        that samples the sequence's pending token (asynchronous scheduling), which this step then reads from the
+        device."""
         items = output.scheduled
         page_size = self.page_size
         k = shape.num_draft_positions
         assert len(items) <= shape.num_rows, (len(items), shape)
         assert shape.max_q_len == 0 or all(item.num_new_tokens <= shape.max_q_len for item in items), shape
         token_ids = np.zeros(shape.num_tokens, np.int32)
+        feed_index = np.full(shape.num_tokens, -1, np.int32)
         positions = np.zeros(shape.num_tokens, np.int32)
         slot_mapping = np.zeros(shape.num_tokens, np.int32)  # padding tokens write into the null page
         cu_q_lens = np.zeros(shape.num_rows + 1, np.int32)
@@ -144,7 +175,11 @@ class StepInputs:
             seq, computed, n, drafts = item.seq, item.num_computed_tokens, item.num_new_tokens, item.draft_token_ids
             end = start + n
             known = n - len(drafts)  # the sequence's own tokens, then the drafts
-            token_ids[start : start + known] = seq.token_ids[computed : computed + known]
+            host = max(0, min(known, seq.num_tokens - computed))  # the tokens this host knows, then a pending one
+            token_ids[start : start + host] = seq.token_ids[computed : computed + host]
+            if host < known:
+                assert known - host == 1 and seq.controls is None, (item, host)  # controls need the tokens here
+                feed_index[start + host] = pending_rows[seq.seq_id]
             token_ids[start + known : end] = drafts
             pos = np.arange(computed, computed + n, dtype=np.int32)
             positions[start:end] = pos
@@ -175,7 +210,10 @@ class StepInputs:
         rows = prompt_logprob_rows(items)
         assert len(rows) <= PROMPT_LOGPROB_TOKENS, len(rows)  # the scheduler keeps them within
         prompt_indices[: len(rows)] = [token for _, token, _ in rows]
-        step = StepInput(token_ids, positions, attention, logits_indices.reshape(-1), prompt_indices)
+        fed_tokens = np.zeros(self.max_sample_rows, np.int32)
+        step = StepInput(
+            token_ids, positions, attention, logits_indices.reshape(-1), prompt_indices, feed_index, fed_tokens
+        )
         logits = self.logits_inputs(items, shape.sample_rows, k, level) if level != NO_PROCESSORS else None
         return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, logits=logits)
 
@@ -198,8 +236,8 @@ class StepInputs:
             return unpack(data, (np.zeros((self.num_pool_groups, header.key), np.int32),) * 2)
         if header.kind is Message.FORWARD:
             return unpack(data, self.template(self.shapes[header.key])[0])
-        if header.kind is Message.STEP:  # flag: 2 * the level of logits processors + (with draft model probs)
-            return unpack(data, self.template(self.shapes[header.key], header.flag // 2))
+        if header.kind is Message.STEP:  # flag: see step_flag
+            return unpack(data, self.template(self.shapes[header.key], split_step_flag(header.flag)[0]))
         if header.kind is Message.PROMPT_LOGPROBS:
             return unpack(data, self.prompt_targets_template())
         return None
