@@ -3,7 +3,7 @@ the same workload in the same run.
 
     python scripts/bench_serving.py [--model SRC] [--num-requests 64] [--rates 0:8,1,inf] [--repeats 3]
         [--max-num-seqs 64] [--max-num-batched-tokens 512] [--prompt-lens 16,256] [--max-tokens 16,128] [--seed 0]
-        [--plot FILE.png]
+        [--plot FILE.png] [--async-scheduling on|off]
 
 Workloads: for each rate, --num-requests (or N, with RATE:N) completion requests whose prompts are token-id windows
 of a fixed text corpus (jaxpage.benchmarks.workloads; each rate its own seed, so that no rate finds another's
@@ -169,8 +169,11 @@ def start_server(args, engine_args: dict, port: int) -> subprocess.Popen:
     if args.model:
         command += ["--model", args.model]
     for key, value in engine_args.items():
-        if value is not None:
-            command += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):  # --name / --no-name
+            command.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            command += [flag, str(value)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 900
     while True:
@@ -229,6 +232,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", default="16,128", help="min,max output tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--async-scheduling", choices=["on", "off"], help="the engines' async_scheduling (default: the engine's)"
+    )
     args = parser.parse_args()
     rates = [
         (float(r.split(":")[0]), int(r.split(":")[1]) if ":" in r else args.num_requests) for r in args.rates.split(",")
@@ -256,6 +262,8 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
     )
+    if args.async_scheduling is not None:
+        engine_args["async_scheduling"] = args.async_scheduling == "on"
     log("generate: warm-up")
     llm = local_engine(args, engine_args)
     port = free_port()

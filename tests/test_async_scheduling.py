@@ -321,3 +321,14 @@ def test_async_scheduling_is_on_by_default_on_accelerators_and_refused_where_it_
     assert not use_async_scheduling(EngineConfig(), "tpu", num_processes=4)  # several hosts step in lockstep
     with pytest.raises(ValueError, match="engine argument async_scheduling: not with several processes"):
         use_async_scheduling(EngineConfig(async_scheduling=True), "tpu", num_processes=4)
+
+
+def test_an_engine_never_loads_a_sampler_compiled_for_other_step_shapes(tiny_dir, tmp_path):
+    # A sampler hands the next step its rows' last tokens padded to the engine's largest sampler: a sampler of one row
+    # from an engine of 4 rows at most is another program than one from an engine of 8.
+    cache = dict(compilation_cache_dir=str(tmp_path))
+    one = {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = [
+        run(LLM(tiny_dir, async_scheduling=True, **ENGINE | cache | dict(max_num_seqs=seqs)), [one]) for seqs in (4, 8)
+    ]
+    assert outputs[0] == outputs[1] and all(c[2] == "length" for c in outputs[0][0])

@@ -250,15 +250,15 @@ def test_a_request_failing_at_run_time_ends_alone(llm, fixed_tokens):
 def test_a_failed_device_step_ends_the_running_requests_and_the_engine_serves_on(llm, fixed_tokens, monkeypatch):
     engine = llm.engine
     calls = {"n": 0}
-    execute = engine.executor.execute
+    launch_step = engine.executor.launch_step
 
     def fails_once(outputs, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device lost")
-        return execute(outputs, *args)
+        return launch_step(outputs, *args)
 
-    monkeypatch.setattr(engine.executor, "execute", fails_once)
+    monkeypatch.setattr(engine.executor, "launch_step", fails_once)
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], FIXED[1])
     assert [o.outputs[0].finish_reason for o in outputs] == ["error", "error"]
     assert all("device lost" in o.error for o in outputs)

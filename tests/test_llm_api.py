@@ -440,7 +440,12 @@ def test_the_full_logits_never_leave_the_step(tiny_dir):
         assert [x.shape for x in jax.tree.leaves(program.out_info)] == [*rows, pool, pool]
     for (rows, k, _), program in runner.samplers.items():
         top = (rows, k + 1, MAX_LOGPROBS)  # k = 0: one token per row (k > 0: verifying k draft tokens)
-        assert [x.shape for x in jax.tree.leaves(program.out_info)] == [(rows, k + 1), (rows,), (rows, k + 1), top, top]
+        # ... and each row's last token, padded to the most rows a sampler has (read by the next step on the device)
+        last = (runner.inputs.max_sample_rows,)
+        assert [x.shape for x in jax.tree.leaves(program.out_info)] == [
+            *((rows, k + 1), (rows,), (rows, k + 1), top, top),
+            last,
+        ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

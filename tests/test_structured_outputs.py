@@ -71,8 +71,9 @@ def assert_follows(llm: LLM, spec: StructuredOutputsParams, completion) -> None:
 @pytest.fixture(scope="module")
 def llm(full_vocab_dir):
     """One engine for the module: a small pool (preemptions), 64-token steps (chunked prefill), prefix caching on,
-    4 rows (few step shapes to warm up)."""
-    llm = make_llm(full_vocab_dir, num_pages=48, max_num_seqs=4)
+    4 rows (few step shapes to warm up), asynchronous scheduling (a step whose sequences follow a grammar is taken
+    before the next is scheduled; the free requests beside them are scheduled ahead)."""
+    llm = make_llm(full_vocab_dir, num_pages=48, max_num_seqs=4, async_scheduling=True)
     llm.engine.warmup()
     return llm
 

@@ -6,7 +6,7 @@ the executor's `launch`: on process 0 the program is first told to the other pro
 The other processes `follow`: each message they receive goes to the same ModelRunner.run, with the arrays unpacked
 after the runner's templates. So what process 0 runs and what the others replay are one dispatch.
 
-Data parallelism: `execute` runs one step of every replica as one program over the devices, their arrays stacked
+Data parallelism: `launch_step` runs one step of every replica as one program over the devices, their arrays stacked
 on a leading axis, and gives each replica its own results back. The runner builds one replica's arrays
 (ModelRunner.prepare) and runs the programs.
 """
@@ -95,21 +95,17 @@ class Executor:
             self.channel.send(kind, runner, key, flag, payload)
         return self.runners[runner].run(kind, key, payload, flag, draft_probs)
 
-    def execute(self, outputs: list[SchedulerOutput], draft_probs: jax.Array | None = None) -> list[StepOutput]:
-        """Runs one step of every data-parallel replica (an output each, in order; empty ones are padding), as one
-        program over the devices: their results, in order. draft_probs: a draft model's distributions for its
-        verify step (one replica), on the device."""
-        return self.results(self.launch_step(outputs, draft_probs))
-
     def launch_step(
         self,
         outputs: list[SchedulerOutput],
         draft_probs: jax.Array | None = None,
         pending_rows: list[dict[int, int]] | None = None,
     ) -> LaunchedStep:
-        """Launches one step of every replica (see execute) without waiting for it: its results come with
-        `results`. pending_rows: each replica's (by seq_id) rows of the launched step before, whose sampled tokens
-        this one reads on the device (asynchronous scheduling; the runner keeps the latest step's)."""
+        """Launches one step of every data-parallel replica (an output each, in order; empty ones are padding), as one
+        program over the devices, without waiting for it: its results come with `results`. draft_probs: a draft
+        model's distributions for its verify step (one replica), on the device. pending_rows: each replica's (by
+        seq_id) rows of the step launched before, whose sampled tokens this one reads on the device (asynchronous
+        scheduling; the runner keeps the latest step's)."""
         runner = self.runners[0]
         # In the whole pool, each replica has a range of pages (and of the window group's, in a grouped pool).
         pages, window_pages = runner.pages_per_replica, runner.window_pages_per_replica

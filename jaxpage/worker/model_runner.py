@@ -289,7 +289,9 @@ class ModelRunner:
         _, inputs = self.inputs.padding(shape, level)
         args = (self.params, self._hidden_rows(rows * (k + 1)), self._abstract(inputs))
         what = sampler_name(rows, k, level)
-        executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile())
+        # Its last tokens come out padded to the engine's largest sampler (StepInput.fed_tokens): part of its key.
+        static = (self.config, self.backend, what.shape, self.inputs.max_sample_rows)
+        executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile(), static)
         self.samplers[rows, k, level] = executable
         return executable
 
