@@ -6,7 +6,8 @@
     python scripts/bench_device.py --skip-hf --skip-throughput --batch-sizes 1 --attention-impl xla   # one step, A/B
 
 1. Decode step time at batch 1 and 64. Each request has a 512-token random prompt; once every request decodes, 16
-   steps are timed (after 3 untimed ones). The HBM roofline of a step is the bytes it must read -- every weight
+   steps are timed (after 3 untimed ones), with synchronous and asynchronous scheduling (the engine's default,
+   async_scheduling: on for GPU/TPU, is the step_ms; the other first, on the same engine). The HBM roofline of a step is the bytes it must read -- every weight
    except the embedding table, plus K and V of every cached token of every layer -- over the device's bandwidth:
    the copy bandwidth measured in this run, and for an H200 also its 4.8 TB/s specification. Beside each measured
    step, what the compiler said of the step's two programs (forward pass and sampler: temporaries, and where XLA
@@ -83,8 +84,8 @@ def decode_step_times(llm, batch: int, prompt_len: int, rng) -> dict:
         engine.add_request(request_id, {"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()}, params)
     while True:  # prefill (chunked) until every request decodes
         engine.step()
-        stats = engine.last_step_stats
-        if stats.num_decodes == batch and stats.num_tokens == batch:
+        stats = engine.last_step_stats  # None after an asynchronous engine's first step
+        if stats is not None and stats.num_decodes == batch and stats.num_tokens == batch:
             break
     for _ in range(3):  # the decode bucket compiles here
         engine.step()
@@ -207,10 +208,18 @@ def main() -> None:
         log(f"engine ready in {results['engine_start_s']}s; {param_bytes / 1e9:.2f} GB of weights")
 
         rng = np.random.default_rng(0)
+        results["async_scheduling"] = engine.async_scheduling
         for batch in batches:
+            # The other scheduling first, on the same engine (its pipeline switched: nothing compiles again).
+            engine.pipeline.asynchronous = not engine.async_scheduling
+            other = decode_step_times(llm, batch, prompt_len, rng)
+            engine.pipeline.asynchronous = engine.async_scheduling
             step = decode_step_times(llm, batch, prompt_len, rng)
             read_bytes = param_bytes - embedding_bytes + batch * step["kv_len"] * kv_token_bytes
+            mode = {True: "on", False: "off"}
             entry = {
+                f"step_ms_async_{mode[not engine.async_scheduling]}": round(1e3 * other["wall_s"], 2),
+                f"step_ms_async_{mode[engine.async_scheduling]}": round(1e3 * step["wall_s"], 2),
                 "step_ms": round(1e3 * step["wall_s"], 2),
                 "device_ms": round(1e3 * step["device_s"], 2),
                 "kv_len": step["kv_len"],
