@@ -274,7 +274,8 @@ def test_abort_returns_the_pages(tiny_dir):
 
 
 def test_step_stats_describe_each_step(tiny_dir):
-    engine = make_llm(tiny_dir, max_num_batched_tokens=32).engine  # PROMPTS[1] (50 tokens) takes two chunks
+    # PROMPTS[1] (50 tokens) takes two chunks; synchronous scheduling: each step's stats after its own step()
+    engine = make_llm(tiny_dir, max_num_batched_tokens=32, async_scheduling=False).engine
     assert engine.last_step_stats is None
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))

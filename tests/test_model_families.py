@@ -119,8 +119,9 @@ def test_pages_outside_the_window_are_given_back_while_requests_run(tiny_model_d
     window, page_size = 5, 4
     prompts = [*family_prompts(96)[3:], *([(7 * i + j) % 90 + 3 for j in range(24 + 2 * i)] for i in range(6))]
     expected = hf_greedy_tokens(hf_model, prompts, GREEDY.max_tokens)
+    # Synchronous: what a sequence holds between steps, none in flight.
     llm = LLM(str(directory), skip_tokenizer_init=True, page_size=page_size, max_num_seqs=8, max_model_len=48,
-              num_pages=13, max_num_batched_tokens=16, enable_prefix_caching=False)  # fmt: skip
+              num_pages=13, max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=False)  # fmt: skip
     engine = llm.engine
     assert engine.block_manager.sliding_window == window
     for i, prompt in enumerate(prompts):
@@ -154,8 +155,9 @@ def test_a_hybrids_window_layers_keep_only_their_windows_pages(tiny_model_dir):
     window, page_size = 6, 4
     prompts = [*family_prompts(96)[3:], *([(7 * i + j) % 90 + 3 for j in range(24 + 2 * i)] for i in range(4))]
     expected = hf_greedy_tokens(hf_model, prompts, GREEDY.max_tokens)
+    # Synchronous: what a sequence holds between steps, none in flight.
     llm = LLM(str(directory), skip_tokenizer_init=True, page_size=page_size, max_num_seqs=3, max_model_len=48,
-              num_pages=17, max_num_batched_tokens=8, enable_prefix_caching=False)  # fmt: skip
+              num_pages=17, max_num_batched_tokens=8, enable_prefix_caching=False, async_scheduling=False)  # fmt: skip
     engine = llm.engine
     groups = engine.block_manager
     pool = engine.runner.kv_cache

@@ -28,7 +28,9 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model_dir, **engine_args) -> LLM:
+    # Synchronous scheduling on every platform: the tests count the steps and what each one scheduled.
     args = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=PAGE_SIZE) | engine_args
+    args["async_scheduling"] = False
     return LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, **args)
 
 

@@ -24,7 +24,9 @@ class StepStats:
     shape: str  # the step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"
     schedule_s: float  # host: the scheduler
     prepare_s: float  # host: the step's arrays
-    device_s: float  # dispatch until the sampled tokens are on the host
+    # dispatch until the sampled tokens are on the host (with asynchronous scheduling this spans the launch of the
+    # next step and the device's tail of the step before)
+    device_s: float
     postprocess_s: float  # host: commit, appending tokens, detokenizing, stop checks, outputs
 
     @property
