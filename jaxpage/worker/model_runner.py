@@ -284,13 +284,11 @@ class ModelRunner:
 
     def compile_sampler(self, shape: StepShape, level: int = NO_PROCESSORS) -> jax.stages.Compiled:
         """The LM head and sampler (or verification) of `shape`'s sample rows and k, with logits processors as
-        `level` says, as `compile` gets the forward pass."""
+        `level` says, as `compile` gets the forward pass; keyed by the rows its last tokens are padded to too."""
         rows, k = shape.sample_rows, shape.num_draft_positions
         _, inputs = self.inputs.padding(shape, level)
         args = (self.params, self._hidden_rows(rows * (k + 1)), self._abstract(inputs))
-        what = sampler_name(rows, k, level)
-        # Its last tokens come out padded to the engine's largest sampler (StepInput.fed_tokens): part of its key.
-        static = (self.config, self.backend, what.shape, self.inputs.max_sample_rows)
+        what, static = sampler_name(rows, k, level), (self.config, self.backend, rows, k, self.inputs.max_sample_rows)
         executable = self._load_or_compile(what, args, lambda: self._sample.lower(*args).compile(), static)
         self.samplers[rows, k, level] = executable
         return executable
