@@ -71,7 +71,8 @@ def test_greedy_tokens_equal_one_device(model_dir, kv_heads, extra, tp_sizes):
     directory = model_dir(kv_heads, **extra)
     want = greedy(LLM(directory, **ARGS))
     for tp in tp_sizes:
-        llm = LLM(directory, **ARGS, tensor_parallel_size=tp)
+        # Scheduled asynchronously: each step reads the step before's tokens from the devices of the mesh.
+        llm = LLM(directory, **ARGS, tensor_parallel_size=tp, async_scheduling=True)
         assert greedy(llm) == want, f"tensor_parallel_size {tp}"
         pool = llm.engine.runner.kv_cache.k
         assert pool.shape[3] == max(kv_heads, tp)  # KV heads copied to every shard that reads them
