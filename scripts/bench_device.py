@@ -7,9 +7,10 @@
 
 1. Decode step time at batch 1 and 64. Each request has a 512-token random prompt; once every request decodes, 16
    steps are timed (after 3 untimed ones), with synchronous and asynchronous scheduling (the engine's default,
-   async_scheduling: on for GPU/TPU, is the step_ms; the other first, on the same engine). The HBM roofline of a step is the bytes it must read -- every weight
-   except the embedding table, plus K and V of every cached token of every layer -- over the device's bandwidth:
-   the copy bandwidth measured in this run, and for an H200 also its 4.8 TB/s specification. Beside each measured
+   async_scheduling: on for GPU/TPU, is the step_ms; the other first, on the same engine). The HBM roofline of a
+   step is the bytes it must read -- every weight except the embedding table, plus K and V of every cached token of
+   every layer -- over the device's bandwidth: the copy bandwidth measured in this run, and for an H200 also its
+   4.8 TB/s specification. Beside each measured
    step, what the compiler said of the step's two programs (forward pass and sampler: temporaries, and where XLA
    reports them FLOPs and bytes accessed) and the estimate scripts/compile_for.py gives for that chip
    (jaxpage.aot.decode_roofline: every weight and the K/V read once at the chip's published bandwidth, FLOPs at its
