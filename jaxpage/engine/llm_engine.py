@@ -108,9 +108,9 @@ class LLMEngine:
         )
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
-        self.async_scheduling = use_async_scheduling(config, self.attention_backend.platform, jax.process_count())
+        asynchronous = use_async_scheduling(config, self.attention_backend.platform, jax.process_count())
         marked = self.output_processor.mark_scheduled
-        self.pipeline = StepPipeline(self.replicas, self.executor, self.spec_decoder, self.async_scheduling, marked)
+        self.pipeline = StepPipeline(self.replicas, self.executor, self.spec_decoder, asynchronous, marked)
         if self.channel is not None and self.is_leader:  # the followers must hear that it ends, at exit if not before
             atexit.register(self.channel.stop)
 
@@ -136,6 +136,11 @@ class LLMEngine:
         self.spec_decoder = None
         if spec is not None:  # a draft model's runner follows the target's
             self.spec_decoder = SpeculativeDecoder(spec, self.max_model_len, *self.executor.runners)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps are scheduled asynchronously (jaxpage.engine.step_pipeline)."""
+        return self.pipeline.asynchronous
 
     @property
     def draft_runner(self) -> DraftModelRunner | None:

@@ -206,13 +206,14 @@ class Scheduler:
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether a pending token ends seq by max_tokens or max_model_len, whatever its value."""
-        if not seq.num_pending_tokens:
-            return False
+        return seq.num_pending_tokens > 0 and self._reaches_length(seq, seq.num_tokens + seq.num_pending_tokens)
+
+    def _reaches_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether seq with num_tokens tokens (its prompt's included) is at max_tokens or max_model_len."""
         max_tokens = seq.sampling_params.max_tokens if seq.sampling_params is not None else None
-        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+        if max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens:
             return True
-        limit = self.config.max_model_len
-        return limit is not None and seq.num_tokens + seq.num_pending_tokens >= limit
+        return self.config.max_model_len is not None and num_tokens >= self.config.max_model_len
 
     def update_from_output(
         self,
@@ -263,7 +264,7 @@ class Scheduler:
                 finish_reason, stop_reason = self._finished_by(seq, token)
                 if finish_reason is not None:
                     break
-            if seq.status is SequenceStatus.RUNNING:
+            if running:
                 self.block_manager.cache_full_pages(seq)
                 self.block_manager.free_outside_window(seq)
             if finish_reason is not None:
@@ -286,9 +287,6 @@ class Scheduler:
             return "stop", None
         if seq.controls is not None and seq.controls.grammar_ended:
             return "stop", None
-        max_tokens = params.max_tokens if params is not None else None
-        if max_tokens is not None and seq.num_tokens - seq.num_prompt_tokens >= max_tokens:
-            return "length", None
-        if self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len:
+        if self._reaches_length(seq, seq.num_tokens):
             return "length", None
         return None, None

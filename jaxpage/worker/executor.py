@@ -26,8 +26,9 @@ from jaxpage.config import EngineConfig
 from jaxpage.sequence import SchedulerOutput, prompt_logprob_rows
 from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
-from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch, step_flag
+from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch
 from jaxpage.worker.step_broadcast import Message, StepBroadcast
+from jaxpage.worker.step_inputs import step_flag
 from jaxpage.worker.step_shapes import StepShape
 
 logger = logging.getLogger("jaxpage")

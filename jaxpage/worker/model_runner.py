@@ -40,14 +40,13 @@ from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, lo
 from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks, pool_arrays, pool_shape
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
 from jaxpage.worker.step_broadcast import Header, Message
-from jaxpage.worker.step_inputs import (  # noqa: F401 (step_flag re-exported)
+from jaxpage.worker.step_inputs import (
     NO_PROCESSORS,
     PROCESSOR_LEVELS,
     SampleInput,
     StepInput,
     StepInputs,
     split_step_flag,
-    step_flag,
 )
 from jaxpage.worker.step_shapes import StepShape, step_shapes
 
