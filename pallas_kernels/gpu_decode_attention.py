@@ -86,7 +86,7 @@ def _decode_kernel(
 
     first_page = split * pages_per_split
     last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_len, page_size))  # exclusive
-    q = q_ref[...].astype(jnp.float32)
+    q = q_ref[...]  # the products' dtype
 
     def kv_tile_step(j, state):
         start_page = first_page + j * pages_per_kv_tile
@@ -143,7 +143,7 @@ def gpu_decode_attention(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        pages_per_kv_tile=kv_step_pages(pages_per_kv_tile, page_size, head_dim, k_pages.dtype.itemsize),
+        pages_per_kv_tile=kv_step_pages(pages_per_kv_tile, page_size, head_dim, q.dtype.itemsize),
     )
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, k, split: (0, 0, k, 0))
     scales = () if k_scales is None else (k_scales, v_scales)

@@ -1,8 +1,13 @@
 """The online softmax (flash attention) step shared by the GPU kernels: one kv tile (a few pages) at a time.
 
-The tile's pages are gathered through the block table and widened to float32; 8-bit pages (int8, fp8; see
-`pallas_kernels.kv_quantization`) are multiplied by their per-token scales as they are gathered, so the pool is
-read in 8 bits and never dequantized as a whole."""
+The products run on the tensor cores in the query's dtype: the tile's pages are gathered through the block table in
+the pool's dtype and, for 8-bit pages (int8, fp8; see `pallas_kernels.kv_quantization`), widened to the query's
+dtype (exact: bfloat16 holds every int8 and fp8 value); their per-token scales multiply the logits' columns (K) and
+the probabilities (V), never the tile's elements. Only the logits, the softmax statistics and the accumulator are
+float32. A float32 query (a float32 model) makes float32 products (`allow_tf32=False`: scalar FMAs, no TF32).
+
+The tiles' sizes come from the compiled kernels' resources (registers, shared memory, resident blocks; see
+`scripts/compile_for.py --target gpu-h200`): a kv tile holds at most MAX_KV_TILE_BYTES in the products' dtype."""
 
 from __future__ import annotations
 
@@ -12,16 +17,19 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.impl import MASK_VALUE, triton_misaddresses
 
-MIN_DOT_ROWS = 16  # Triton's dot needs at least 16 rows
-# Bytes of one K (or V) tile as the pool stores it, at most. Triton pipelines the loop's loads over 3 stages (the
-# Triton lowering's default), 2 tiles of K and 2 of V in flight in shared memory: 128 KiB of the 227 KiB an
-# H100 / H200 block may use. Llama-3-8B's float32 tile of 128 keys x 128 dims (64 KiB) asked for 264 KiB.
-MAX_KV_TILE_BYTES = 32 << 10
+MIN_DOT_ROWS = 16  # the tensor cores' (and Triton's dot's) smallest number of rows
+# Bytes of one K (or V) tile in the products' dtype, at most: 64 keys x 128 dims of bfloat16, 128 x 64. Triton
+# pipelines the loop's loads over 3 stages (2 tiles of K and 2 of V in flight, in the pool's dtype) and stages the
+# dot operands in shared memory: with 16 KiB tiles a decode block takes under 100 KiB of the 227 KiB an H100 / H200
+# SM has, so two blocks (8 warps) are resident per SM, and the float32 tile of a float32 model's scalar products
+# (32 keys x 128 dims) stays in registers without spilling.
+MAX_KV_TILE_BYTES = 16 << 10
 
 
 def kv_step_pages(pages_per_kv_tile: int, page_size: int, head_dim: int, itemsize: int) -> int:
     """Pages a kernel reads per step: pages_per_kv_tile, halved (while even: a divisor of it, so the tables' padding
-    holds whole steps) while a tile of the pool's values would take more than MAX_KV_TILE_BYTES."""
+    holds whole steps) while a tile of itemsize-byte values (the products' dtype) would take more than
+    MAX_KV_TILE_BYTES."""
     pages = pages_per_kv_tile
     while pages % 2 == 0 and pages * page_size * head_dim * itemsize > MAX_KV_TILE_BYTES:
         pages //= 2
@@ -64,39 +72,55 @@ def initial_state(rows: int, head_dim: int):
     )
 
 
-def _gather_tile(ref, scale_ref, page_ids, in_cache):
-    """The kv tile [kv_tile, head_dim] float32 of `ref`'s pages `page_ids`, times their per-token scales where
-    scale_ref [total_pages, page_size] is given (8-bit pages), zero where in_cache [kv_tile, 1] is False."""
-    kv_tile, head_dim = in_cache.shape[0], ref.shape[-1]
-    tile = ref[page_ids].reshape(kv_tile, head_dim).astype(jnp.float32)
-    if scale_ref is not None:
-        tile = tile * scale_ref[page_ids].reshape(kv_tile, 1).astype(jnp.float32)
-    # Zeroed after scaling, not only masked: a stale slot's value or scale may be NaN, and NaN times a zero
-    # probability is still NaN.
-    return jnp.where(in_cache, tile, 0.0)
+def _gather_tile(ref, page_ids, dtype):
+    """The kv tile [pages * page_size, head_dim] of `ref`'s pages `page_ids` [pages], in `dtype`."""
+    tile = ref[page_ids]
+    return tile.reshape(tile.shape[0] * tile.shape[1], tile.shape[2]).astype(dtype)
+
+
+def _gather_scales(scale_ref, page_ids):
+    """The per-token scales [pages * page_size] float32 of `scale_ref`'s pages `page_ids` [pages]."""
+    scales = scale_ref[page_ids]
+    return scales.reshape(scales.shape[0] * scales.shape[1]).astype(jnp.float32)
+
+
+def _dot(a, b, *, trans_b=False):
+    """a @ b (or b's transpose): on the tensor cores for 16-bit operands, scalar float32 for float32 ones (no TF32)."""
+    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if a.dtype == jnp.float32 else None)
 
 
 def attend_pages(q, k_ref, v_ref, scale_refs, page_ids, key_pos, kv_len, visible, state, *, sm_scale, soft_cap):
     """Folds one kv tile of pages into the state.
 
-    q [rows, head_dim] float32; k_ref, v_ref [total_pages, page_size, head_dim]; scale_refs: with 8-bit pages
-    their (k_scale_ref, v_scale_ref) [total_pages, page_size], else (); page_ids [pages]; key_pos
-    [pages * page_size] the positions they hold; visible [rows or 1, pages * page_size] which keys each row sees
-    (all of them < kv_len)."""
-    k_scale_ref, v_scale_ref = scale_refs or (None, None)
+    q [rows, head_dim] in the products' dtype (the query's); k_ref, v_ref [total_pages, page_size, head_dim];
+    scale_refs: with 8-bit pages their (k_scale_ref, v_scale_ref) [total_pages, page_size], else (); page_ids
+    [pages]; key_pos [pages * page_size] the positions they hold; visible [rows or 1, pages * page_size] which keys
+    each row sees (all of them < kv_len).
+
+    Keys at positions >= kv_len may hold anything, NaN included (stale slots, and their scales): their logits are
+    replaced (not multiplied) by the mask, and their values and value scales are zeroed, since a zero probability
+    times NaN is still NaN."""
     acc, row_max, row_sum = state
-    in_cache = (key_pos < kv_len)[:, None]
-    keys = _gather_tile(k_ref, k_scale_ref, page_ids, in_cache)
-    values = _gather_tile(v_ref, v_scale_ref, page_ids, in_cache)
-    logits = plgpu.dot(q, keys, trans_b=True, allow_tf32=False) * sm_scale  # [rows, kv_tile]
+    in_cache = key_pos < kv_len  # [kv_tile]
+    keys = _gather_tile(k_ref, page_ids, q.dtype)
+    values = jnp.where(in_cache[:, None], _gather_tile(v_ref, page_ids, q.dtype), 0)
+    logits = _dot(q, keys, trans_b=True)  # [rows, kv_tile] float32
+    if scale_refs:
+        k_scale_ref, v_scale_ref = scale_refs
+        logits = logits * (sm_scale * _gather_scales(k_scale_ref, page_ids))[None, :]
+    else:
+        logits = logits * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = jnp.where(visible, logits, MASK_VALUE)
     new_max = jnp.maximum(row_max, logits.max(axis=1))
     alpha = jnp.exp(row_max - new_max)
     p = jnp.where(visible, jnp.exp(logits - new_max[:, None]), 0.0)
-    acc = alpha[:, None] * acc + plgpu.dot(p, values, allow_tf32=False)
-    return acc, new_max, alpha * row_sum + p.sum(axis=1)
+    row_sum = alpha * row_sum + p.sum(axis=1)
+    if scale_refs:
+        p = p * jnp.where(in_cache, _gather_scales(v_scale_ref, page_ids), 0.0)[None, :]
+    acc = alpha[:, None] * acc + _dot(p.astype(q.dtype), values)
+    return acc, new_max, row_sum
 
 
 def normalized(state):

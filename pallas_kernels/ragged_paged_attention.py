@@ -106,7 +106,7 @@ def ragged_paged_attention(
             interpret=interpret,
         )
     else:
-        from pallas_kernels.gpu_ragged_attention import GPU_PAGES_PER_KV_TILE, GPU_Q_TILE, gpu_ragged_attention
+        from pallas_kernels.gpu_ragged_attention import GPU_PAGES_PER_KV_TILE, gpu_ragged_attention
 
         pools = (k_pages, v_pages, k_scales, v_scales)
         (k, v, k_scales, v_scales), tables = kernel_pool_view(pools, block_tables, layer, GPU_PAGES_PER_KV_TILE)
@@ -115,8 +115,6 @@ def ragged_paged_attention(
             k_scales=k_scales,
             v_scales=v_scales,
             **options,
-            q_tile=GPU_Q_TILE,
-            pages_per_kv_tile=GPU_PAGES_PER_KV_TILE,
             interpret=interpret,
         )
     return out[..., :head_dim]

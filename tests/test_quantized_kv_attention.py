@@ -228,7 +228,7 @@ def test_gpu_kernels_lower_to_triton(dtype):
 
     def ragged(q, k, v, kv_lens, tables, cu_q_lens, k_scales, v_scales):
         scales = dict(k_scales=k_scales, v_scales=v_scales)
-        return gpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **scales, q_tile=16, **options)
+        return gpu_ragged_attention(q, k, v, kv_lens, tables, cu_q_lens, **scales, q_rows=16, **options)
 
     def decode(q, k, v, kv_lens, tables, k_scales, v_scales):
         scales = dict(k_scales=k_scales, v_scales=v_scales)

@@ -52,7 +52,7 @@ class PallasGpuAttention(AttentionBackend):
                 num_splits=num_splits,
                 pages_per_kv_tile=pages_per_kv_tile,
             )
-        from pallas_kernels.gpu_ragged_attention import GPU_PAGES_PER_KV_TILE, GPU_Q_TILE, gpu_ragged_attention
+        from pallas_kernels.gpu_ragged_attention import GPU_PAGES_PER_KV_TILE, gpu_ragged_attention
 
         (k, v, k_scales, v_scales), tables = kernel_pool_view(pools, batch.block_tables, layer, GPU_PAGES_PER_KV_TILE)
         cu_q_lens = batch.live_cu_q_lens()
@@ -61,6 +61,4 @@ class PallasGpuAttention(AttentionBackend):
             k_scales=k_scales,
             v_scales=v_scales,
             **options,
-            q_tile=GPU_Q_TILE,
-            pages_per_kv_tile=GPU_PAGES_PER_KV_TILE,
         )
