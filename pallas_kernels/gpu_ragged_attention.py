@@ -37,9 +37,17 @@ from pallas_kernels.gpu_online_softmax import (
     normalized,
 )
 
-GPU_Q_ROWS = 64  # (token, query head) rows of one program: the rows of its products
+GPU_Q_ROWS = 128  # (token, query head) rows of one program: the rows of its products
 GPU_PAGES_PER_KV_TILE = 8  # pages it reads per step, at most
-GPU_RAGGED_WARPS = 4
+# A program's warps: 4 (one warpgroup: Hopper's wgmma products), or 8 where the float32 accumulator [q_rows, head_dim]
+# and logits [q_rows, kv_tile] would take more than MAX_FLOAT32_REGISTERS of each of 4 warps' threads (a 128 x 64
+# accumulator with 128 x 128 logits spilled at 4 warps; 128 x 128 with 128 x 64 and 64 x 256 with 64 x 32 too).
+MAX_FLOAT32_REGISTERS = 160
+
+
+def ragged_warps(q_rows: int, head_dim: int, kv_tile: int) -> int:
+    """Warps of a program with q_rows rows, head_dim and kv_tile keys a step."""
+    return 4 if q_rows * (head_dim + kv_tile) <= 4 * 32 * MAX_FLOAT32_REGISTERS else 8
 
 
 def _ragged_kernel(
@@ -136,6 +144,7 @@ def gpu_ragged_attention(
     q_rows_of_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_rows_of_heads = jnp.pad(q_rows_of_heads.reshape(num_kv_heads, num_rows, head_dim), ((0, 0), (0, q_rows), (0, 0)))
 
+    step_pages = kv_step_pages(pages_per_kv_tile, page_size, head_dim, q.dtype.itemsize)
     kernel = functools.partial(
         _ragged_kernel,
         sm_scale=sm_scale,
@@ -143,7 +152,7 @@ def gpu_ragged_attention(
         sliding_window=sliding_window,
         group=group,
         q_rows=q_rows,
-        pages_per_kv_tile=kv_step_pages(pages_per_kv_tile, page_size, head_dim, q.dtype.itemsize),
+        pages_per_kv_tile=step_pages,
     )
     rows_spec = pl.BlockSpec((None, num_rows + q_rows, head_dim), lambda s, t, k: (k, 0, 0))
     pool_spec = pl.BlockSpec((total_pages, page_size, None, head_dim), lambda s, t, k: (0, 0, k, 0))
@@ -179,7 +188,7 @@ def gpu_ragged_attention(
         out_shape=jax.ShapeDtypeStruct(q_rows_of_heads.shape, q.dtype),
         input_output_aliases={6 + len(scales): 0},  # the zeros
         # Triton, explicitly: without compiler_params jax lowers to Mosaic GPU (jax_pallas_use_mosaic_gpu's default).
-        compiler_params=plgpu.CompilerParams(num_warps=GPU_RAGGED_WARPS),
+        compiler_params=plgpu.CompilerParams(num_warps=ragged_warps(q_rows, head_dim, step_pages * page_size)),
         cost_estimate=cost,
         interpret=interpret,
         name="jaxpage_gpu_ragged_attention",
