@@ -39,6 +39,7 @@ from pallas_kernels.gpu_online_softmax import (
     cost_estimate,
     initial_state,
     kv_step_pages,
+    load_query,
     normalized,
 )
 
@@ -86,7 +87,7 @@ def _decode_kernel(
 
     first_page = split * pages_per_split
     last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_len, page_size))  # exclusive
-    q = q_ref[...]  # the products' dtype
+    q = load_query(q_ref)
 
     def kv_tile_step(j, state):
         start_page = first_page + j * pages_per_kv_tile

@@ -24,6 +24,7 @@ MIN_DOT_ROWS = 16  # the tensor cores' (and Triton's dot's) smallest number of r
 # SM has, so two blocks (8 warps) are resident per SM, and the float32 tile of a float32 model's scalar products
 # (32 keys x 128 dims) stays in registers without spilling.
 MAX_KV_TILE_BYTES = 16 << 10
+F32_DOT_COLUMNS = 16  # head_dim columns of one float32 product of the logits (`load_query`)
 
 
 def kv_step_pages(pages_per_kv_tile: int, page_size: int, head_dim: int, itemsize: int) -> int:
@@ -72,9 +73,19 @@ def initial_state(rows: int, head_dim: int):
     )
 
 
-def _gather_tile(ref, page_ids, dtype):
-    """The kv tile [pages * page_size, head_dim] of `ref`'s pages `page_ids` [pages], in `dtype`."""
-    tile = ref[page_ids]
+def load_query(q_ref, rows=slice(None)):
+    """The query rows `rows` of q_ref [rows, head_dim] as `attend_pages` takes them: whole in a 16-bit dtype
+    (tensor-core products); float32 in chunks of F32_DOT_COLUMNS columns, a tuple (a scalar product holds its
+    operands' whole contraction in each thread: 128 float32 columns of q and of K did not fit in registers)."""
+    if q_ref.dtype != jnp.float32:
+        return q_ref[rows, :]
+    head_dim = q_ref.shape[-1]
+    return tuple(q_ref[rows, pl.ds(c, F32_DOT_COLUMNS)] for c in range(0, head_dim, F32_DOT_COLUMNS))
+
+
+def _gather_tile(ref, page_ids, dtype, columns=slice(None)):
+    """The kv tile [pages * page_size, columns] of `ref`'s pages `page_ids` [pages], in `dtype`."""
+    tile = ref[page_ids, :, columns]
     return tile.reshape(tile.shape[0] * tile.shape[1], tile.shape[2]).astype(dtype)
 
 
@@ -92,7 +103,7 @@ def _dot(a, b, *, trans_b=False):
 def attend_pages(q, k_ref, v_ref, scale_refs, page_ids, key_pos, kv_len, visible, state, *, sm_scale, soft_cap):
     """Folds one kv tile of pages into the state.
 
-    q [rows, head_dim] in the products' dtype (the query's); k_ref, v_ref [total_pages, page_size, head_dim];
+    q [rows, head_dim] as `load_query` gives it; k_ref, v_ref [total_pages, page_size, head_dim];
     scale_refs: with 8-bit pages their (k_scale_ref, v_scale_ref) [total_pages, page_size], else (); page_ids
     [pages]; key_pos [pages * page_size] the positions they hold; visible [rows or 1, pages * page_size] which keys
     each row sees (all of them < kv_len).
@@ -102,9 +113,14 @@ def attend_pages(q, k_ref, v_ref, scale_refs, page_ids, key_pos, kv_len, visible
     times NaN is still NaN."""
     acc, row_max, row_sum = state
     in_cache = key_pos < kv_len  # [kv_tile]
-    keys = _gather_tile(k_ref, page_ids, q.dtype)
-    values = jnp.where(in_cache[:, None], _gather_tile(v_ref, page_ids, q.dtype), 0)
-    logits = _dot(q, keys, trans_b=True)  # [rows, kv_tile] float32
+    if isinstance(q, tuple):  # float32, in column chunks (`load_query`)
+        dtype, columns = jnp.float32, q[0].shape[1]
+        chunks = [_gather_tile(k_ref, page_ids, dtype, pl.ds(i * columns, columns)) for i in range(len(q))]
+        logits = sum(_dot(q_chunk, k_chunk, trans_b=True) for q_chunk, k_chunk in zip(q, chunks, strict=True))
+    else:
+        dtype = q.dtype
+        logits = _dot(q, _gather_tile(k_ref, page_ids, dtype), trans_b=True)  # [rows, kv_tile] float32
+    values = jnp.where(in_cache[:, None], _gather_tile(v_ref, page_ids, dtype), 0)
     if scale_refs:
         k_scale_ref, v_scale_ref = scale_refs
         logits = logits * (sm_scale * _gather_scales(k_scale_ref, page_ids))[None, :]
@@ -119,7 +135,7 @@ def attend_pages(q, k_ref, v_ref, scale_refs, page_ids, key_pos, kv_len, visible
     row_sum = alpha * row_sum + p.sum(axis=1)
     if scale_refs:
         p = p * jnp.where(in_cache, _gather_scales(v_scale_ref, page_ids), 0.0)[None, :]
-    acc = alpha[:, None] * acc + _dot(p.astype(q.dtype), values)
+    acc = alpha[:, None] * acc + _dot(p.astype(dtype), values)
     return acc, new_max, row_sum
 
 

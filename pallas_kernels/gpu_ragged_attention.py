@@ -34,10 +34,14 @@ from pallas_kernels.gpu_online_softmax import (
     cost_estimate,
     initial_state,
     kv_step_pages,
+    load_query,
     normalized,
 )
 
-GPU_Q_ROWS = 128  # (token, query head) rows of one program: the rows of its products
+# (token, query head) rows of one program, the rows of its products: 128 for tensor-core products; 16 for a float32
+# model's scalar ones (each thread holds whole rows of their operands: 32 rows took 254 registers, 128 spilled 12 KB)
+GPU_Q_ROWS = 128
+GPU_F32_Q_ROWS = 16
 GPU_PAGES_PER_KV_TILE = 8  # pages it reads per step, at most
 # A program's warps: 4 (one warpgroup: Hopper's wgmma products), or 8 where the float32 accumulator [q_rows, head_dim]
 # and logits [q_rows, kv_tile] would take more than MAX_FLOAT32_REGISTERS of each of 4 warps' threads (a 128 x 64
@@ -82,7 +86,7 @@ def _ragged_kernel(
         local = first_row + jnp.arange(q_rows)
         in_seq = local < num_rows  # [q_rows]
         row_pos = kv_len - q_len + local // group  # [q_rows]: the position of each row's token
-        q = plgpu.load(q_ref.at[pl.ds(q_start * group + first_row, q_rows)])  # the products' dtype
+        q = load_query(q_ref, pl.ds(q_start * group + first_row, q_rows))
         # Keys these rows see: up to their last token's position, from their first token's window.
         last_key = kv_len - q_len + (jnp.minimum(first_row + q_rows, num_rows) - 1) // group
         first_key = 0
@@ -126,15 +130,18 @@ def gpu_ragged_attention(
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    q_rows: int = GPU_Q_ROWS,
+    q_rows: int | None = None,
     pages_per_kv_tile: int = GPU_PAGES_PER_KV_TILE,
     interpret: bool,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype; rows of no sequence are 0
     """The kernel call. Arguments are checked by the public `ragged_paged_attention(impl="pallas")`.
 
-    q_rows: a power of two, at least 16 (the tensor cores' smallest product). A program reads pages_per_kv_tile
-    pages per step, fewer where their tile would be too large (`kv_step_pages`)."""
+    q_rows: a power of two, at least 16 (the tensor cores' smallest product); None: GPU_Q_ROWS, or GPU_F32_Q_ROWS for
+    a float32 q. A program reads pages_per_kv_tile pages per step, fewer where their tile would be too large
+    (`kv_step_pages`)."""
     check_pool_offsets(k_pages)
+    if q_rows is None:
+        q_rows = GPU_F32_Q_ROWS if q.dtype == jnp.float32 else GPU_Q_ROWS
     num_tokens, num_heads, head_dim = q.shape
     total_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seq_rows, pages_per_seq = block_tables.shape
