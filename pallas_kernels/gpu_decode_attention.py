@@ -44,8 +44,10 @@ from pallas_kernels.gpu_online_softmax import (
 )
 
 PAGES_PER_KV_TILE = 8  # pages a program reads per step, at most (128 keys at page size 16)
-MAX_SPLITS = 8
-TARGET_PROGRAMS = 256  # split sequences until sequences x kv heads x splits reaches about this many programs
+MAX_SPLITS = 16
+# Split sequences until sequences x kv heads x splits reaches about this many programs: an H100 / H200 holds 4 decode
+# blocks on each of its 132 SMs (bfloat16 at head_dim 128: 124 registers x 128 threads, 55 KiB of shared memory).
+TARGET_PROGRAMS = 512
 
 
 def gpu_decode_tiling(programs: int, pages_per_seq: int) -> tuple[int, int]:

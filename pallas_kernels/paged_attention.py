@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.impl import kernel_operands, kernel_pool_view, resolve_impl
 from pallas_kernels.ragged_paged_attention import check_inputs, check_scales
-from pallas_kernels.xla_ragged_attention import xla_ragged_attention
+from pallas_kernels.xla_ragged_attention import platform_tuning, xla_ragged_attention
 
 
 def paged_attention(
@@ -58,7 +58,8 @@ def paged_attention(
     q, k_pages, v_pages = kernel_operands(q, k_pages, v_pages, kernel)
     if kernel == "xla":
         metadata = (kv_lens, block_tables, cu_q_lens, jnp.int32(num_seqs), layer, k_scales, v_scales)
-        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, **options, max_q_len=1)
+        tuning = platform_tuning(platform or jax.default_backend())
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, **options, **tuning, max_q_len=1)
     elif kernel == "tpu":
         from pallas_kernels.tpu_decode_attention import tpu_decode_attention  # Pallas: imported when used
         from pallas_kernels.tpu_page_pipeline import tpu_pages_per_kv_tile

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.impl import kernel_operands, kernel_pool_view, padded_head_dim, resolve_impl
 from pallas_kernels.kv_quantization import QUANTIZED_KV_DTYPES, is_quantized
-from pallas_kernels.xla_ragged_attention import xla_ragged_attention
+from pallas_kernels.xla_ragged_attention import platform_tuning, xla_ragged_attention
 
 
 @functools.partial(
@@ -84,7 +84,8 @@ def ragged_paged_attention(
     options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if kernel == "xla":
         metadata = (kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scales, v_scales)
-        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, **options, max_q_len=max_q_len)
+        tuning = platform_tuning(platform or jax.default_backend())
+        out = xla_ragged_attention(q, k_pages, v_pages, *metadata, **options, **tuning, max_q_len=max_q_len)
         return out[..., :head_dim]
     live = jnp.arange(kv_lens.shape[0]) < num_seqs
     kv_lens = jnp.where(live, kv_lens, 0)

@@ -40,9 +40,31 @@ PAIR_ROWS_MULTIPLE = 8
 LAST_ROW_TILE = 16  # sequences whose last query rows are attended together (part 1's query tile)
 
 
+def platform_tuning(platform: str) -> dict:
+    """xla_ragged_attention's tuning for programs built for `platform`. The defaults were measured on CPU. On a GPU
+    (or TPU) each step of the loops is a handful of kernel launches, and the defaults made a decode of 64 sequences
+    of 2,048 tokens 64 steps of ~11 small kernels each (170 GB/s of KV on an H200, ~1% of the chip, in 3.2 ms; the
+    CPU's all-pairs products 8x the FLOPs, every kv tile widened to float32 in memory): there, all the sequences of
+    a step at once (up to 64), 256 keys a step, products per kv head, and tiles in the query's dtype (bfloat16
+    products with float32 logits and accumulator; a float32 model's stay float32): 8 steps for that decode."""
+    if platform == "cpu":
+        return {}
+    return dict(kv_tile=256, last_row_tile=64, all_pairs=False, tiles_in_query_dtype=True)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "max_q_len", "q_tile", "kv_tile", "all_pairs"),
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "max_q_len",
+        "q_tile",
+        "kv_tile",
+        "all_pairs",
+        "last_row_tile",
+        "tiles_in_query_dtype",
+    ),
 )
 def xla_ragged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
@@ -63,6 +85,8 @@ def xla_ragged_attention(
     q_tile: int = Q_TILE,
     kv_tile: int = KV_TILE,
     all_pairs: bool | None = None,
+    last_row_tile: int = LAST_ROW_TILE,
+    tiles_in_query_dtype: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
     """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
 
@@ -75,6 +99,7 @@ def xla_ragged_attention(
     page_size, num_kv_heads = k_pages.shape[-3:-1]
     num_seq_rows, pages_per_seq = block_tables.shape
     group = num_heads // num_kv_heads
+    tile_dtype = q.dtype if tiles_in_query_dtype else jnp.float32
     if all_pairs is None:
         all_pairs = num_kv_heads <= ALL_PAIRS_MAX_KV_HEADS
     if num_tokens == 0 or num_seq_rows == 0 or pages_per_seq == 0:
@@ -102,26 +127,33 @@ def xla_ragged_attention(
         # heads it is cheaper to pair every query head with every kv head, batched over sequences only with K/V
         # in the pool's own layout, and keep the matching pairs: kv_heads times the (cheap) flops.
         pairs = all_pairs and n > 1 and (rows * num_heads) % PAIR_ROWS_MULTIPLE == 0
-        q_rows = q_rows.astype(jnp.float32).transpose(0, 2, 1, 3, 4)  # [n, kv_heads, rows, group, head_dim]
+        q_rows = q_rows.astype(tile_dtype).transpose(0, 2, 1, 3, 4)  # [n, kv_heads, rows, group, head_dim]
         q_rows = q_rows.reshape(n, num_kv_heads, rows * group, head_dim)
         same_head = jnp.eye(num_kv_heads, dtype=bool)[:, None, :, None]  # [kv_heads, 1, kv_heads, 1]
 
         def scores(keys):  # [n, kv_tile, kv_heads, head_dim] -> [n, kv_heads, rows * group, kv_tile]
             if not pairs:
-                return jnp.einsum("nlkd,nkhd->nkhl", keys, q_rows)
+                return jnp.einsum("nlkd,nkhd->nkhl", keys, q_rows, preferred_element_type=jnp.float32)
             s = jnp.einsum(
                 "nmd,nhd->nmh",
                 keys.reshape(n, kv_tile * num_kv_heads, head_dim),
                 q_rows.reshape(n, num_heads * rows, head_dim),
+                preferred_element_type=jnp.float32,
             )
             # [n, kv_tile, kv_head x query's kv_head, rows * group]: keep the diagonal, every (kv_heads + 1)-th.
             s = s.reshape(n, kv_tile, num_kv_heads**2, rows * group)[:, :, :: num_kv_heads + 1]
             return s.transpose(0, 2, 3, 1)
 
         def weighted_values(p, values):  # [n, kv_heads, rows * group, kv_tile] -> [n, kv_heads, rows * group, d]
+            p = p.astype(tile_dtype)
             if not pairs:
-                return jnp.einsum("nkhl,nlkd->nkhd", p, values)
-            pv = jnp.einsum("nhl,nlm->nhm", p.reshape(n, -1, kv_tile), values.reshape(n, kv_tile, -1))
+                return jnp.einsum("nkhl,nlkd->nkhd", p, values, preferred_element_type=jnp.float32)
+            pv = jnp.einsum(
+                "nhl,nlm->nhm",
+                p.reshape(n, -1, kv_tile),
+                values.reshape(n, kv_tile, -1),
+                preferred_element_type=jnp.float32,
+            )
             pv = pv.reshape(n, num_kv_heads, rows * group, num_kv_heads, head_dim)
             return jnp.where(same_head, pv, 0.0).sum(axis=3)
 
@@ -131,9 +163,9 @@ def xla_ragged_attention(
                 return x.reshape(n, kv_tile, *x.shape[3:])
 
             # 8-bit pages: the gathered tile is dequantized, never the pool.
-            x = dequantize(gather(pages), None if scales is None else gather(scales))
+            x = dequantize(gather(pages), None if scales is None else gather(scales), tile_dtype)
             # jnp.where, not a mask on the logits alone: NaN garbage times a zero probability is still NaN.
-            return jnp.where(in_cache[:, :, None, None], x, 0.0)
+            return jnp.where(in_cache[:, :, None, None], x, jnp.zeros((), tile_dtype))
 
         def kv_step(j, carry):
             row_max, row_sum, acc = carry  # [n, kv_heads, rows, group] twice, [n, kv_heads, rows, group, head_dim]
@@ -167,7 +199,7 @@ def xla_ragged_attention(
 
     # 1. The last row (or last max_q_len rows) of every sequence, all at once. The last row sits at position
     # kv_len - 1 and sees the whole cache (or window); for a decode row (q_len == 1) that is the whole job.
-    # Sequences go longest first, LAST_ROW_TILE at a time, each tile reading only as many kv tiles as its own
+    # Sequences go longest first, last_row_tile at a time, each tile reading only as many kv tiles as its own
     # longest sequence needs: with mixed lengths, one batch-wide loop would read the longest length for all.
     last_rows = 1 if max_q_len is None else max_q_len  # R
     offsets = jnp.arange(last_rows) - (last_rows - 1)  # -(R - 1) .. 0: the rows before each sequence's last
@@ -175,7 +207,7 @@ def xla_ragged_attention(
     own_rows = offsets > -q_lens[:, None]  # [S, R]: rows of the sequence itself (not a neighbour's, not padding)
     q_last = q[jnp.clip(rows_of_seq, 0, num_tokens - 1)].reshape(num_seq_rows, last_rows, num_kv_heads, group, head_dim)
     last_pos = (kv_lens - 1)[:, None] + offsets  # [S, R]
-    seqs_per_tile = min(LAST_ROW_TILE, num_seq_rows)
+    seqs_per_tile = min(last_row_tile, num_seq_rows)
     num_last_row_tiles = -(-num_seq_rows // seqs_per_tile)
     order = jnp.argsort(-kv_lens)  # live sequences (kv_len >= 1) first, padding rows (kv_len 0) last
     order = jnp.pad(order, (0, num_last_row_tiles * seqs_per_tile - num_seq_rows), mode="edge")  # repeats: same result

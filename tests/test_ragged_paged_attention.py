@@ -17,7 +17,7 @@ import pytest
 from attention_reference import ragged_paged_attention_dense_reference
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.xla_ragged_attention import xla_ragged_attention
+from pallas_kernels.xla_ragged_attention import platform_tuning, xla_ragged_attention
 
 
 def kernel(backend: str) -> dict:
@@ -229,6 +229,20 @@ def test_small_tiles_match_dense_reference(layout, all_pairs, options):
     batch = make_batch(layout, CASES["mixed"](layout.page_size), seed=1)
     out = xla_ragged_attention(*batch.args, sm_scale=0.3, q_tile=8, kv_tile=16, all_pairs=all_pairs, **options)
     assert_matches_reference(layout, batch, out, sm_scale=0.3, **options)
+
+
+@pytest.mark.parametrize("layout", [GQA, LAYOUTS[4], LAYOUTS[5]], ids=str)
+@pytest.mark.parametrize("max_q_len", [None, 1])
+def test_the_accelerators_tuning_matches_dense_reference(layout, max_q_len):
+    # The XLA path as a GPU or TPU runs it (platform_tuning): every sequence of a step at once, products per kv head,
+    # tiles in the query's dtype (bfloat16 products for the bfloat16 layouts); stale slots hold NaN.
+    tuning = platform_tuning("gpu")
+    assert tuning["tiles_in_query_dtype"] and platform_tuning("cpu") == {}
+    seqs = CASES["mixed"](layout.page_size) if max_q_len is None else decode_seqs(layout.page_size)
+    batch = make_batch(layout, seqs, seed=6, poison=True)
+    options = dict(sm_scale=sm_scale(layout), sliding_window=20, soft_cap=2.0)
+    out = xla_ragged_attention(*batch.args, **options, **tuning, max_q_len=max_q_len)
+    assert_matches_reference(layout, batch, out, **options)
 
 
 def decode_seqs(page_size: int) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxpage.attention.backend import AttentionBackend, PagedBatch
 from jaxpage.kv_cache import KVCache
-from pallas_kernels.xla_ragged_attention import xla_ragged_attention
+from pallas_kernels.xla_ragged_attention import platform_tuning, xla_ragged_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +24,7 @@ class XlaAttention(AttentionBackend):
         pools = (kv_cache.k, kv_cache.v)
         scales = dict(k_scales=kv_cache.k_scales, v_scales=kv_cache.v_scales)
         options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len)
+        options |= platform_tuning(self.platform)
         if max_q_len == 1:  # one query token per row: sequence s's is token s (the decode form, no prefill loop)
             assert q.shape[0] == batch.kv_lens.shape[0], (q.shape, batch.kv_lens.shape)
             rows = q.shape[0]
