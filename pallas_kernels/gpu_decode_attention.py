@@ -8,17 +8,22 @@ jax supports and, with `interpret=True`, the very same kernel body runs on CPU, 
 against the reference. (jax marks the Triton lowering deprecated; moving to Mosaic GPU is a change of this file.)
 
 Grid (sequence, kv head, split). A program takes the query heads of one kv head (GQA: padded to at least 16
-rows, the smallest Triton dot) and one of `num_splits` equal slices of the sequence's block table; it walks its
-pages one kv tile of `pages_per_kv_tile` pages at a time (fewer where such tiles would not fit in shared memory) --
-gathering their rows through the block table, which the Triton lowering has no scalar prefetch for, so the table is
-an ordinary operand -- with an online softmax in float32. Each split writes its normalized partial output with its
-row max and row sum; the splits are merged outside the kernel with a log-sum-exp weighting. Splits keep the GPU busy
-when the batch is small and sequences long.
+rows, the tensor cores' smallest product) and one of `num_splits` equal slices of the sequence's block table; it
+walks its pages one kv tile of `pages_per_kv_tile` pages at a time (fewer where such tiles would be larger than
+`gpu_online_softmax.MAX_KV_TILE_BYTES`) -- gathering their rows through the block table, which the Triton lowering
+has no scalar prefetch for, so the table is an ordinary operand -- with an online softmax in float32 and the
+products on the tensor cores (`gpu_online_softmax`). Each split writes its normalized partial output with its row
+max and row sum; the splits are merged outside the kernel with a log-sum-exp weighting. Splits keep the GPU busy
+when the batch is small and sequences long: sequences x kv heads x splits reaches about TARGET_PROGRAMS.
+
+What it compiles to (`python scripts/compile_for.py --target gpu-h200`, no GPU needed): for the Llama-3-8B layer
+in bfloat16, 4 warps, 124 registers a thread, no stack frame, 55 KiB of shared memory (4 resident blocks per SM),
+the products as mma.sync (HMMA), the pages' rows loaded by 128-bit cp.async in a 3-stage pipeline.
 
 8-bit pages (int8, fp8; `pallas_kernels.kv_quantization`) come with per-token scales, one more pair of operands
-blocked by kv head like the pages: each kv tile is read in 8 bits and multiplied by its scales in the kernel (float
-pools compile without them). K/V at positions >= kv_len are zeroed before use (not only masked): stale slots may
-hold NaN, in 8-bit pages also their scales.
+blocked by kv head like the pages: each kv tile is read in 8 bits, widened to the query's dtype, and its scales
+multiply the logits' columns and the probabilities (float pools compile without them). K/V at positions >= kv_len
+never reach the result, even when they hold NaN (`gpu_online_softmax.attend_pages`).
 """
 
 from __future__ import annotations
