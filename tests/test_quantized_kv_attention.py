@@ -250,3 +250,41 @@ def test_gpu_kernels_lower_to_triton(dtype):
         targets = "|".join(re.escape(target) for target in TRITON_CALLS)
         [operands] = re.findall(rf"custom_call @(?:{targets})\(([^)]*)\)", module)
         assert len(operands.split(",")) == float_operands + 2 * quantized
+
+
+def _dot_operand_dtypes(jaxpr) -> set[tuple[str, str]]:
+    """The (lhs, rhs) dtypes of every dot_general in `jaxpr` and the jaxprs in it (a Pallas kernel's, its loops')."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.add(tuple(jnp.dtype(x.aval.dtype).name for x in eqn.invars))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    found |= _dot_operand_dtypes(inner)
+    return found
+
+
+@pytest.mark.parametrize(("q_dtype", "pool_dtype"), [("bfloat16", "bfloat16"), ("bfloat16", "int8"),
+                                                    ("bfloat16", "float8_e4m3fn"), ("float32", "float32"),
+                                                    ("float32", "int8")])  # fmt: skip
+def test_gpu_kernels_multiply_in_the_querys_dtype(q_dtype, pool_dtype):
+    # Both products of both GPU kernels take the query's dtype: bfloat16 on the tensor cores (8-bit pages widened
+    # to it, their scales applied to the logits and probabilities), float32 for a float32 model -- never a 16-bit
+    # or 8-bit tile widened to float32 (scalar FMAs: the first H200 run's 1% of bandwidth).
+    spec = jax.ShapeDtypeStruct
+    seqs, quantized = 8, jnp.dtype(pool_dtype).itemsize == 1
+    pool = spec((100, 16, 2, 128), jnp.dtype(pool_dtype))
+    scales = (
+        dict(k_scales=spec((100, 16, 2), SCALE_DTYPE), v_scales=spec((100, 16, 2), SCALE_DTYPE)) if quantized else {}
+    )
+    kv_lens, tables, cu_q_lens = spec((seqs,), jnp.int32), spec((seqs, 16), jnp.int32), spec((seqs + 1,), jnp.int32)
+    options = dict(sm_scale=0.125, soft_cap=None, sliding_window=None, pages_per_kv_tile=8, interpret=False)
+    decode = functools.partial(gpu_decode_attention, **scales, num_splits=2, **options)
+    ragged = functools.partial(gpu_ragged_attention, **scales, **options)
+    for kernel, args in (
+        (decode, (spec((seqs, 8, 128), jnp.dtype(q_dtype)), pool, pool, kv_lens, tables)),
+        (ragged, (spec((64, 8, 128), jnp.dtype(q_dtype)), pool, pool, kv_lens, tables, cu_q_lens)),
+    ):
+        assert _dot_operand_dtypes(jax.make_jaxpr(kernel)(*args).jaxpr) == {(q_dtype, q_dtype)}
