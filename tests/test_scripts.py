@@ -19,12 +19,16 @@ def test_bench_device_tiny_mode_runs_every_part():
         [sys.executable, "scripts/bench_device.py", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.splitlines()[-1])
-    for batch in (1, 8):
+    lines = result.stdout.splitlines()
+    report = json.loads(lines[-1])
+    for batch in (1, 8, 64):
         decode = report[f"decode_batch_{batch}"]
         assert decode["step_ms"] > 0 and decode["bytes_read_per_step"] > report["param_bytes"] // 2
-    assert report["jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
-    assert report["jaxpage"]["output_tokens"] == report["hf_continuous"]["output_tokens"] > 0
+    assert report["e2e_jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
+    assert report["e2e_jaxpage"]["output_tokens"] == report["e2e_hf"]["output_tokens"] > 0
+    # each result also on a line of its own as it ends, for scripts/device_table.py
+    checks = [json.loads(line)["check"] for line in lines[:-1] if line.startswith("{")]
+    assert checks == ["decode_step"] * 3 + ["e2e_jaxpage", "e2e_hf"]
 
 
 def test_bench_parallel_tiny_mode_reports_each_layout():
