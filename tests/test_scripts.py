@@ -5,31 +5,42 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from jaxpage.benchmarks.device_table import failed, format_table, table_rows
+from jaxpage.benchmarks.device_table import failed, format_table, read_records, table_rows
 from jaxpage.benchmarks.kv_plot import plot_kv_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_device_tiny_mode_runs_every_part():
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_device.py", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=600
+def test_device_checks_tiny_runs_every_stage_and_ends_with_the_table(tmp_path):
+    """The device check as the device runs it (each stage a process of its own, the table over their logs), every
+    stage in its tiny form: tiny figures meet no target, so each target is MISSING and the exit status is 1."""
+    env = {**os.environ, "TINY": "1", "PYTHON": sys.executable}
+    command = ["bash", "scripts/device_checks.sh", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    for name in ("devices", "decode_kernel", "prefill_kernel", "decode_steps", "e2e_jaxpage", "e2e_hf"):
+        assert f"== {name}: exit 0 " in result.stdout, result.stdout[-3000:]
+    assert result.returncode == 1
+    records = read_records(sorted(tmp_path.glob("*.log")))
+    checks = [record["check"] for record in records]
+    assert checks.count("decode_kernel") == 4 and checks.count("prefill_kernel") == 1  # 2 shapes x 2 page formats
+    assert all(record["rel_err_pallas_vs_xla"] < 1e-5 for record in records if "rel_err_pallas_vs_xla" in record)
+    steps = {record["batch"]: record for record in records if record["check"] == "decode_step"}
+    assert sorted(steps) == [1, 8, 64] and all(
+        s["step_ms_async_on"] > 0 < s["step_ms_async_off"] for s in steps.values()
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    report = json.loads(lines[-1])
-    for batch in (1, 8, 64):
-        decode = report[f"decode_batch_{batch}"]
-        assert decode["step_ms"] > 0 and decode["bytes_read_per_step"] > report["param_bytes"] // 2
-    assert report["e2e_jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
-    assert report["e2e_jaxpage"]["output_tokens"] == report["e2e_hf"]["output_tokens"] > 0
-    # each result also on a line of its own as it ends, for scripts/device_table.py
-    checks = [json.loads(line)["check"] for line in lines[:-1] if line.startswith("{")]
-    assert checks == ["decode_step"] * 3 + ["e2e_jaxpage", "e2e_hf"]
+    e2e = {record["check"]: record for record in records if record["check"].startswith("e2e")}
+    assert e2e["e2e_jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
+    assert e2e["e2e_jaxpage"]["compile_run_loaded"] > 0  # those the decode stage compiled, from the cache
+    assert e2e["e2e_jaxpage"]["output_tokens"] == e2e["e2e_hf"]["output_tokens"] > 0
+    assert e2e["e2e_jaxpage"]["workload_sha256"] == e2e["e2e_hf"]["workload_sha256"]
+    table = (tmp_path / "table.log").read_text()
+    assert result.stdout.endswith(table) and "| tiny decode step, async on" in table
+    assert table.count("MISSING") == 7 + 1 and "verdicts: 0 ok, 7 MISSING" in table  # the summary names it too
 
 
 def good_device_run() -> list[dict]:
