@@ -176,7 +176,8 @@ def run_jaxpage(llm, rows: list[dict]) -> dict:
         tokens += sum(len(out.outputs[0].token_ids) for out in engine.step() if out.finished)
         steps += 1
     wall_s = time.perf_counter() - start
-    return {"output_tokens": tokens, "wall_s": round(wall_s, 3), "output_tokens_per_s": round(tokens / wall_s, 1)}
+    rate = round(tokens / wall_s, 1)
+    return {"output_tokens": tokens, "wall_s": round(wall_s, 3), "output_tokens_per_s": rate, "steps": steps}
 
 
 def hf_model(directory: Path, device: str, dtype: str):
