@@ -5,26 +5,105 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from jaxpage.benchmarks.device_table import failed, format_table, read_records, table_rows
 from jaxpage.benchmarks.kv_plot import plot_kv_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_device_tiny_mode_runs_every_part():
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_device.py", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=600
+def test_device_checks_tiny_runs_every_stage_and_ends_with_the_table(tmp_path):
+    """The device check as the device runs it (each stage a process of its own, the table over their logs), every
+    stage in its tiny form: tiny figures meet no target, so each target is MISSING and the exit status is 1."""
+    env = {**os.environ, "TINY": "1", "PYTHON": sys.executable}
+    command = ["bash", "scripts/device_checks.sh", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    for name in ("devices", "decode_kernel", "prefill_kernel", "decode_steps", "e2e_jaxpage", "e2e_hf"):
+        assert f"== {name}: exit 0 " in result.stdout, result.stdout[-3000:]
+    assert result.returncode == 1
+    records = read_records(sorted(tmp_path.glob("*.log")))
+    checks = [record["check"] for record in records]
+    assert checks.count("decode_kernel") == 4 and checks.count("prefill_kernel") == 1  # 2 shapes x 2 page formats
+    assert all(record["rel_err_pallas_vs_xla"] < 1e-5 for record in records if "rel_err_pallas_vs_xla" in record)
+    steps = {record["batch"]: record for record in records if record["check"] == "decode_step"}
+    assert sorted(steps) == [1, 8, 64] and all(
+        s["step_ms_async_on"] > 0 < s["step_ms_async_off"] for s in steps.values()
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.splitlines()[-1])
-    for batch in (1, 8):
-        decode = report[f"decode_batch_{batch}"]
-        assert decode["step_ms"] > 0 and decode["bytes_read_per_step"] > report["param_bytes"] // 2
-    assert report["jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
-    assert report["jaxpage"]["output_tokens"] == report["hf_continuous"]["output_tokens"] > 0
+    e2e = {record["check"]: record for record in records if record["check"].startswith("e2e")}
+    assert e2e["e2e_jaxpage"]["compilations"] == 0  # the timed run reuses the compile run's shapes
+    assert e2e["e2e_jaxpage"]["compile_run_loaded"] > 0  # those the decode stage compiled, from the cache
+    assert e2e["e2e_jaxpage"]["output_tokens"] == e2e["e2e_hf"]["output_tokens"] > 0
+    assert e2e["e2e_jaxpage"]["workload_sha256"] == e2e["e2e_hf"]["workload_sha256"]
+    table = (tmp_path / "table.log").read_text()
+    assert result.stdout.endswith(table) and "| tiny decode step, async on" in table
+    assert table.count("MISSING") == 7 + 1 and "verdicts: 0 ok, 7 MISSING" in table  # the summary names it too
+
+
+def good_device_run() -> list[dict]:
+    """A device run's records as its stages print them, every target met."""
+    layer = dict(heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    kernel = dict(check="decode_kernel", device="cuda:0", num_seqs=64, kv_len=2048, kv_dtype="bfloat16", **layer)
+    kernel |= dict(pallas_kv_gb_per_s=3200.0, pallas_fraction_of_copy=0.76, rel_err_pallas_vs_xla=0.004)
+    kernel |= dict(xla_kv_gb_per_s=170.0, xla_fraction_of_copy=0.04, copy_gb_per_s=4214.0)
+    prefill = dict(check="prefill_kernel", device="cuda:0", prompt_len=4096, matmul_tflop_per_s=780.0, **layer)
+    prefill |= dict(pallas_tflop_per_s=420.0, pallas_fraction_of_matmul=0.54, rel_err_pallas_vs_xla=0.005)
+    prefill |= dict(xla_tflop_per_s=90.0, xla_fraction_of_matmul=0.115)
+    step = dict(check="decode_step", model="llama3-8b", device="cuda:0", kv_len=523, device_ms=4.0)
+    steps = [step | dict(batch=1, step_ms_async_on=4.1, step_ms_async_off=4.6, roofline_ms_measured_bandwidth=3.6)]
+    steps += [step | dict(batch=8, step_ms_async_on=4.4, step_ms_async_off=5.0, roofline_ms_measured_bandwidth=3.7)]
+    steps += [step | dict(batch=64, step_ms_async_on=6.0, step_ms_async_off=6.9, roofline_ms_measured_bandwidth=4.7)]
+    workload = dict(num_requests=64, output_tokens=6118)
+    e2e = dict(model="llama3-8b", device="cuda:0", workload=workload, workload_sha256="96cf83f145cf3ea3")
+    e2e_runs = [dict(check="e2e_jaxpage", output_tokens_per_s=9000.0, **e2e)]
+    e2e_runs += [dict(check="e2e_hf", output_tokens_per_s=1500.0, **e2e)]
+    return [kernel, prefill, *steps, *e2e_runs]
+
+
+def test_device_table_puts_each_target_beside_its_figure():
+    records = good_device_run()
+    rows = table_rows(records)
+    verdicts = {(row.check, row.case.split(",")[0]): (row.ratio, row.target, row.verdict) for row in rows}
+    assert verdicts[("decode kernel (pallas)", "64 x 2")] == ("76%", ">= 70%", "ok")
+    assert verdicts[("decode kernel (xla)", "64 x 2")] == ("4%", "-", "")  # beside it, no target
+    assert verdicts[("prefill kernel (pallas)", "one 4")] == ("54%", ">= 50%", "ok")
+    assert verdicts[("llama3-8b decode step, async off", "batch 1")] == ("1.28x", "<= 1.3x", "ok")
+    assert verdicts[("llama3-8b decode step, async on", "batch 64")] == ("1.28x", "<= 1.5x", "ok")
+    assert verdicts[("llama3-8b decode step, async on", "batch 8")] == ("1.19x", "-", "")
+    assert verdicts[("end-to-end output tokens/s", "64 requests")] == ("6.00x", ">= 5.0x", "ok")
+    assert not failed(rows) and "verdicts: 7 ok" in format_table(rows, records)
+
+
+def test_device_table_flags_missed_missing_wrong_and_mismatched(tmp_path):
+    kernel, prefill, batch_1, batch_8, batch_64, jaxpage, hf = good_device_run()
+    kernel["pallas_fraction_of_copy"] = 0.69  # missed
+    wrong = kernel | dict(num_seqs=256, kv_len=512, pallas_fraction_of_copy=0.9, rel_err_pallas_vs_xla=0.3)
+    batch_64["step_ms_async_off"] = 7.1  # 1.51x: missed with synchronous scheduling only
+    hf["workload_sha256"] = "another"
+    records = [kernel, wrong, batch_1, batch_8, batch_64, jaxpage, hf]  # no prefill figure
+    verdicts = [(row.check, row.case.split(",")[0], row.verdict) for row in table_rows(records) if row.verdict]
+    assert verdicts == [
+        ("decode kernel (pallas)", "64 x 2", "MISSED"),
+        ("decode kernel (pallas)", "256 x 512", "WRONG"),
+        ("llama3-8b decode step, async on", "batch 1", "ok"),
+        ("llama3-8b decode step, async off", "batch 1", "ok"),
+        ("llama3-8b decode step, async on", "batch 64", "ok"),
+        ("llama3-8b decode step, async off", "batch 64", "MISSED"),
+        ("end-to-end output tokens/s", "64 requests", "MISMATCH"),
+        ("prefill kernel (pallas)", "one 4", "MISSING"),
+    ]
+    # The script reads the stages' logs, other lines and all, and says so in its exit status.
+    log = "\n".join(["== a stage", "[bench 12:00:00] progress", *map(json.dumps, records), '{"not": "a check"}'])
+    (tmp_path / "stage.log").write_text(log + "\n")
+    command = [sys.executable, "scripts/device_table.py", str(tmp_path / "stage.log"), str(tmp_path / "absent.log")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "verdicts: 3 ok, 2 MISSED, 1 MISSING, 1 WRONG, 1 MISMATCH" in result.stdout
+    (tmp_path / "stage.log").write_text("\n".join(map(json.dumps, good_device_run())))
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout
 
 
 def test_bench_parallel_tiny_mode_reports_each_layout():

@@ -90,16 +90,23 @@ def run_hf_static(hf, rows: list[dict], batch_size: int) -> tuple[dict, dict[str
     }, outputs
 
 
+def cb_page_size(config) -> int:
+    """Tokens per page of a ContinuousBatchingConfig: `page_size` since transformers 5.17's successors, `block_size`
+    in 5.17 itself (the version on the lent H200s)."""
+    return getattr(config, "page_size", None) or config.block_size
+
+
 def run_hf_continuous(
-    hf, rows: list[dict], max_num_batched_tokens: int, max_num_seqs: int, kv_tokens: int
+    hf, rows: list[dict], max_num_batched_tokens: int, max_num_seqs: int, kv_tokens: int, warmup_rows=()
 ) -> tuple[dict, dict[str, list[int]]]:
     """transformers' continuous batching with jaxpage's token budget, row limit and KV capacity (kv_tokens), every
-    row greedy to its max_tokens. (figures, request id -> tokens)"""
+    row greedy to its max_tokens, after `warmup_rows` (untimed: the first launches of its kernels). (figures, request
+    id -> tokens)"""
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    page_size = ContinuousBatchingConfig().page_size
+    page_size = cb_page_size(ContinuousBatchingConfig())
     cb_config = ContinuousBatchingConfig(
         max_batch_tokens=max_num_batched_tokens,
         max_requests_per_batch=max_num_seqs,
@@ -124,27 +131,15 @@ def run_hf_continuous(
     ):
         setup_s = time.perf_counter() - setup_start
         attn_used = hf.config._attn_implementation
-        log(f"hf_continuous: manager ready in {setup_s:.1f}s (attn {attn_used}); queuing {len(rows)} requests")
+        log(f"hf_continuous: manager ready in {setup_s:.1f}s (attn {attn_used})")
+        warmup = [row | {"id": f"warmup-{row['id']}"} for row in warmup_rows]
+        if warmup:
+            warmup_start = time.perf_counter()
+            _collect(manager, warmup, {}, errors)
+            log(f"hf_continuous: {len(warmup)} warm-up requests in {time.perf_counter() - warmup_start:.1f}s")
+        log(f"hf_continuous: queuing {len(rows)} requests")
         cpu_start, start = cpu_seconds(), time.perf_counter()
-        for row in rows:
-            manager.add_request(
-                row["prompt_token_ids"], request_id=row["id"], max_new_tokens=row["max_tokens"], eos_token_id=-1
-            )
-        last_report = start
-        while len(outputs) + len(errors) < len(rows):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise SystemExit("hf_continuous: the generation thread stopped before every request finished")
-            elif result.is_finished():
-                if result.error is not None:
-                    errors[result.request_id] = str(result.error)
-                else:
-                    outputs[result.request_id] = list(result.generated_tokens)
-            now = time.perf_counter()
-            if now - last_report > 10:
-                log(f"hf_continuous: {len(outputs)}/{len(rows)} done, {now - start:.0f}s")
-                last_report = now
+        _collect(manager, rows, outputs, errors)
         wall_s = time.perf_counter() - start
         load = machine_load(cpu_seconds() - cpu_start, wall_s)
         resolved = manager.continuous_batching_config
@@ -157,11 +152,38 @@ def run_hf_continuous(
         "wall_s": round(wall_s, 3),
         "output_tokens_per_s": round(tokens / wall_s, 2),
         "setup_s": round(setup_s, 2),
+        "warmup_requests": len(warmup),
         "attn_implementation": attn_used,
         "attn_implementation_loaded": attn_before,
-        "page_size": resolved.page_size,
+        "page_size": cb_page_size(resolved),
         "num_blocks": resolved.num_blocks,
         "max_batch_tokens": resolved.max_batch_tokens,
         "max_requests_per_batch": resolved.max_requests_per_batch,
         **load,
     }, outputs
+
+
+def _collect(manager, rows: list[dict], outputs: dict[str, list[int]], errors: dict[str, str]) -> None:
+    """Queues `rows` on a running continuous-batching manager and waits for every one of them to finish, into outputs
+    (request id -> tokens) or errors (request id -> message)."""
+    for row in rows:
+        manager.add_request(
+            row["prompt_token_ids"], request_id=row["id"], max_new_tokens=row["max_tokens"], eos_token_id=-1
+        )
+    start = last_report = time.perf_counter()
+    done = 0
+    while done < len(rows):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise SystemExit("hf_continuous: the generation thread stopped before every request finished")
+        elif result.is_finished():
+            done += 1
+            if result.error is not None:
+                errors[result.request_id] = str(result.error)
+            else:
+                outputs[result.request_id] = list(result.generated_tokens)
+        now = time.perf_counter()
+        if now - last_report > 10:
+            log(f"hf_continuous: {done}/{len(rows)} done, {now - start:.0f}s")
+            last_report = now

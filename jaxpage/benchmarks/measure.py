@@ -1,9 +1,11 @@
-"""Measurements of the machine a benchmark runs on: CPU time, load, float32 matmul rate, device copy bandwidth."""
+"""Measurements of the machine a benchmark runs on: CPU time, load, a device program's time per call, the matmul
+rate, the device's copy bandwidth."""
 
 from __future__ import annotations
 
 import os
 import resource
+import statistics
 import time
 
 
@@ -19,34 +21,42 @@ def machine_load(cpu_s: float, wall_s: float) -> dict:
     return {"process_cores_busy": round(cpu_s / wall_s, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2)}
 
 
-def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
-    """FLOPs per second of an n x n x n float32 jnp.dot on the default device."""
+def device_seconds(fn, *args, repeats: int = 10, rounds: int = 5) -> float:
+    """Seconds per call of fn(*args) on the device: fn runs once untimed (compiling it), then `rounds` times
+    `repeats` calls back to back, each round timed until the device has finished; the median round's mean.
+    (Launches are asynchronous: the host queues the next call while the device runs one, so a call that takes
+    longer on the device than its launch on the host is timed by the device.)"""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / repeats)
+    return statistics.median(times)
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
+    """FLOPs per second of an n x n x n jnp.dot of random `dtype` matrices on the default device (a bfloat16
+    product accumulates in float32 on a GPU or TPU)."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, a).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = dot(a, a)
-    out.block_until_ready()
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    return 2 * n**3 / device_seconds(jax.jit(jnp.dot), a, b, repeats=repeats)
 
 
 def copy_bandwidth(num_bytes: int, repeats: int = 10) -> float:
-    """Bytes per second of a large copy on the default device (it reads and writes each byte)."""
+    """Bytes per second of a large copy of random data on the default device (it reads and writes each byte)."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones(num_bytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0)
-    jax.block_until_ready(copy(x))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        y = copy(x)
-    jax.block_until_ready(y)
-    return 2 * num_bytes * repeats / (time.perf_counter() - start)
+    x = jax.random.normal(jax.random.key(0), (num_bytes // 4,), jnp.float32)
+    return 2 * num_bytes / device_seconds(jax.jit(lambda a: a * 1.0), x, repeats=repeats)
 
 
 def record_decode_steps(engine, num_seqs: int | None = None) -> list[float]:
