@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.benchmarks.measure import copy_bandwidth, device_seconds
+from jaxpage.benchmarks.measure import copy_bandwidth, time_attention_impls
 from jaxpage.benchmarks.progress import log
 from pallas_kernels.kv_quantization import SCALE_DTYPE, is_quantized, quantize
 from pallas_kernels.paged_attention import paged_attention
@@ -71,16 +71,13 @@ def run_case(sizes: dict, num_seqs: int, kv_len: int, kv_dtype: str, kernel: dic
     record = {"check": "decode_kernel", "device": str(jax.devices()[0]), "num_seqs": num_seqs, "kv_len": kv_len}
     record |= {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "page_size": PAGE_SIZE}
     record |= {"dtype": sizes["dtype"], "kv_dtype": kv_dtype, "kv_bytes_per_call": int(read)}
-    outputs = {}
-    for impl, how in (("pallas", kernel), ("xla", dict(impl="xla"))):
-        fn = jax.jit(lambda inputs, how=how: paged_attention(**inputs, sm_scale=head_dim**-0.5, **how))
-        seconds = device_seconds(fn, inputs, repeats=sizes["repeats"])
-        outputs[impl] = np.asarray(fn(inputs), np.float64)
+    impls = {name: how | dict(sm_scale=head_dim**-0.5) for name, how in (("pallas", kernel), ("xla", dict(impl="xla")))}
+    times, error = time_attention_impls(paged_attention, inputs, impls, sizes["repeats"])
+    record["rel_err_pallas_vs_xla"] = error
+    for impl, seconds in times.items():
         record[f"{impl}_ms"] = round(seconds * 1e3, 4)
         record[f"{impl}_kv_gb_per_s"] = round(read / seconds / 1e9, 2)
         record[f"{impl}_fraction_of_copy"] = round(read / seconds / 1e9 / copy_gb_per_s, 3)
-    error = np.linalg.norm(outputs["pallas"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
-    record["rel_err_pallas_vs_xla"] = float(f"{error:.3g}")
     record["copy_gb_per_s"] = copy_gb_per_s
     return record
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.benchmarks.measure import device_seconds, matmul_flops_per_s
+from jaxpage.benchmarks.measure import matmul_flops_per_s, time_attention_impls
 from jaxpage.benchmarks.progress import log
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -67,17 +67,15 @@ def main() -> None:
     record = {"check": "prefill_kernel", "device": str(jax.devices()[0]), "prompt_len": prompt_len, "heads": heads}
     record |= {"kv_heads": sizes["kv_heads"], "head_dim": head_dim, "page_size": PAGE_SIZE, "dtype": sizes["dtype"]}
     record |= {"flops_per_call": flops, "matmul_tflop_per_s": round(matmul / 1e12, 2)}
-    outputs = {}
-    for impl, how in (("pallas", kernel), ("xla", dict(impl="xla"))):
-        fn = jax.jit(lambda inputs, how=how: ragged_paged_attention(**inputs, sm_scale=head_dim**-0.5, **how))
-        seconds = device_seconds(fn, inputs, repeats=sizes["repeats"])
-        outputs[impl] = np.asarray(fn(inputs), np.float64)
+    impls = {name: how | dict(sm_scale=head_dim**-0.5) for name, how in (("pallas", kernel), ("xla", dict(impl="xla")))}
+    times, record["rel_err_pallas_vs_xla"] = time_attention_impls(
+        ragged_paged_attention, inputs, impls, sizes["repeats"]
+    )
+    for impl, seconds in times.items():
         record[f"{impl}_ms"] = round(seconds * 1e3, 4)
         record[f"{impl}_tflop_per_s"] = round(flops / seconds / 1e12, 3)
         record[f"{impl}_fraction_of_matmul"] = round(flops / seconds / matmul, 3)
         log(f"{impl}: {seconds * 1e3:.3f} ms, {flops / seconds / 1e12:.2f} TFLOP/s ({flops / seconds / matmul:.0%})")
-    error = np.linalg.norm(outputs["pallas"] - outputs["xla"]) / np.linalg.norm(outputs["xla"])
-    record["rel_err_pallas_vs_xla"] = float(f"{error:.3g}")
     print(json.dumps(record), flush=True)
 
 

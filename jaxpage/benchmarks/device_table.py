@@ -80,38 +80,39 @@ def kernel_error_verdict(record: dict, output_dtype: str) -> tuple[str, str]:
     return ("WRONG" if wrong else ""), f"rel. err vs xla {error:.2g}"
 
 
-def decode_kernel_rows(record: dict) -> list[Row]:
-    case = f"{record['num_seqs']} x {record['kv_len']:,}, {record['kv_dtype']} pages"
+def _kernel_rows(
+    record: dict, kernel: str, case: str, rate: tuple[str, str], against: tuple[str, str], target
+) -> list[Row]:
+    """The Pallas kernel's and the XLA implementation's rows of one case: each one's rate (the record's key suffix,
+    its unit), against (a label, the key suffix of the fraction of it), and on the Pallas row the target (the cases
+    it applies to, the least fraction) and the kernel's error against XLA's."""
+    (rate_key, unit), (against_label, fraction_key), (spec, least) = rate, against, target
     rows = []
     for impl in ("pallas", "xla"):
-        fraction = record[f"{impl}_fraction_of_copy"]
-        row = Row(f"decode kernel ({impl})", case, f"{number(record[f'{impl}_kv_gb_per_s'])} GB/s")
-        row.against, row.ratio = f"copy {number(record['copy_gb_per_s'])} GB/s", f"{fraction:.0%}"
+        fraction = record[f"{impl}_{fraction_key}"]
+        row = Row(f"{kernel} kernel ({impl})", case, f"{number(record[f'{impl}_{rate_key}'])} {unit}")
+        row.against, row.ratio = against_label, f"{fraction:.0%}"
         if impl == "pallas":
-            if matches(record, DECODE_KERNEL_TARGET):
-                row.target = f">= {DECODE_KERNEL_FRACTION:.0%}"
-                row.verdict = verdict(fraction >= DECODE_KERNEL_FRACTION)
+            if matches(record, spec):
+                row.target, row.verdict = f">= {least:.0%}", verdict(fraction >= least)
             wrong, row.notes = kernel_error_verdict(record, record["dtype"])
             row.verdict = wrong or row.verdict
         rows.append(row)
     return rows
+
+
+def decode_kernel_rows(record: dict) -> list[Row]:
+    case = f"{record['num_seqs']} x {record['kv_len']:,}, {record['kv_dtype']} pages"
+    against = (f"copy {number(record['copy_gb_per_s'])} GB/s", "fraction_of_copy")
+    target = (DECODE_KERNEL_TARGET, DECODE_KERNEL_FRACTION)
+    return _kernel_rows(record, "decode", case, ("kv_gb_per_s", "GB/s"), against, target)
 
 
 def prefill_kernel_rows(record: dict) -> list[Row]:
     case = f"one {record['prompt_len']:,}-token prompt, {record['dtype']}"
-    rows = []
-    for impl in ("pallas", "xla"):
-        fraction = record[f"{impl}_fraction_of_matmul"]
-        row = Row(f"prefill kernel ({impl})", case, f"{number(record[f'{impl}_tflop_per_s'])} TFLOP/s")
-        row.against, row.ratio = f"bf16 matmul {number(record['matmul_tflop_per_s'])} TFLOP/s", f"{fraction:.0%}"
-        if impl == "pallas":
-            if matches(record, PREFILL_KERNEL_TARGET):
-                row.target = f">= {PREFILL_KERNEL_FRACTION:.0%}"
-                row.verdict = verdict(fraction >= PREFILL_KERNEL_FRACTION)
-            wrong, row.notes = kernel_error_verdict(record, record["dtype"])
-            row.verdict = wrong or row.verdict
-        rows.append(row)
-    return rows
+    against = (f"bf16 matmul {number(record['matmul_tflop_per_s'])} TFLOP/s", "fraction_of_matmul")
+    target = (PREFILL_KERNEL_TARGET, PREFILL_KERNEL_FRACTION)
+    return _kernel_rows(record, "prefill", case, ("tflop_per_s", "TFLOP/s"), against, target)
 
 
 def decode_step_rows(record: dict) -> list[Row]:

@@ -74,3 +74,18 @@ def record_decode_steps(engine, num_seqs: int | None = None) -> list[float]:
 
     engine.step = timed_step
     return seconds
+
+
+def time_attention_impls(attention, inputs: dict, impls: dict, repeats: int) -> tuple[dict[str, float], float]:
+    """({name: seconds per call} of jax.jit(attention(**inputs, **how)) for each name, how of impls (device_seconds),
+    and the relative error (L2) of the first impl's output against the last's."""
+    import jax
+    import numpy as np
+
+    seconds, outputs = {}, []
+    for name, how in impls.items():
+        fn = jax.jit(lambda inputs, how=how: attention(**inputs, **how))
+        seconds[name] = device_seconds(fn, inputs, repeats=repeats)
+        outputs.append(np.asarray(fn(inputs), np.float64))
+    error = np.linalg.norm(outputs[0] - outputs[-1]) / np.linalg.norm(outputs[-1])
+    return seconds, float(f"{error:.3g}")
