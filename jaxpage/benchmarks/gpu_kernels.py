@@ -101,7 +101,8 @@ class KernelReport:
     """One of jaxpage's GPU kernels in a program, as launched `count` times alike (same code, grid and block)."""
 
     name: str  # the kernel's (pallas_call's) name
-    count: int  # its launches in the program's thunk sequence (one per layer; a loop's body counted once)
+    count: int  # its launch sites in the program's thunk sequence: one per layer (a loop's body once, each branch of
+    # a conditional once)
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
     shared_bytes: int  # per block
@@ -112,8 +113,9 @@ class KernelReport:
     blocks_per_sm: int  # resident at once (0: cannot launch)
     sass: dict[str, int]  # SASS_COUNTS' instructions in its code
     arch: str  # the PTX's target ("sm_90a")
-    codes: int = 1  # distinct codes of that name in the program: > 1 when the launches cannot be told apart (a model
-    # that picks one of two variants at run time), each code is then reported with every launch of the name
+    # Distinct codes of that name and block in the program (XLA names a second variant of a kernel NAME__1, so this is
+    # 1 but where a dump differs): when > 1, each code is reported with every launch of the name.
+    codes: int = 1
 
     @property
     def tensor_core_mma(self) -> int:
