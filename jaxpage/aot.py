@@ -277,17 +277,18 @@ def kernel_reader(target: Target):
 
 @contextlib.contextmanager
 def dumped(runner: ModelRunner, dump: bool):
-    """Where dump: a temporary directory, XLA's dump directory for what `runner` compiles meanwhile (its
+    """Where dump: a temporary directory, XLA's dump directory for what `runner` compiles meanwhile (added to its
     compiler_options), removed after; else None."""
     if not dump:
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="jaxpage-xla-dump-") as directory:
-        runner.compiler_options = {"xla_dump_to": directory}
+        options = runner.compiler_options
+        runner.compiler_options = {**(options or {}), "xla_dump_to": directory}
         try:
             yield directory
         finally:
-            runner.compiler_options = None
+            runner.compiler_options = options
 
 
 def layer_weight_bytes(params) -> int:
