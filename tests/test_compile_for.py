@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -354,6 +355,15 @@ def test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores(shape, k
         if k.stack_bytes or not k.tensor_core_mma
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_a_dump_directory_joins_a_runners_compiler_options_while_it_compiles():
+    runner = types.SimpleNamespace(compiler_options=XLA_OPTIMIZATION)
+    with aot.dumped(runner, True) as directory:
+        assert runner.compiler_options == XLA_OPTIMIZATION | {"xla_dump_to": directory} and Path(directory).is_dir()
+    assert runner.compiler_options == XLA_OPTIMIZATION and not Path(directory).exists()
+    with aot.dumped(runner, False) as directory:
+        assert directory is None and runner.compiler_options == XLA_OPTIMIZATION
 
 
 def test_compile_for_refuses_bad_arguments_in_one_line(capsys):
