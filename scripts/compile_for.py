@@ -247,14 +247,14 @@ def kernel_checks(build) -> list[tuple[str, bool, str]]:
     stacked = kernels_where(programs, lambda k: k.stack_bytes > 0)
     detail = "; ".join(
         f"{name}: {k.stack_bytes} B stack frame, {k.spill_store_bytes}/{k.spill_load_bytes} B spill stores/loads "
-        f"(the largest of {n} launch configurations)"
+        f"(the largest, of {configurations(n)})"
         for name, (k, n) in stacked.items()
     )
     detail = unreported + (detail or f"{launches} kernel launch configurations, none")
     checks = [("GPU kernels: no stack frame (spills)", not missing and not stacked, detail)]
     off = kernels_where(programs, lambda k: k.tensor_core_mma == 0)
     detail = "; ".join(
-        f"{name}: no tensor-core MMA, {k.sass['FFMA']} FFMA ({n} launch configurations)" for name, (k, n) in off.items()
+        f"{name}: no tensor-core MMA, {k.sass['FFMA']} FFMA ({configurations(n)})" for name, (k, n) in off.items()
     )
     check = "GPU kernels: products on the tensor cores"
     if build.dtype.name != "float32" or build.engine.kv_cache_dtype != "auto":
@@ -264,6 +264,10 @@ def kernel_checks(build) -> list[tuple[str, bool, str]]:
         detail = f"float32 model and pool: float32 products by design, not checked ({detail or 'none off them'})"
         checks.append((check, True, detail))
     return checks
+
+
+def configurations(n: int) -> str:
+    return f"{n} launch configuration{'s' if n > 1 else ''}"
 
 
 def kernels_where(programs, bad) -> dict:
