@@ -7,7 +7,9 @@ ShapeDtypeStructs instead of arrays: no weights are read and nothing runs. `comp
 the engine's warm-up compiles (ModelRunner.warmup_programs: the pool's fill, each forward step shape, each sampler
 or verification, the page copy, a draft model's forward passes and proposals), each with the chip's real compiler,
 and reports on each (`ProgramReport`): compiled or the compiler's error, seconds, memory, the compiler's cost
-analysis, collectives executed, and any copy of a KV pool.
+analysis, collectives executed, and any copy of a KV pool; on a GPU target, each Pallas kernel of the programs that
+run the model's layers (KERNEL_KINDS) too: its launch, registers, stack frame, shared memory, blocks per SM and SASS
+(jaxpage.benchmarks.gpu_kernels, from a dump of that compile read with ptxas and cuobjdump).
 
 Estimates, not measurements: `decode_roofline` gives a decode step's time as max(bytes / HBM bandwidth, FLOPs /
 peak) of the chip's published figures.
@@ -15,8 +17,11 @@ peak) of the chip's published figures.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
+import tempfile
 import time
 
 import jax
@@ -24,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jaxpage.attention import AttentionBackend, resolve_backend
+from jaxpage.benchmarks import gpu_kernels
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
@@ -65,6 +71,7 @@ LLAMA3_8B = ModelConfig(
     eos_token_ids=(128001, 128009),
 )
 MODEL_SHAPES = {"llama3-8b": LLAMA3_8B}
+KERNEL_KINDS = ("forward", "propose")  # the programs that run the model's layers, and so its attention kernels
 
 
 def model_shape(name: str) -> ModelConfig:
@@ -106,6 +113,9 @@ class ProgramReport:
     # ... and those that copy a dynamic slice as large as one layer's smallest weight matrix (a layer's weights copied
     # out of the stacked arrays before its products: every weight read three times a step), the pool copies apart
     weight_copies: tuple[str, ...] = ()
+    # A GPU target's Pallas kernels in a program of KERNEL_KINDS, a report per code and launch configuration. None:
+    # not looked for (another kind or target, compile_all(kernels=False)), or nothing compiled (a program got before).
+    kernels: tuple[gpu_kernels.KernelReport, ...] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -218,10 +228,20 @@ def placed_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def compile_all(build: TargetBuild, on_program=None, kinds: set[str] | None = None) -> list[ProgramReport]:
+def compile_all(
+    build: TargetBuild, on_program=None, kinds: set[str] | None = None, kernels: bool | None = None
+) -> list[ProgramReport]:
     """Compiles every program of `build`'s runners (a failure is reported, and the others still compile); calls
     on_program(report) as each ends. Returns (and keeps in build.programs) the reports, in warm-up order. kinds: only
-    the programs of these kinds (ProgramReport.kind), e.g. {"pool", "forward", "copy"}: those that touch the pool."""
+    the programs of these kinds (ProgramReport.kind), e.g. {"pool", "forward", "copy"}: those that touch the pool.
+    kernels: report the Pallas kernels of KERNEL_KINDS' programs (ProgramReport.kernels; a GPU target's only); None:
+    on a GPU target. They need CUDA's ptxas and cuobjdump (pip install 'jaxpage[compile]'):
+    gpu_kernels.MissingToolError before anything compiles when one is missing."""
+    if kernels is None:
+        kernels = build.target.platform == "gpu"
+    if kernels and build.target.platform != "gpu":
+        raise ValueError(f"no kernel report for {build.target.name}: the kernel report reads GPU kernels")
+    read_kernels = kernel_reader(build.target) if kernels else None
     for index, runner in enumerate(build.runners):
         first = pool_groups(runner.kv_cache)[0]
         pool_array_bytes = placed_bytes(first.k) // first.k.shape[0]  # one layer of K
@@ -230,19 +250,45 @@ def compile_all(build: TargetBuild, on_program=None, kinds: set[str] | None = No
             if kinds is not None and what.program not in kinds:
                 continue
             label = str(what).split(":")[0] + (" (draft model)" if index else "")
-            start = time.perf_counter()
-            try:
-                compiled = get()
-            except Exception as e:  # the compiler's refusal, reported with the program it refused
-                error = f"{type(e).__name__}: {e}"
-                report = ProgramReport(label, what.program, time.perf_counter() - start, error=error)
-            else:
-                seconds = time.perf_counter() - start
-                report = describe(label, what.program, seconds, compiled, pool_array_bytes, weight_bytes)
+            with dumped(runner, read_kernels is not None and what.program in KERNEL_KINDS) as dump:
+                start = time.perf_counter()
+                try:
+                    compiled = get()
+                except Exception as e:  # the compiler's refusal, reported with the program it refused
+                    error = f"{type(e).__name__}: {e}"
+                    report = ProgramReport(label, what.program, time.perf_counter() - start, error=error)
+                else:
+                    seconds = time.perf_counter() - start
+                    report = describe(label, what.program, seconds, compiled, pool_array_bytes, weight_bytes)
+                    if dump is not None:
+                        report = dataclasses.replace(report, kernels=read_kernels(dump))
             build.programs.append(report)
             if on_program is not None:
                 on_program(report)
     return build.programs
+
+
+def kernel_reader(target: Target):
+    """read(dump directory) -> the Pallas kernels' reports (gpu_kernels.read_dump) for a GPU target's SMs, with the
+    tools found now (MissingToolError when one is missing)."""
+    limits = gpu_kernels.SmLimits.from_target_config(target.gpu_target_config())
+    return functools.partial(gpu_kernels.read_dump, tools=gpu_kernels.find_tools(), limits=limits)
+
+
+@contextlib.contextmanager
+def dumped(runner: ModelRunner, dump: bool):
+    """Where dump: a temporary directory, XLA's dump directory for what `runner` compiles meanwhile (added to its
+    compiler_options), removed after; else None."""
+    if not dump:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="jaxpage-xla-dump-") as directory:
+        options = runner.compiler_options
+        runner.compiler_options = {**(options or {}), "xla_dump_to": directory}
+        try:
+            yield directory
+        finally:
+            runner.compiler_options = options
 
 
 def layer_weight_bytes(params) -> int:

@@ -6,23 +6,35 @@
     python scripts/compile_for.py --target gpu-h100 --model default --num-speculative-tokens 3 --draft-model default
 
 Targets (jaxpage.targets): tpu-v5e, tpu-v6e, tpu-v5p (needs libtpu: pip install 'jaxpage[tpu]'), gpu-h100, gpu-h200
-(needs jax's CUDA plugin: pip install 'jaxpage[cuda]'); ":TOPOLOGY" picks the compile-only topology whose first
-devices are used (default: the smallest that holds the mesh). The model is a shape, not weights: "default" (the
-default model's config, read from its GGUF), "llama3-8b", or a model source's config. The KV pool is sized as the
-engine sizes it on that chip: gpu_memory_utilization of the chip's HBM less the weights a device holds.
+(needs jax's CUDA plugin, and CUDA's ptxas and cuobjdump for the kernel report: pip install 'jaxpage[compile]');
+":TOPOLOGY" picks the compile-only topology whose first devices are used (default: the smallest that holds the
+mesh). The model is a shape, not weights: "default" (the default model's config, read from its GGUF), "llama3-8b",
+or a model source's config. The KV pool is sized as the engine sizes it on that chip: gpu_memory_utilization of the
+chip's HBM less the weights a device holds.
 
 For each program (the pool's fill, each forward step shape, each sampler or verification, the page copy, a draft
 model's forward passes and proposals): compiled or the compiler's error, compile seconds, the compiler's memory
 analysis per device (arguments, outputs, temporaries, code), its cost analysis (FLOPs and bytes accessed; XLA's GPU
 compiler gives none), the collectives one run executes, and any copy of a KV pool or of a dynamic slice as large
-as one layer's smallest weight matrix in the optimized HLO. Then the checks: every program compiled; no KV pool
-copied; no layer's weights copied (XLA's GPU compiler copies each layer's weights out of a scan over stacked layers:
-the model unrolls its layers there); no temporary as large as a pool; the pool's compiled bytes within 2% of the
-engine's budget arithmetic; with tensor parallelism, the collectives Megatron needs (2 all-reduces per layer and 1
-for the embedding in a forward pass, the logits' all-gather in a sampler); per-device memory (weights + pool + the
-largest temporary) within the chip's HBM. And the decode step's roofline ESTIMATE at batch 1
-and 64 (max(bytes / HBM bandwidth, FLOPs / peak), the chip's published figures; a compiler estimate, not a
-measurement). Exits 1 when a check fails. --json writes the whole report.
+as one layer's smallest weight matrix in the optimized HLO.
+
+On a GPU, under each forward pass (and a draft model's proposals), a row for each of jaxpage's Pallas kernels in it
+(jaxpage.benchmarks.gpu_kernels: XLA's dump of that compile, the kernel's PTX assembled by ptxas and disassembled by
+cuobjdump; no device): launches x name, grid, threads per block, registers per thread, stack frame and spill stores
+/ loads (bytes per thread), shared memory per block, blocks an SM holds at once, and instructions in its SASS (each
+counted once, not as often as it runs): products on the tensor cores (HMMA, HGMMA; IMMA, QGMMA of 8-bit data) and
+float32 FFMAs, local memory (LDL, STL), global loads by width in bits, cp.async (LDGSTS) and TMA (UTMALDG / UBLKCP).
+
+Then the checks: every program compiled; no KV pool copied; no layer's weights copied (XLA's GPU compiler copies
+each layer's weights out of a scan over stacked layers: the model unrolls its layers there); no temporary as large
+as a pool; the pool's compiled bytes within 2% of the engine's budget arithmetic; with tensor parallelism, the
+collectives Megatron needs (2 all-reduces per layer and 1 for the embedding in a forward pass, the logits'
+all-gather in a sampler); per-device memory (weights + pool + the largest temporary) within the chip's HBM; on a
+GPU, no kernel with a stack frame (spills or local arrays), and the kernels' products on the tensor cores for a
+model of 16-bit floats or an 8-bit pool (a float32 model with a float32 pool multiplies in float32 FFMAs by design:
+reported, not checked). And the decode step's roofline ESTIMATE at batch 1 and 64 (max(bytes / HBM bandwidth,
+FLOPs / peak), the chip's published figures; a compiler estimate, not a measurement). Exits 1 when a check fails.
+--json writes the whole report.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host runs nothing: the targets' compilers need no backend
 
 MIB = 1 << 20
+KIB = 1 << 10
 
 
 def parse_args(argv=None):
@@ -70,6 +83,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxpage import aot
+    from jaxpage.benchmarks import gpu_kernels
     from jaxpage.config import EngineConfig
     from jaxpage.targets import get_target
 
@@ -94,24 +108,27 @@ def main(argv=None) -> int:
         draft = aot.model_shape(args.draft_model) if args.draft_model else None
         if topology:
             target = dataclasses.replace(target, fixed_topology=topology)
+        tools = gpu_kernels.find_tools() if target.platform == "gpu" else {}
         start = time.perf_counter()
         build = aot.build(target, engine, model, draft, args.num_speculative_tokens)
-    except (ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a compiler that cannot start
+    except (ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a compiler or a tool that cannot start
         print(f"compile_for.py: error: {e}", file=sys.stderr)
         return 2
-    print_header(build, args)
+    print_header(build, args, tools)
     print(f"{'program':<44} {'s':>6} {'args MiB':>9} {'out MiB':>8} {'temp MiB':>9} {'GFLOP':>9} {'GB read':>8}")
+    if tools:
+        print(KERNEL_HEADER)
     aot.compile_all(build, on_program=print_program)
     total_s = time.perf_counter() - start
     checks = run_checks(build)
     roofs = [aot.build_roofline(build, rows, args.context) for rows in (1, 64)]
     print_summary(build, checks, roofs, total_s)
     if args.json:
-        write_json(args.json, build, checks, roofs, total_s)
+        write_json(args.json, build, checks, roofs, total_s, tools)
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 
-def print_header(build, args) -> None:
+def print_header(build, args, tools) -> None:
     m, e = build.model, build.engine
     print(
         f"target {build.target.name} ({build.runners[0].mesh.devices.size if build.runners[0].mesh else 1} device(s) "
@@ -129,6 +146,40 @@ def print_header(build, args) -> None:
         f"{build.num_pages:,} pages of {e.page_size} = {build.pool_bytes / MIB:,.0f} MiB by the budget arithmetic "
         f"(HBM {build.target.hbm_bytes / MIB:,.0f} MiB x {e.gpu_memory_utilization})"
     )
+    if tools:
+        print("kernels read with " + ", ".join(f"{name} ({tool_release(path)})" for name, path in tools.items()))
+
+
+def tool_release(path: str) -> str:
+    from jaxpage.benchmarks.gpu_kernels import tool_version
+
+    return tool_version(path).split(", ", 1)[-1]  # "release 12.9, V12.9.86"
+
+
+# A GPU kernel's row, under its program: launches x name, grid, threads per block, registers per thread, stack frame
+# and spills (bytes per thread), shared memory per block, blocks per SM, tensor-core products, float32 FMAs, local
+# loads and stores, global loads by width (8/16/32/64/128 bits), cp.async, TMA loads / bulk copies (SASS counts).
+KERNEL_HEADER = (
+    f"  {'kernel':<34} {'grid':>14} {'block':>5} {'regs':>4} {'stack':>6} {'spill st/ld':>13} {'smem KiB':>8} "
+    f"{'blk/SM':>6} {'tensor-core MMA':>15} {'FFMA':>6} {'LDL':>5} {'STL':>5} {'LDG 8/16/32/64/128':>18} "
+    f"{'LDGSTS':>6} {'TMA':>5}"
+)
+
+
+def kernel_line(k) -> str:
+    """A kernel's row (KERNEL_HEADER's columns)."""
+    from jaxpage.benchmarks.gpu_kernels import LOAD_WIDTHS, TENSOR_CORE_MMA
+
+    mma = "+".join(f"{k.sass[op]} {op}" for op in TENSOR_CORE_MMA if k.sass[op]) or "0"
+    loads = "/".join(str(k.sass[op]) for op in LOAD_WIDTHS)
+    grid, threads = "x".join(map(str, k.grid)), k.threads[0] * k.threads[1] * k.threads[2]
+    spills, tma = f"{k.spill_store_bytes}/{k.spill_load_bytes}", f"{k.sass['UTMALDG']}/{k.sass['UBLKCP']}"
+    line = (
+        f"  {f'{k.count} x {k.name}':<34} {grid:>14} {threads:>5} {k.registers:>4} {k.stack_bytes:>6} {spills:>13} "
+        f"{k.shared_bytes / KIB:>8.1f} {k.blocks_per_sm:>6} {mma:>15} {k.sass['FFMA']:>6} {k.sass['LDL']:>5} "
+        f"{k.sass['STL']:>5} {loads:>18} {k.sass['LDGSTS']:>6} {tma:>5}"
+    )
+    return line + (f"  (one of {k.codes} codes of this name)" if k.codes > 1 else "")
 
 
 def print_program(report) -> None:
@@ -146,6 +197,8 @@ def print_program(report) -> None:
         print(f"    POOL COPY: {copy[:200]}")
     for copy in report.weight_copies:
         print(f"    WEIGHT COPY: {copy[:200]}")
+    for kernel in report.kernels or ():
+        print(kernel_line(kernel))
 
 
 def run_checks(build) -> list[tuple[str, bool, str]]:
@@ -175,7 +228,55 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
     checks.append(("weights + pool + largest temporary fit the chip", peak <= build.target.hbm_bytes, detail))
     if build.engine.tensor_parallel_size > 1:
         checks.append(collectives_check(build))
+    return checks + kernel_checks(build)
+
+
+def kernel_checks(build) -> list[tuple[str, bool, str]]:
+    """On a GPU: no kernel with a stack frame; products on the tensor cores, unless the model and its pool are both
+    float32 (then reported only). A forward pass without a report, or with the Pallas backend without a kernel,
+    fails both."""
+    from jaxpage import aot
+
+    programs = [p for p in build.programs if p.compiled and p.kind in aot.KERNEL_KINDS]
+    if build.target.platform != "gpu" or not programs:
+        return []
+    pallas = build.backend.name == "pallas_gpu"
+    missing = [p.program for p in programs if p.kernels is None or (pallas and not p.kernels)]
+    unreported = f"no kernel report for {', '.join(missing)}; " if missing else ""
+    launches = sum(len(p.kernels or ()) for p in programs)
+    stacked = kernels_where(programs, lambda k: k.stack_bytes > 0)
+    detail = "; ".join(
+        f"{name}: {k.stack_bytes} B stack frame, {k.spill_store_bytes}/{k.spill_load_bytes} B spill stores/loads "
+        f"(the largest, of {configurations(n)})"
+        for name, (k, n) in stacked.items()
+    )
+    detail = unreported + (detail or f"{launches} kernel launch configurations, none")
+    checks = [("GPU kernels: no stack frame (spills)", not missing and not stacked, detail)]
+    off = kernels_where(programs, lambda k: k.tensor_core_mma == 0)
+    detail = "; ".join(
+        f"{name}: no tensor-core MMA, {k.sass['FFMA']} FFMA ({configurations(n)})" for name, (k, n) in off.items()
+    )
+    check = "GPU kernels: products on the tensor cores"
+    if build.dtype.name != "float32" or build.engine.kv_cache_dtype != "auto":
+        detail = unreported + (detail or f"all {launches} kernel launch configurations")
+        checks.append((check, not missing and not off, detail))
+    else:
+        detail = f"float32 model and pool: float32 products by design, not checked ({detail or 'none off them'})"
+        checks.append((check, True, detail))
     return checks
+
+
+def configurations(n: int) -> str:
+    return f"{n} launch configuration{'s' if n > 1 else ''}"
+
+
+def kernels_where(programs, bad) -> dict:
+    """{kernel name: (the report with the largest stack frame of those for which bad(report), how many)}."""
+    found = {}
+    for k in (k for p in programs for k in p.kernels or () if bad(k)):
+        worst, n = found.get(k.name, (k, 0))
+        found[k.name] = (max(worst, k, key=lambda r: r.stack_bytes), n + 1)
+    return found
 
 
 def collectives_check(build) -> tuple[str, bool, str]:
@@ -209,9 +310,10 @@ def print_summary(build, checks, roofs, total_s) -> None:
         )
 
 
-def write_json(path, build, checks, roofs, total_s) -> None:
+def write_json(path, build, checks, roofs, total_s, tools) -> None:
     report = {
         "target": build.target.name,
+        "kernel_tools": {name: {"path": path, "version": tool_release(path)} for name, path in tools.items()},
         "engine": {k: v for k, v in dataclasses.asdict(build.engine).items() if k != "speculative_config"},
         "model": dataclasses.asdict(build.model),
         "weight_bytes_per_device": build.weight_bytes,

@@ -92,3 +92,18 @@ def test_programs_of_other_arguments_are_not_loaded(tmp_path, tiny_dir):
     assert forward and not any(forward)
     samplers = [c.loaded for c in log if c.program == "sample"]  # the prompt's step's and one decode row's
     assert len(samplers) == 2 and all(samplers)  # the sampler does not read the pool
+
+
+def test_a_runner_with_compiler_options_neither_loads_nor_keeps_its_programs(tmp_path, tiny_dir):
+    # ModelRunner.compiler_options (jaxpage.aot's: a dump directory) may change a program, and are not in the key.
+    args = ENGINE | dict(compilation_cache_dir=str(tmp_path / "cache"))
+    LLM(tiny_dir, **args).generate(PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    dumped = LLM(tiny_dir, **args)
+    runner, start = dumped.engine.runner, len(dumped.engine.runner.compile_log)  # the pool's fill: loaded at start
+    entries = {p: p.stat().st_mtime_ns for p in files_in(tmp_path / "cache")}  # a load or a store touches its entry
+    runner.compiler_options = {"xla_dump_to": str(tmp_path / "dump")}
+    dumped.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    log = runner.compile_log[start:]
+    assert "forward" in [c.program for c in log] and not any(c.loaded for c in log)
+    assert {p: p.stat().st_mtime_ns for p in files_in(tmp_path / "cache")} == entries
+    assert list((tmp_path / "dump").glob("*_forward_fn*"))  # compiled with the options

@@ -1,7 +1,8 @@
 """The engine's programs built for chips this host lacks (jaxpage.targets, jaxpage.aot, scripts/compile_for.py).
 
 The tests that compile need the chips' compilers: libtpu (`pip install 'jaxpage[tpu]'`) and jax's CUDA plugin
-(`pip install 'jaxpage[cuda]'`), which .ci/run installs; where they are missing those tests are skipped with that
+(`pip install 'jaxpage[cuda]'`), and those of the GPU kernel report CUDA's ptxas and cuobjdump too (all of them:
+`pip install 'jaxpage[compile]'`, which .ci/run installs); where they are missing those tests are skipped with that
 reason. The others (targets, the pool arithmetic for a chip's memory, finding copies in HLO) always run.
 """
 
@@ -11,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from tiny_models import TINY_FAMILIES
 
 from jaxpage import aot
 from jaxpage.attention import resolve_backend
+from jaxpage.benchmarks import gpu_kernels
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig
@@ -28,6 +31,17 @@ from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages
 TPU, GPU = TARGETS["tpu-v5e"], TARGETS["gpu-h200"]
 needs_tpu = pytest.mark.skipif(not available(TPU), reason="libtpu is not installed (pip install 'jaxpage[compile]')")
 needs_gpu = pytest.mark.skipif(not available(GPU), reason="jax's CUDA plugin is not installed ('jaxpage[compile]')")
+
+
+def _missing_kernel_tool() -> str | None:
+    try:
+        gpu_kernels.find_tools()
+    except gpu_kernels.MissingToolError as e:
+        return str(e)
+    return None
+
+
+needs_kernel_tools = pytest.mark.skipif(_missing_kernel_tool() is not None, reason=str(_missing_kernel_tool()))
 TINY_GQA = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")  # 4 heads, 2 KV heads
 # A small engine: programs pool, forward decode(T=4), sample rows=4, forward mixed(T=128), copy. A pool of 16384
 # pages (hundreds of MiB: nothing is allocated): larger than a TPU's VMEM, which XLA may otherwise prefetch a small
@@ -166,7 +180,7 @@ def test_a_gpus_programs_read_each_layers_weights_in_place(monkeypatch):
         if scanned:
             monkeypatch.setattr("jaxpage.models.llama.layer_unroll", lambda config, platform=None: 1)
         build = aot.build(GPU, engine, model)
-        aot.compile_all(build, kinds={"forward"})
+        aot.compile_all(build, kinds={"forward"}, kernels=False)
         assert any(p.weight_copies for p in build.programs) == scanned, [p.weight_copies for p in build.programs]
 
 
@@ -228,7 +242,7 @@ FAMILIES_TO_COMPILE = [f for f in TINY_FAMILIES if f.name in ("gemma2-softcap-hy
 def test_model_families_forward_passes_compile_for_the_chips(tiny_model_path, target, family):
     engine = EngineConfig(**TINY_ENGINE | dict(max_num_seqs=1))
     build = aot.build(target, engine, aot.model_shape(str(tiny_model_path(family))))
-    aot.compile_all(build, kinds={"pool", "forward"})
+    aot.compile_all(build, kinds={"pool", "forward"}, kernels=False)  # the kernels' figures: test_the_gpu_kernels_...
     assert build.backend.name == ("pallas_tpu" if target is TPU else "pallas_gpu")
     assert [p.kind for p in build.programs] == ["pool", "forward", "forward"]  # decode and mixed steps
     _checked(build)
@@ -258,6 +272,7 @@ def _compile_for_script():
 
 
 @needs_gpu
+@needs_kernel_tools
 def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, capsys):
     out = tmp_path / "report.json"
     argv = ["--target", "gpu-h200", "--model", str(tiny_model_path(TINY_GQA)), "--kv-cache-dtype", "int8"]
@@ -271,7 +286,7 @@ def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, 
         "--json",
         str(out),
     ]
-    assert _compile_for_script().main(argv) == 0
+    status = _compile_for_script().main(argv)
     printed = capsys.readouterr().out
     assert "pallas_gpu attention" in printed and "8/8 programs compiled" in printed
     assert "decode step ESTIMATE (roofline, not measured), batch 1" in printed
@@ -285,10 +300,70 @@ def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, 
         "prompt_logprobs",
         "copy",
     ]
-    assert all(c["passed"] for c in report["checks"]), report["checks"]
+    # The kernels' own checks are test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores's to pass: here
+    # they are made, and decide the exit status with the others.
+    checks = {c["check"]: c["passed"] for c in report["checks"]}
+    kernel_checks = ["GPU kernels: no stack frame (spills)", "GPU kernels: products on the tensor cores"]
+    assert all(passed for check, passed in checks.items() if check not in kernel_checks), report["checks"]
+    assert status == (0 if all(checks[check] for check in kernel_checks) else 1)
+    layers = report["model"]["num_layers"]
+    forward = [p for p in report["programs"] if p["kind"] == "forward"]
+    assert [[(k["name"], k["count"]) for k in p["kernels"]] for p in forward] == [
+        [("jaxpage_gpu_decode_attention", layers)],
+        [("jaxpage_gpu_ragged_attention", layers)],
+    ]
+    assert all(p["kernels"] is None for p in report["programs"] if p["kind"] != "forward")
+    assert f"{layers} x jaxpage_gpu_ragged_attention" in printed
+    assert set(report["kernel_tools"]) == {"ptxas", "cuobjdump"}
     assert report["pool_bytes_compiled"] == pytest.approx(report["pool_bytes_arithmetic"], rel=0.02)
     roofline = report["decode_roofline_estimates"][0]
     assert roofline["seconds"] == pytest.approx(roofline["bytes"] / GPU.hbm_bandwidth)  # batch 1: bandwidth-bound
+
+
+# conftest.py turns XLA's LLVM optimizations off for the suite (FAST_COMPILE, in XLA_FLAGS), and they shape the Triton
+# kernels' PTX (the decode kernel's registers and stack frame differ): the kernels' compiles get XLA's defaults back.
+XLA_OPTIMIZATION = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
+@needs_gpu
+@needs_kernel_tools
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("shape", ["default", "llama3-8b"])
+def test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores(shape, kv_cache_dtype):
+    # Every Pallas GPU kernel of the forward passes as ptxas assembles it for an H200 (jaxpage.benchmarks.gpu_kernels):
+    # no stack frame (spills, or arrays the registers cannot hold: local memory, in HBM behind the caches), and its
+    # products on the tensor cores with bfloat16 weights and either pool. The kernels are alike in every layer: 2 layers
+    # build the same kernels in a fraction of the time (and a pool of NUM_PAGES: the 8-bit pool of a full model on an
+    # H200 is over 4 GiB, which takes 64-bit offsets: jaxpage.attention's addressable_pages). One sequence: a decode
+    # step and a mixed step (other step shapes change the kernels' grids and constants, not their code's shape). About
+    # 70 s in all on 2 CPU cores with the kernels of this commit, most of it the 8B shape's ragged kernel's spills, in
+    # XLA's ptxas and in ours.
+    model = dataclasses.replace(aot.model_shape(shape), num_layers=2)
+    engine = EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE | dict(max_num_seqs=1))
+    build = aot.build(GPU, engine, model)
+    build.runners[0].compiler_options = XLA_OPTIMIZATION  # aot adds its dump directory to them
+    aot.compile_all(build, kinds={"forward"})
+    assert build.backend.name == "pallas_gpu" and build.dtype.name == "bfloat16"
+    failed = {p.program: p.error for p in build.programs if not p.compiled}
+    assert not failed, failed
+    assert len(build.programs) == 2 and all(p.kernels for p in build.programs), [p.kernels for p in build.programs]
+    kernels = {f"{p.program}: {k.name} grid {k.grid}": k for p in build.programs for k in p.kernels}
+    bad = [
+        f"{where}: {k.stack_bytes} B stack, {k.spill_store_bytes}/{k.spill_load_bytes} B spill stores/loads, "
+        f"{k.registers} registers, {k.tensor_core_mma} tensor-core MMA, {k.sass['FFMA']} FFMA"
+        for where, k in kernels.items()
+        if k.stack_bytes or not k.tensor_core_mma
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_dump_directory_joins_a_runners_compiler_options_while_it_compiles():
+    runner = types.SimpleNamespace(compiler_options=XLA_OPTIMIZATION)
+    with aot.dumped(runner, True) as directory:
+        assert runner.compiler_options == XLA_OPTIMIZATION | {"xla_dump_to": directory} and Path(directory).is_dir()
+    assert runner.compiler_options == XLA_OPTIMIZATION and not Path(directory).exists()
+    with aot.dumped(runner, False) as directory:
+        assert directory is None and runner.compiler_options == XLA_OPTIMIZATION
 
 
 def test_compile_for_refuses_bad_arguments_in_one_line(capsys):

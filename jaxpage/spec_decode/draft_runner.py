@@ -100,8 +100,9 @@ class DraftModelRunner(ModelRunner):
         """A draft model's proposal for `shape`'s rows and k, as `compile` gets the forward pass."""
         args = (self.params, self.kv_cache, self._abstract(self.inputs.stacked([self._propose_input([], shape)])))
         k = shape.num_draft_positions
+        options = self.compiler_options  # ModelRunner.compiler_options
         executable = self._load_or_compile(
-            CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile()
+            CompiledShape("propose", (shape.num_rows, k)), args, lambda: self._propose.lower(*args, k).compile(options)
         )
         self.proposers[shape] = executable
         return executable

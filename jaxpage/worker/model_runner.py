@@ -162,6 +162,7 @@ class ModelRunner:
         # devices, the pool is one too, and nothing runs.
         self.compile_only = compile_only
         self.compilation_cache = compilation_cache
+        self.compiler_options: dict | None = None  # XLA's, for forward passes and proposals (aot: a dump dir)
         self.params = params
         self.backend = backend
         self.dtype = dtype = params_dtype(params)  # the compute dtype
@@ -273,13 +274,10 @@ class ModelRunner:
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """The forward pass of `shape`: from the compilation cache, else lowered and compiled (and kept there)."""
-        step, _ = self.inputs.padding(shape)
-        args = (self.params, self.kv_cache, self._abstract(step))
-        executable = self._load_or_compile(
-            CompiledShape("forward", shape), args, lambda: self._forward.lower(*args, shape.max_q_len).compile()
-        )
-        self.executables[shape] = executable
-        return executable
+        args = (self.params, self.kv_cache, self._abstract(self.inputs.padding(shape)[0]))
+        lower, what = functools.partial(self._forward.lower, *args, shape.max_q_len), CompiledShape("forward", shape)
+        self.executables[shape] = self._load_or_compile(what, args, lambda: lower().compile(self.compiler_options))
+        return self.executables[shape]
 
     def compile_sampler(self, shape: StepShape, level: int = NO_PROCESSORS) -> jax.stages.Compiled:
         """The LM head and sampler (or verification) of `shape`'s sample rows and k, with logits processors as
@@ -318,7 +316,8 @@ class ModelRunner:
         static = (*((self.config, self.backend, what.shape) if static is None else static), self.tensor_parallel_size)
         devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
         with matmul_precision(self.dtype):
-            executable, done = load_or_compile(self.compilation_cache, what, static, args, devices, compile_it)
+            cache = None if self.compiler_options else self.compilation_cache  # an option may change the program
+            executable, done = load_or_compile(cache, what, static, args, devices, compile_it)
         self.compile_log.append(done)
         logger.info("%s", done)
         return executable
