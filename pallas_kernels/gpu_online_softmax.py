@@ -11,6 +11,8 @@ The tiles' sizes come from the compiled kernels' resources (registers, shared me
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -80,7 +82,8 @@ def load_query(q_ref, rows=slice(None)):
     if q_ref.dtype != jnp.float32:
         return q_ref[rows, :]
     head_dim = q_ref.shape[-1]
-    return tuple(q_ref[rows, pl.ds(c, F32_DOT_COLUMNS)] for c in range(0, head_dim, F32_DOT_COLUMNS))
+    columns = math.gcd(head_dim, F32_DOT_COLUMNS)  # head_dim 8: one chunk of 8
+    return tuple(q_ref[rows, pl.ds(c, columns)] for c in range(0, head_dim, columns))
 
 
 def _gather_tile(ref, page_ids, dtype, columns=slice(None)):
