@@ -3,7 +3,7 @@
 One batch mixes prompt chunks and decodes, their query rows back to back (`cu_q_lens`). The rows of one kv head's
 products are (token, query head) pairs: for each kv head the queries are laid out [T * group, head_dim], a token's
 `group` query heads (GQA) next to each other, so a program's rows are any `q_rows` consecutive pairs and no row is
-padding the group does not need (a power-of-two row tile holds 21 1/3 tokens of a group of 3 as well as 16 of 4).
+padding the group does not need (a 128-row program holds 42 2/3 tokens of a group of 3 as well as 32 of 4).
 Grid (sequence, row tile, kv head): a program takes up to `q_rows` rows of one sequence and one kv head and walks
 that sequence's pages one kv tile of `pages_per_kv_tile` pages at a time (fewer where such tiles would be larger
 than `gpu_online_softmax.MAX_KV_TILE_BYTES`), up to the last key its rows see, gathering them through the block
@@ -44,8 +44,8 @@ GPU_Q_ROWS = 128
 GPU_F32_Q_ROWS = 16
 GPU_PAGES_PER_KV_TILE = 8  # pages it reads per step, at most
 # A program's warps: 4 (one warpgroup: Hopper's wgmma products), or 8 where the float32 accumulator [q_rows, head_dim]
-# and logits [q_rows, kv_tile] would take more than MAX_FLOAT32_REGISTERS of each of 4 warps' threads (a 128 x 64
-# accumulator with 128 x 128 logits spilled at 4 warps; 128 x 128 with 128 x 64 and 64 x 256 with 64 x 32 too).
+# and logits [q_rows, kv_tile] would take more than MAX_FLOAT32_REGISTERS of each of 4 warps' threads (at 4 warps a
+# 128 x 64 accumulator with 128 x 128 logits spilled 216 bytes, 64 x 256 with 64 x 32 spilled 64; 8 warps: none).
 MAX_FLOAT32_REGISTERS = 160
 
 
