@@ -109,6 +109,7 @@ def main(argv=None) -> int:
         if topology:
             target = dataclasses.replace(target, fixed_topology=topology)
         tools = gpu_kernels.find_tools() if target.platform == "gpu" else {}
+        tools = {name: {"path": path, "version": tool_release(path)} for name, path in tools.items()}
         start = time.perf_counter()
         build = aot.build(target, engine, model, draft, args.num_speculative_tokens)
     except (ValueError, ImportError, RuntimeError) as e:  # RuntimeError: a compiler or a tool that cannot start
@@ -147,7 +148,7 @@ def print_header(build, args, tools) -> None:
         f"(HBM {build.target.hbm_bytes / MIB:,.0f} MiB x {e.gpu_memory_utilization})"
     )
     if tools:
-        print("kernels read with " + ", ".join(f"{name} ({tool_release(path)})" for name, path in tools.items()))
+        print("kernels read with " + ", ".join(f"{name} ({tool['version']})" for name, tool in tools.items()))
 
 
 def tool_release(path: str) -> str:
@@ -313,7 +314,7 @@ def print_summary(build, checks, roofs, total_s) -> None:
 def write_json(path, build, checks, roofs, total_s, tools) -> None:
     report = {
         "target": build.target.name,
-        "kernel_tools": {name: {"path": path, "version": tool_release(path)} for name, path in tools.items()},
+        "kernel_tools": tools,
         "engine": {k: v for k, v in dataclasses.asdict(build.engine).items() if k != "speculative_config"},
         "model": dataclasses.asdict(build.model),
         "weight_bytes_per_device": build.weight_bytes,
