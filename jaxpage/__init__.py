@@ -1,7 +1,10 @@
 """jaxpage: PagedAttention LLM serving on JAX/XLA.
 
 vLLM's names are importable from here (`from jaxpage import LLM, SamplingParams`). They are imported on first use
-(PEP 562), so `import jaxpage` stays light: it imports neither jax nor transformers.
+(PEP 562), so `import jaxpage` stays light: it imports neither jax nor transformers, nor any module of jaxpage.
+
+This module is the package's public face, the top of its layers (tests/test_import_layers.py): it names what every
+layer below defines, and no module of jaxpage imports it (`import jaxpage.engine` runs it, but imports nothing more).
 """
 
 from __future__ import annotations
@@ -10,13 +13,11 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from jaxpage.config import ModelConfig
-from jaxpage.errors import ModelLoadError
-
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from jaxpage.config import EngineConfig
+    from jaxpage.config import EngineConfig, ModelConfig
     from jaxpage.engine.llm_engine import LLMEngine
     from jaxpage.entrypoints.llm import LLM
+    from jaxpage.errors import ModelLoadError
     from jaxpage.outputs import CompletionOutput, RequestOutput
     from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -27,6 +28,8 @@ _LAZY_NAMES = {
     "SamplingParams": "jaxpage.sampling_params",
     "StructuredOutputsParams": "jaxpage.sampling_params",
     "EngineConfig": "jaxpage.config",
+    "ModelConfig": "jaxpage.config",
+    "ModelLoadError": "jaxpage.errors",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
 }
@@ -47,7 +50,9 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "__version__":
-        value = _installed_version()  # read on first use: importlib.metadata alone costs more than this package
+        from jaxpage.version import installed_version
+
+        value = installed_version()
     elif name in _LAZY_NAMES:
         value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     else:
@@ -58,16 +63,6 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-def _installed_version() -> str:
-    """The version pyproject.toml gave the installed distribution (the one source of the version number)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("jaxpage")
-    except PackageNotFoundError:  # imported from a source tree that was never installed
-        return "0+unknown"
 
 
 # Like vLLM, jaxpage reports its start-up facts (KV cache size, ...) at INFO level unless the application

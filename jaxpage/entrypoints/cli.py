@@ -19,9 +19,9 @@ import sys
 import time
 from typing import NoReturn
 
-import jaxpage
 from jaxpage.config import EngineConfig
 from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
+from jaxpage.version import installed_version
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
@@ -85,7 +85,7 @@ def engine_args(args: argparse.Namespace) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxpage", description="PagedAttention LLM serving on JAX/XLA.")
-    parser.add_argument("--version", action="version", version=f"jaxpage {jaxpage.__version__}")
+    parser.add_argument("--version", action="version", version=f"jaxpage {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)  # subparsers are _Parsers too
 
     generate = commands.add_parser("generate", help="generate a completion and stream it to stdout")

@@ -41,7 +41,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-import jaxpage
 from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError, ServerBusyError
 from jaxpage.entrypoints.json_body import parse_json_body
 from jaxpage.entrypoints.metrics import ServerMetrics
@@ -59,6 +58,7 @@ from jaxpage.entrypoints.openai_api import (
 from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from jaxpage.outputs import RequestOutput
 from jaxpage.validation import check_bool, check_text, describe, is_int
+from jaxpage.version import installed_version
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1
@@ -87,7 +87,7 @@ def create_app(
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     tools = dict(tool_parser=tool_call_parser, auto_tool_choice=enable_auto_tool_choice)
-    app = FastAPI(title="jaxpage", version=jaxpage.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="jaxpage", version=installed_version(), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
     engine.observers.append(metrics.observe)
 
@@ -134,7 +134,7 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics
 
     @app.get("/version")
     async def version():
-        return {"version": jaxpage.__version__}
+        return {"version": installed_version()}
 
     @app.get("/v1/models")
     async def models():
