@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from jaxpage.sample.sampler import SamplingMetadata
-from jaxpage.spec_decode.verification import target_probs, verify_drafts
+from jaxpage.sample.rejection_sampler import target_probs, verify_drafts
 
 VOCAB = 5
 K = 3  # draft tokens per step

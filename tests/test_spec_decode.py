@@ -169,7 +169,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dir):
 
 def test_sampled_tokens_are_plain_samplings(tmp_path):
     """Seeded sampling gives the tokens that plain sampling with the same seeds gives (n-gram drafts are verified
-    by a coupling of rejection sampling, see jaxpage.spec_decode.verification), and the joint distribution of the first
+    by a coupling of rejection sampling, see jaxpage.sample.rejection_sampler), and the joint distribution of the first
     three tokens matches that of plain sampling with other seeds, by a chi-square test of homogeneity over 2400
     requests each; temperature, top-k and top-p settings. The prompt holds every token, so that n-gram lookup
     always drafts: the second and third tokens of rows that verify come out of verification."""

@@ -22,7 +22,7 @@ with the rest of a finished sequence's results.
 
 Speculative decoding: `schedule(drafts)` takes draft tokens proposed for decoding sequences. A sequence with a draft
 of d tokens computes 1 + d tokens (its last token, then the draft), whose slots are reserved like any others; the
-step verifies the draft (jaxpage.spec_decode.verification) and `update_from_output` gives back the slots of the
+step verifies the draft (jaxpage.sample.rejection_sampler) and `update_from_output` gives back the slots of the
 rejected tokens. Drafts are used only in steps without prefill: when every running sequence is decoding and no
 waiting sequence can be admitted (none waits, every row is taken, or the first in the queue lacks the free pages for
 its first chunk); a step with drafts admits no one. A step thus either verifies or prefills. A draft is cut to the

@@ -22,7 +22,7 @@ from jaxpage.kv_cache import KVCache
 from jaxpage.models.llama import Llama
 from jaxpage.sample.sampler import SamplingMetadata, draw
 from jaxpage.sequence import ScheduledSequence, SchedulerOutput
-from jaxpage.spec_decode.verification import target_probs
+from jaxpage.sample.rejection_sampler import target_probs
 from jaxpage.worker.compilation_cache import CompiledShape
 from jaxpage.worker.model_runner import ModelRunner, fetch
 from jaxpage.worker.parallel import REPLICAS
