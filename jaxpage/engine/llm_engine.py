@@ -28,11 +28,11 @@ from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence, SequenceStatus
 from jaxpage.spec_decode.decoder import SpeculativeDecoder
 from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
-from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.tokenizers.tokenizer import load_tokenizer
 from jaxpage.validation import describe, fail
 from jaxpage.worker import parallel, process_group
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
+from jaxpage.worker.draft_runner import DraftModelRunner
 from jaxpage.worker.executor import Executor, make_runners
 from jaxpage.worker.pool_sizing import engine_pool_pages, fit_max_model_len
 from jaxpage.worker.step_broadcast import Message, StepBroadcast

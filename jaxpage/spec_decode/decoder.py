@@ -4,7 +4,7 @@
    placeholders of the length each may draft), if the step can verify and verifying is expected to pay
    (jaxpage.spec_decode.policy); None otherwise.
 2. `draft(output)` after scheduling, before the target's step: a draft model's pool takes the step's page copies,
-   catches up and fills the placeholders (jaxpage.spec_decode.draft_runner); returns the output with the drafts,
+   catches up and fills the placeholders (jaxpage.worker.draft_runner); returns the output with the drafts,
    their distributions for verification, and the draft pool's computed tokens per sequence (which the scheduler
    records: nothing here writes a Sequence).
 3. The target verifies inside its step (jaxpage.sample.rejection_sampler).

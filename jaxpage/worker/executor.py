@@ -24,8 +24,8 @@ import jax
 from jaxpage.attention import AttentionBackend
 from jaxpage.config import EngineConfig
 from jaxpage.sequence import SchedulerOutput, prompt_logprob_rows
-from jaxpage.spec_decode.draft_runner import DraftModelRunner
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
+from jaxpage.worker.draft_runner import DraftModelRunner
 from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch
 from jaxpage.worker.step_broadcast import Message, StepBroadcast
 from jaxpage.worker.step_inputs import step_flag

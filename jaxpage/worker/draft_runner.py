@@ -1,4 +1,4 @@
-"""The draft model of speculative decoding on the device: its pool (the target's pages, jaxpage.spec_decode), caught
+"""The draft model of speculative decoding on the device: its pool (the target's pages), caught
 up on the tokens the target computed since its last draft, then k tokens proposed in one program.
 
 A DraftModelRunner is a ModelRunner (the same forward pass, pool, compilation cache, devices and multi-host
