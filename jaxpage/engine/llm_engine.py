@@ -19,6 +19,7 @@ from jaxpage.engine.input_processor import InputProcessor
 from jaxpage.engine.output_processor import OutputProcessor, Request
 from jaxpage.engine.replica import Replica, Replicas, choose_replica
 from jaxpage.engine.scheduler import Scheduler
+from jaxpage.engine.spec_decoder import SpeculativeDecoder
 from jaxpage.engine.step_pipeline import InFlightStep, StepPipeline, use_async_scheduling
 from jaxpage.engine.step_stats import StepStats
 from jaxpage.models.llama import params_dtype
@@ -26,7 +27,6 @@ from jaxpage.models.loader import load_model
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence, SequenceStatus
-from jaxpage.spec_decode.decoder import SpeculativeDecoder
 from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.tokenizers.tokenizer import load_tokenizer
 from jaxpage.validation import describe, fail

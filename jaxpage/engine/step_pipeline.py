@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from jaxpage.config import EngineConfig
 from jaxpage.engine.replica import Replicas
+from jaxpage.engine.spec_decoder import SpeculativeDecoder
 from jaxpage.sequence import SchedulerOutput, SequenceUpdate
-from jaxpage.spec_decode.decoder import SpeculativeDecoder
 from jaxpage.worker.executor import Executor, LaunchedStep
 
 
