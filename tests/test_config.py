@@ -11,7 +11,7 @@ import transformers
 from conftest import TINY_COMMON_CONFIG, TINY_FAMILIES
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from jaxpage.config import EngineConfig, ModelConfig, RopeScaling
+from jaxpage.config import EngineConfig, ModelConfig, RopeScaling, model_config_from_hf
 from jaxpage.models import load_model, param_shapes
 from jaxpage.models.rope import inverse_frequencies
 
@@ -23,7 +23,7 @@ def hf_config(family):
 @pytest.mark.parametrize("family", TINY_FAMILIES, ids=lambda f: f.name)
 def test_rope_frequencies_equal_transformers(family):
     hf = hf_config(family)
-    config = ModelConfig.from_hf_config(hf.to_dict())
+    config = model_config_from_hf(hf.to_dict())
     ours = inverse_frequencies(config)
     if "full_attention" in hf.rope_parameters:  # Gemma 3: the global layers' (scaled), and the sliding layers' base
         reference, _ = ROPE_INIT_FUNCTIONS[hf.rope_parameters["full_attention"]["rope_type"]](
@@ -54,7 +54,7 @@ def test_llama3_scaling_keeps_high_and_divides_low_frequencies():
     scaling = RopeScaling(
         "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
     )
-    config = ModelConfig.from_hf_config(hf_config(TINY_FAMILIES[0]).to_dict())
+    config = model_config_from_hf(hf_config(TINY_FAMILIES[0]).to_dict())
     config = dataclasses.replace(config, head_dim=128, rope_theta=500000.0, rope_scaling=scaling)
     plain = inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
     scaled = inverse_frequencies(config)
@@ -63,7 +63,7 @@ def test_llama3_scaling_keeps_high_and_divides_low_frequencies():
 
 
 def test_smollm2_like_config_and_kv_size():
-    config = ModelConfig.from_hf_config(
+    config = model_config_from_hf(
         dict(
             model_type="llama",
             vocab_size=49152,
@@ -86,7 +86,7 @@ def test_smollm2_like_config_and_kv_size():
 
 def test_config_json_round_trip():
     for family in TINY_FAMILIES:
-        config = ModelConfig.from_hf_config(hf_config(family).to_dict())
+        config = model_config_from_hf(hf_config(family).to_dict())
         assert ModelConfig.from_json(config.to_json()) == config
         hash(config)  # a static jit argument must be hashable
 

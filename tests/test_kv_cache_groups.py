@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from jaxpage.attention import XlaAttention
-from jaxpage.config import EngineConfig, ModelConfig
+from jaxpage.config import EngineConfig, model_config_from_hf
 from jaxpage.kv_cache import HybridKVCache, KVCache, copy_pool_pages, group_layer_index
 from jaxpage.worker.kv_pool import copy_chunks
 from jaxpage.worker.pool_sizing import engine_pool_pages, window_group_pages
 
 # Gemma 3's pattern: five sliding layers, then a full one; 26 layers, window 512.
-GEMMA3_SHAPED = ModelConfig.from_hf_config(
+GEMMA3_SHAPED = model_config_from_hf(
     dict(
         model_type="gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=26,
         num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=512, max_position_embeddings=32768,

@@ -10,7 +10,7 @@ import transformers
 from hf_reference import TINY_COMMON_CONFIG, TINY_FAMILIES, hf_logits, load_tiny_hf_model
 from tiny_models import tiny_config, write_tiny_model
 
-from jaxpage.config import ModelConfig
+from jaxpage.config import model_config_from_hf
 from jaxpage.models import forward, load_model
 
 LENGTHS = (9, 20, 14)  # padded to 20 in one batch: row 0 padded on the left, row 2 on the right
@@ -32,7 +32,7 @@ def test_tiny_config_means_what_transformers_config_class_means(family):
     """The config.json write_tiny_model writes (without transformers) describes the model transformers' config
     class would: the defaults jaxpage reads are stated, not assumed."""
     theirs = getattr(transformers, family.config_class)(**{**TINY_COMMON_CONFIG, **family.kwargs}).to_dict()
-    assert ModelConfig.from_hf_config(tiny_config(family)) == ModelConfig.from_hf_config(theirs)
+    assert model_config_from_hf(tiny_config(family)) == model_config_from_hf(theirs)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES, ids=lambda f: f.name)

@@ -16,7 +16,7 @@ from hf_reference import TINY_FAMILIES, hf_logits, hf_logits_split
 from test_int8 import dequantized
 from tiny_models import TINY_COMMON_CONFIG, tiny_config
 
-from jaxpage.config import ModelConfig
+from jaxpage.config import ModelConfig, model_config_from_hf
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.models import forward, load_model
 from jaxpage.models.rope import apply_rope, rope_tables
@@ -27,7 +27,7 @@ PHI4_MINI = next(f for f in TINY_FAMILIES if f.name == "phi4-mini-partial-rotary
 
 
 def test_longrope_tables_use_the_long_factors_from_original_max_position_embeddings():
-    config = ModelConfig.from_hf_config(tiny_config(PHI3))
+    config = model_config_from_hf(tiny_config(PHI3))
     scaling = config.rope_scaling
     original, kwargs = 32, PHI3.kwargs["rope_scaling"]
     assert (scaling.rope_type, scaling.original_max_position_embeddings) == ("longrope", original)
@@ -48,7 +48,7 @@ def test_longrope_tables_use_the_long_factors_from_original_max_position_embeddi
 
 
 def test_partial_rotary_factor_rotates_the_first_dimensions_only():
-    config = ModelConfig.from_hf_config(tiny_config(PHI4_MINI))
+    config = model_config_from_hf(tiny_config(PHI4_MINI))
     assert (config.head_dim, config.rotary_dim, config.partial_rotary_factor) == (16, 12, 0.75)
     cos, sin = rope_tables(config, jnp.arange(5, dtype=jnp.int32))
     assert cos.shape == sin.shape == (5, 6)
@@ -81,13 +81,13 @@ def test_config_json_layouts_read_as_transformers_reads_them():
     }
     hub = PHI4_MINI.kwargs | dict(partial_rotary_factor=0.75, rope_scaling=dict(type="longrope", **rope))
     del hub["rope_parameters"]
-    ours = ModelConfig.from_hf_config(tiny_config(dataclasses.replace(PHI4_MINI, kwargs=hub)))
-    assert ours == ModelConfig.from_hf_config(tiny_config(PHI4_MINI))
-    assert ours == ModelConfig.from_hf_config(transformers.Phi3Config(**TINY_COMMON_CONFIG, **hub).to_dict())
+    ours = model_config_from_hf(tiny_config(dataclasses.replace(PHI4_MINI, kwargs=hub)))
+    assert ours == model_config_from_hf(tiny_config(PHI4_MINI))
+    assert ours == model_config_from_hf(transformers.Phi3Config(**TINY_COMMON_CONFIG, **hub).to_dict())
     su = dict(hub, rope_scaling=dict(hub["rope_scaling"], type="su"))
-    assert ModelConfig.from_hf_config(tiny_config(dataclasses.replace(PHI4_MINI, kwargs=su))) == ours
+    assert model_config_from_hf(tiny_config(dataclasses.replace(PHI4_MINI, kwargs=su))) == ours
     del hub["original_max_position_embeddings"]
-    default = ModelConfig.from_hf_config(tiny_config(dataclasses.replace(PHI4_MINI, kwargs=hub)))
+    default = model_config_from_hf(tiny_config(dataclasses.replace(PHI4_MINI, kwargs=hub)))
     assert default.rope_scaling.original_max_position_embeddings == 4096
     assert default.rope_scaling.attention_factor == 1.0  # max_position_embeddings 256 / 4096: no scaling
     assert ModelConfig.from_json(ours.to_json()) == ours

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpage.spec_decode.config import SpeculativeConfig
+from jaxpage.config import SpeculativeConfig
 from jaxpage.validation import ArgumentTypeError
 
 

@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
+from jaxpage.config import SpeculativeConfig
 from jaxpage.engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
-from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.spec_decode.drafter import Drafter
 from jaxpage.spec_decode.policy import SpeculationPolicy
 from jaxpage.spec_decode.stats import SpecDecodingStats

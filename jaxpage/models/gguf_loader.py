@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpage.config import ModelConfig
+from jaxpage.config import ModelConfig, model_config_from_hf
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_transposed
 from jaxpage.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
@@ -160,7 +160,7 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: metadata {gguf_arch}.{key} is missing")
         return value
 
-    # The numbers go to from_hf_config as stored, which checks them and names each by its metadata key.
+    # The numbers go to model_config_from_hf as stored, which checks them and names each by its metadata key.
     names = {hf_key: f"metadata {gguf_arch}.{key}" for hf_key, key in METADATA_KEYS.items()}
     vocab = field(f"{gguf_arch}.vocab_size")
     if vocab is None:  # llama.cpp's vocabulary is the token list; vocab_size is optional
@@ -201,7 +201,7 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
     pattern = gguf.metadata.get(f"{gguf_arch}.attention.sliding_window_pattern")
     hf_like |= _gemma_fields(field, gguf_arch, hf_like, pattern)
     hf_like |= _phi3_fields(gguf, path, field, meta, hf_like, names)
-    config = ModelConfig.from_hf_config(hf_like, source=str(path), names=names)
+    config = model_config_from_hf(hf_like, source=str(path), names=names)
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
         factors = _dequantize(rope_freqs, path).reshape(-1)
@@ -244,7 +244,7 @@ def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value)
 
 def _hidden_per_head(hf_like: dict[str, Any]) -> int | None:
     """embedding_length / head_count (what head_dim is when attention.key_length is absent), or None where either is
-    not a positive integer (from_hf_config then names it)."""
+    not a positive integer (model_config_from_hf then names it)."""
     hidden, heads = hf_like["hidden_size"], hf_like["num_attention_heads"]
     return hidden // heads if all(isinstance(n, int) and n > 0 for n in (hidden, heads)) else None
 
@@ -255,7 +255,7 @@ def _phi3_fields(gguf: GGUFFile, path: Path, field, meta, hf_like: dict[str, Any
     rope.dimension_count, the rotary dim (head_dim: attention.key_length, else embedding_length / head_count); and
     LongRoPE, where the file has the tensors PHI3_ROPE_FACTORS, with rope.scaling.original_context_length (where the
     long factors take over) and rope.scaling.attn_factor (absent: transformers' default). `names` gets their names
-    in the file, for from_hf_config's messages."""
+    in the file, for model_config_from_hf's messages."""
     if gguf.metadata.get("general.architecture") != "phi3":
         return {}
     fields: dict[str, Any] = {"sliding_window": field("phi3.attention.sliding_window") or None}

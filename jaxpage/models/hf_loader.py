@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from jaxpage.config import ModelConfig
+from jaxpage.config import ModelConfig, model_config_from_hf
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.weights import params_from_hf_tensors
 
@@ -28,7 +28,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
-    return ModelConfig.from_hf_config(hf, source=str(path))
+    return model_config_from_hf(hf, source=str(path))
 
 
 def _weight_map(directory: Path) -> tuple[dict[str, Path], Path]:

@@ -1,12 +1,13 @@
-"""Speculative decoding: the engine calls it through SpeculativeDecoder (decoder.py).
+"""Speculative decoding's proposers and policy; the engine calls them through SpeculativeDecoder
+(jaxpage.engine.spec_decoder).
 
-config.py      the `speculative_config` engine argument (vLLM's keys)
 drafter.py     what each sequence may draft, and the n-gram drafts (ngram.py: prompt lookup)
-draft_model.py a draft model loaded and checked against the target; draft_runner.py its pool, catch-up, proposals
+draft_model.py a draft model loaded and checked against the target (its runner: jaxpage.worker.draft_runner)
 policy.py      whether verifying pays (measured step times, acceptance by kind of draft and by sequence)
-verification.py  rejection sampling of the drafts inside the target's sampler
 stats.py       vLLM's counters
 
-The package's modules are imported one by one (this file imports none of them): the host-side ones stay free of
-jax, and the target's runner imports verification.py without the draft runner, which imports the runner.
+Elsewhere, where the layers put them: the `speculative_config` argument (jaxpage.config.speculative, plain data the
+engine arguments hold) and the rejection sampling that verifies drafts inside the target's sampler
+(jaxpage.sample.rejection_sampler). The package's modules are imported one by one (this file imports none of them):
+the host-side ones stay free of jax.
 """

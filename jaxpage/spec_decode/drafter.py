@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpage.config import SpeculativeConfig
 from jaxpage.sequence import Sequence
-from jaxpage.spec_decode.config import SpeculativeConfig
 from jaxpage.spec_decode.ngram import propose_ngram
 
 

@@ -9,7 +9,8 @@ loaded from SRC (anything `load_model` takes: an HF directory, a .gguf file, a j
 share the target's vocabulary. A "model" without a "method" means draft_model, as in vLLM.
 
 Every key is checked when the config is built; an unknown key is refused by name, never ignored.
-No jax here: the host bookkeeping imports this.
+Plain data, here below the engine arguments that hold it (jaxpage.spec_decode reads it); no jax: the host
+bookkeeping imports this.
 """
 
 from __future__ import annotations
