@@ -88,7 +88,8 @@ HOST_MODULES = [
     "jaxpage.sequence",
     "jaxpage.sampling_params",
     "jaxpage.validation",
-    "jaxpage.spec_decode.config",
+    "jaxpage.config",
+    "jaxpage.config.speculative",
     "jaxpage.spec_decode.ngram",
     "jaxpage.spec_decode.stats",
     "jaxpage.spec_decode.drafter",
@@ -261,48 +262,6 @@ def test_no_class_over_300_lines_and_no_function_over_80():
             ):
                 too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert too_long == []
-
-
-# The package's layers, lowest first (README's layout): a module imports from its own layer or a lower one. A name
-# stands for the module or package of that name; the longest that matches a module wins.
-LAYERS = [
-    # what every layer shares: arguments and configs, errors, checks, outputs, the sequences and a step's plan
-    ["jaxpage.config", "jaxpage.errors", "jaxpage.validation", "jaxpage.outputs", "jaxpage.sampling_params"]
-    + ["jaxpage.sequence", "jaxpage.kv_cache", "jaxpage.mesh_axes", "jaxpage.targets", "jaxpage.spec_decode.config"]
-    + ["jaxpage.sample.logits_controls"],  # a sequence's logits processors (host side), which its sequence holds
-    # the model and what it computes with
-    ["jaxpage.models", "jaxpage.tokenizers", "jaxpage.attention", "jaxpage.sample", "jaxpage.structured"]
-    + ["jaxpage.spec_decode.ngram", "jaxpage.spec_decode.stats", "jaxpage.spec_decode.verification"]
-    + ["jaxpage.spec_decode.draft_model"],
-    ["jaxpage.worker", "jaxpage.spec_decode.draft_runner"],  # the device side
-    ["jaxpage.engine", "jaxpage.spec_decode.drafter", "jaxpage.spec_decode.policy", "jaxpage.spec_decode.decoder"],
-    # how users reach it, and what re-exports moved modules
-    ["jaxpage.entrypoints", "jaxpage.aot", "jaxpage.benchmarks", "jaxpage.spec_decode", "jaxpage"],
-]
-
-
-def layer_of(module: str) -> int:
-    matches = [
-        (len(prefix), index)
-        for index, prefixes in enumerate(LAYERS)
-        for prefix in prefixes
-        if module == prefix or module.startswith(prefix + ".")
-    ]
-    return max(matches)[1] if matches else len(LAYERS)
-
-
-def test_no_module_imports_one_from_a_layer_above_it():
-    modules = project_modules()
-    upward = []
-    for name, path in modules.items():
-        if not name.startswith("jaxpage"):
-            continue
-        for module, names in absolute_imports(path):
-            submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]
-            for target in submodules or [module]:
-                if target.startswith("jaxpage") and layer_of(target) > layer_of(name):
-                    upward.append(f"{name} -> {target}")
-    assert upward == []
 
 
 def test_only_the_scheduler_writes_a_sequence():
