@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxpage.sample.sampler import SamplingMetadata
 from jaxpage.sample.rejection_sampler import target_probs, verify_drafts
+from jaxpage.sample.sampler import SamplingMetadata
 
 VOCAB = 5
 K = 3  # draft tokens per step

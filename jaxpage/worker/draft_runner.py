@@ -20,9 +20,9 @@ from jax import lax
 from jaxpage.attention import PagedBatch
 from jaxpage.kv_cache import KVCache
 from jaxpage.models.llama import Llama
+from jaxpage.sample.rejection_sampler import target_probs
 from jaxpage.sample.sampler import SamplingMetadata, draw
 from jaxpage.sequence import ScheduledSequence, SchedulerOutput
-from jaxpage.sample.rejection_sampler import target_probs
 from jaxpage.worker.compilation_cache import CompiledShape
 from jaxpage.worker.model_runner import ModelRunner, fetch
 from jaxpage.worker.parallel import REPLICAS

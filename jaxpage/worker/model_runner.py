@@ -32,10 +32,10 @@ from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
 from jaxpage.models.llama import Llama, build, params_dtype
 from jaxpage.sample.logits_processors import apply_logits_processors
+from jaxpage.sample.rejection_sampler import verify_drafts
 from jaxpage.sample.sampler import sample, sampled_logprobs, target_logprobs
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import PROMPT_LOGPROB_TOKENS
-from jaxpage.sample.rejection_sampler import verify_drafts
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, load_or_compile
 from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks, pool_arrays, pool_shape
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
