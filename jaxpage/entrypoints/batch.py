@@ -30,9 +30,9 @@ from jaxpage.entrypoints.openai_api import (
     RequestError,
     engine_prompt,
     parse_request,
-    response_body,
     split_prompts,
 )
+from jaxpage.entrypoints.openai_responses import response_body
 
 PENDING_PER_SEQ = 2  # requests held in the engine per max_num_seqs: enough to keep every step full
 

@@ -47,14 +47,12 @@ from jaxpage.entrypoints.metrics import ServerMetrics
 from jaxpage.entrypoints.openai_api import (
     CHAT,
     COMPLETIONS,
-    Stream,
     chat_token_ids,
-    combine_bodies,
     engine_prompt,
     parse_request,
-    response_body,
     split_prompts,
 )
+from jaxpage.entrypoints.openai_responses import Stream, combine_bodies, response_body
 from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from jaxpage.outputs import RequestOutput
 from jaxpage.validation import check_bool, check_text, describe, is_int
