@@ -748,6 +748,117 @@ def test_no_body_gets_a_500(served, body, prompt, chat):
         assert response.json()["error"]["message"]
 
 
+# Bodies no endpoint may take, each with what its 400 must say. The escapes are JSON's, as json.dumps and JavaScript's
+# JSON.stringify write a lone surrogate ("\ud800": half a surrogate pair, which no UTF-8 encoder can write).
+ASSISTANT_CALL = b'{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": '
+TOOL = b'{"type": "function", "function": {"name": "f", "description": "%s", "parameters": {"type": "object", '
+HOSTILE_BODIES = {
+    "surrogate key": (b'{"\\ud800": 1, "prompt": "x"}', "the keys of the body must be valid UTF-8 text"),
+    "surrogate prompt": (b'{"prompt": "hi \\udfff"}', "prompt must be valid UTF-8 text, got 'hi \\udfff'"),
+    "surrogate in a prompt list": (b'{"prompt": ["ok", "\\ud800"]}', "prompt[1] must be valid UTF-8"),
+    "surrogate stop": (b'{"prompt": "x", "stop": ["ok", "\\udbff"]}', "stop[1] must be valid UTF-8"),
+    "surrogate logit_bias key": (b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', "the keys of logit_bias must"),
+    "surrogate model": (b'{"model": "\\ud800", "prompt": "x"}', "model must be valid UTF-8"),
+    "surrogate unknown field": (b'{"prompt": "x", "bogus": {"deep": ["\\udc00"]}}', "bogus.deep[0] must"),
+    "surrogate content": (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content must"),
+    "surrogate content part": (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+        "messages[0].content[0].text must",
+    ),
+    "surrogate name": (b'{"messages": [{"role": "user", "content": "hi", "name": "\\udc00"}]}', "messages[0].name"),
+    "surrogate role": (b'{"messages": [{"role": "us\\ud800er", "content": "hi"}]}', "messages[0].role must"),
+    "surrogate tool description": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [' + TOOL % b"\\ud800" + b'"properties": {}}}}]}',
+        "tools[0].function.description must",
+    ),
+    "surrogate tool parameter": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": ['
+        + TOOL % b"d"
+        + b'"properties": {"\\udfff": {"type": "string"}}}}}]}',
+        "the keys of tools[0].function.parameters.properties must",
+    ),
+    "surrogate tool-call arguments": (
+        b'{"messages": [{"role": "user", "content": "hi"}, '
+        + ASSISTANT_CALL
+        + b'{"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}]}]}',
+        "messages[1].tool_calls[0].function.arguments must",
+    ),
+    "surrogate tool_choice": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": '
+        b'{"name": "\\ud800"}}}',
+        "tool_choice.function.name must",
+    ),
+    "surrogate json schema": (
+        b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": '
+        b'{"enum": ["\\ud800"]}}}}',
+        "response_format.json_schema.schema.enum[0] must",
+    ),
+    "surrogate regex": (b'{"prompt": "x", "structured_outputs": {"regex": "\\udc00+"}}', "structured_outputs.regex"),
+    "surrogate detokenize key": (b'{"tokens": [1, 2], "\\udbff": 0}', "the keys of the body must"),
+    "not UTF-8 in a value": (b'{"prompt": "caf\xe9"}', "prompt must be valid UTF-8 text, got 'caf\\udce9'"),
+    "not UTF-8 in a key": (b'{"caf\xe9": 1, "prompt": "x"}', "the keys of the body must be valid UTF-8"),
+    "a surrogate in UTF-8's form": (b'{"prompt": "\xed\xa0\x80"}', "prompt must be valid UTF-8 text"),
+    "not UTF-8 outside strings": (b'{"prompt": "x"}\xff', "the body is not JSON"),
+    "NaN": (b'{"prompt": "x", "temperature": NaN}', "the body has NaN, which is not JSON"),
+    "Infinity": (b'{"prompt": "x", "metadata": {"a": Infinity}}', "the body has Infinity"),
+    "-Infinity": (b'{"prompt": "x", "presence_penalty": -Infinity}', "the body has -Infinity"),
+    "a float beyond range": (b'{"prompt": "x", "top_p": 1e999}', "the number '1e999', beyond the range of a float"),
+    "a key twice": (b'{"prompt": "x", "prompt": "y"}', "the body has the key 'prompt' twice in one object"),
+    "a nested key twice": (
+        b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}',
+        "the body has the key 'role' twice",
+    ),
+    "an array": (b'[{"prompt": "x"}]', "the body must be a JSON object, got [{'prompt': 'x'}]"),
+    "a number": (b"42", "the body must be a JSON object, got 42"),
+    "a string": (b'"\\ud800"', "the body must be a JSON object"),
+    "null": (b"null", "the body must be a JSON object, got None"),
+    "empty": (b"", "the body is not JSON"),
+    "cut short": (b'{"prompt": "x"', "the body is not JSON"),
+}
+
+
+@pytest.mark.parametrize(("raw", "named"), HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
+def test_hostile_bodies_get_a_400_naming_the_problem(served, client, server_log, raw, named):
+    """On every endpoint that takes a body: 400 in OpenAI's shape, the message naming the problem (and the field),
+    no traceback in the log; a normal request succeeds right after."""
+    server, _ = served
+    for path in (COMPLETIONS, CHAT, "/tokenize", "/detokenize"):
+        response = httpx.post(f"{server.url}{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and named in error["message"], (path, error)
+    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+    reply = client.completions.create(model="tiny", prompt="Still here", max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_text_that_only_looks_like_a_surrogate_is_accepted(served, client):
+    """A pair written as two escapes is one character (here an emoji), and an escaped backslash before "ud800" is
+    six characters of text: both are UTF-8 text, and served."""
+    server, _ = served
+    for prompt in (b'"smile \\ud83d\\ude00"', b'"C:\\\\ud800"'):
+        response = httpx.post(f"{server.url}{COMPLETIONS}", content=b'{"max_tokens": 2, "prompt": %s}' % prompt)
+        assert response.status_code == 200, response.text
+    pair = httpx.post(f"{server.url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}').json()["tokens"]
+    assert pair == httpx.post(f"{server.url}/tokenize", json={"prompt": "\U0001f600"}).json()["tokens"]
+
+
+def test_the_openai_client_gets_a_bad_request_for_a_lone_surrogate(client):
+    """Through the openai client's own post(), with the body as json.dumps writes it (the client's create() cannot
+    encode a lone surrogate itself): openai.BadRequestError naming the field, and the next request is served."""
+    from openai.types.chat import ChatCompletion
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "\ud800"}], "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.name must be valid UTF-8 text") as error:
+        client.post("/chat/completions", cast_to=ChatCompletion, content=json.dumps(body).encode())
+    assert error.value.status_code == 400 and error.value.type == "invalid_request_error"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "metadata": {"score": math.nan}}
+    with pytest.raises(openai.BadRequestError, match="NaN"):
+        client.post("/chat/completions", cast_to=ChatCompletion, content=json.dumps(body).encode())
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+
+
 def test_the_readme_field_table_is_the_servers():
     """README.md's table of request fields names exactly the fields the server honours, accepts or refuses."""
     from pathlib import Path
