@@ -859,6 +859,33 @@ def test_the_openai_client_gets_a_bad_request_for_a_lone_surrogate(client):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_json_text_inside_a_body_is_read_as_strictly_as_the_body(served, client, server_log):
+    """JSON text in a body's strings (an assistant turn's tool-call arguments, a schema given as text): a lone
+    surrogate escaped there is a 400 naming where, and so is a schema nested too deep; arguments nested too deep for
+    a parser stay text, as arguments that are not JSON do. Never a 500."""
+    server, _ = served
+
+    def turn(arguments: str) -> dict:
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return {"model": "tiny", "max_tokens": 2, "tools": [WEATHER], "tool_choice": "none",
+                "messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]}  # fmt: skip
+
+    def schema(text: str) -> dict:
+        return {"model": "tiny", "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": text}}
+
+    for url, body, named in (
+        (CHAT, turn('{"city": "\\ud800"}'), "messages[1].tool_calls[0].function.arguments.city must be valid UTF-8"),
+        (COMPLETIONS, schema('{"enum": ["\\ud800"]}'), "structured_outputs.json.enum[0] must be valid UTF-8"),
+        (COMPLETIONS, schema("[" * 3000 + "]" * 3000), "structured_outputs.json nests arrays and objects over 100"),
+        (COMPLETIONS, schema('{"type": "number", "maximum": NaN}'), "structured_outputs.json has NaN"),
+    ):
+        response = httpx.post(f"{server.url}{url}", json=body)
+        assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+    deep = httpx.post(f"{server.url}{CHAT}", json=turn("[" * 3000 + "]" * 3000))
+    assert deep.status_code == 400 and "max_model_len 96" in deep.json()["error"]["message"], deep.text  # rendered
+    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+
+
 def test_the_readme_field_table_is_the_servers():
     """README.md's table of request fields names exactly the fields the server honours, accepts or refuses."""
     from pathlib import Path
