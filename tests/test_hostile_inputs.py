@@ -320,6 +320,49 @@ def test_a_batch_of_bad_lines_records_each_and_finishes(llm, fixed_tokens, tmp_p
     assert_unharmed(llm, fixed_tokens)
 
 
+# Lines that hold a request whose text is not UTF-8 text (a lone surrogate escaped, bytes that are not UTF-8): each is
+# a 400 under its own custom_id, naming the field. Then lines that are no request at all: each an error record.
+NOT_TEXT_LINES = {
+    "key": (b'{"custom_id": "key", "url": "/v1/completions", "body": {"prompt": "x", "\\ud800": 1}}',
+            "the keys of body"),
+    "stop": (b'{"custom_id": "stop", "url": "/v1/completions", "body": {"prompt": "x", "stop": ["\\udfff"]}}',
+             "body.stop[0]"),
+    "name": (b'{"custom_id": "name", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", '
+             b'"content": "hi", "name": "\\udc00"}]}}', "body.messages[0].name"),
+    "tool": (b'{"custom_id": "tool", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", '
+             b'"content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", '
+             b'"description": "\\ud800"}}]}}',
+             "body.tools[0].function.description"),
+    "bytes": (b'{"custom_id": "bytes", "url": "/v1/completions", "body": {"prompt": "caf\xe9", "max_tokens": 2}}',
+              "body.prompt"),
+    "url": (b'{"custom_id": "url", "url": "/v1/completions\\ud800", "body": {"prompt": "x"}}', "url"),
+}  # fmt: skip
+NOT_REQUEST_LINES = [
+    (b'{"custom_id": "caf\xe9", "url": "/v1/completions", "body": {"prompt": "x"}}', "custom_id must be"),
+    (b'{"custom_id": "nan", "url": "/v1/completions", "body": {"prompt": "x", "temperature": NaN}}', "has NaN"),
+    (b'{"custom_id": "a", "custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x"}}', "twice"),
+    (b'\xff\xfe{"custom_id": "utf16"}', "is not JSON"),
+]
+
+
+def test_batch_lines_that_are_not_utf8_text_are_each_their_own_error(llm, fixed_tokens, tmp_path):
+    good = b'{"custom_id": "good", "url": "/v1/completions", "body": {"prompt": [5, 6], "max_tokens": 3}}'
+    lines = [line for line, _ in NOT_TEXT_LINES.values()] + [line for line, _ in NOT_REQUEST_LINES] + [good]
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    summary = run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm, quiet=True)
+    assert (summary.requests, summary.succeeded, summary.failed) == (len(lines), 1, len(lines) - 1)
+    records = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert records["good"]["response"]["status_code"] == 200
+    for custom_id, (_, field) in NOT_TEXT_LINES.items():
+        response = records[custom_id]["response"]
+        assert response["status_code"] == 400, response
+        assert response["body"]["error"]["message"].startswith(f"{field} must be valid UTF-8 text"), response
+    first = len(NOT_TEXT_LINES) + 1
+    for number, (_, named) in enumerate(NOT_REQUEST_LINES, first):
+        assert named in records[f"line-{number}"]["error"]["message"], records[f"line-{number}"]
+    assert_unharmed(llm, fixed_tokens)
+
+
 # ----- generated garbage -----
 
 garbage = st.recursive(

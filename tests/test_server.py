@@ -719,33 +719,285 @@ def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
     )
 
 
+# Text as a JSON body can spell it: any character, and often a lone surrogate (an escape like \ud800: half a pair).
+texts = st.text(st.characters(exclude_categories=[]) | st.sampled_from("\ud800\udbff\udc00\udfff"), max_size=20)
+keys = st.text(st.characters(exclude_categories=[]) | st.sampled_from("\ud800\udfff"), max_size=8)
 garbage = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    st.none() | st.booleans() | st.integers() | st.floats() | texts,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
     max_leaves=6,
 )
 small_numbers = st.integers(-2, 40) | st.floats(-1, 2) | st.sampled_from([math.nan, True, None, 2**70, -(2**70)])
 FIELDS = sorted(COMMON_FIELDS | ENDPOINT_FIELDS[CHAT] | ENDPOINT_FIELDS[COMPLETIONS] | UNSUPPORTED_FIELDS.keys())
-bodies = st.dictionaries(st.sampled_from([*FIELDS, "bogus"]), small_numbers | garbage, max_size=6).map(
-    lambda body: {**body, "max_tokens": body["max_tokens"]} if isinstance(body.get("max_tokens"), int) else body
+bodies = st.dictionaries(st.sampled_from([*FIELDS, "bogus"]) | keys, small_numbers | garbage, max_size=6)
+chat_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]) | texts, "content": texts | garbage},
+        optional={"name": texts},
+    ),
+    min_size=1,
+    max_size=2,
 )
+# How the body travels: as json.dumps writes it (ASCII, lone surrogates escaped), as UTF-8 with the surrogates raw
+# (bytes that are not UTF-8), or escaped with a few bytes that are never UTF-8 spliced in somewhere.
+NOT_UTF8 = [b"\xff", b"\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe9"]
+encodings = st.sampled_from(["escaped", "raw"]) | st.tuples(st.integers(0, 10**6), st.sampled_from(NOT_UTF8))
+
+
+def has_lone_surrogate(value) -> bool:
+    return re.search("[\ud800-\udfff]", json.dumps(value, ensure_ascii=False)) is not None
 
 
 @pytest.mark.usefixtures("client")
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=bodies, prompt=st.text(max_size=12) | garbage, chat=st.booleans())
-def test_no_body_gets_a_500(served, body, prompt, chat):
-    """Generated garbage in every field the server knows, on both endpoints: a 200 or a 4xx naming the problem,
-    never a 500; the engine serves on (the client fixture checks that every page is free afterwards)."""
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, prompt=texts | garbage, messages=chat_messages, chat=st.booleans(), encoding=encodings)
+def test_no_body_gets_a_500(served, server_log, body, prompt, messages, chat, encoding):
+    """Generated garbage in every field the server knows and in keys, lone surrogates and bytes that are not UTF-8
+    among it, on both endpoints: a 200 or a 4xx naming the problem, never a 500 nor a traceback in the log (a body
+    that is not UTF-8 text is a 400); the engine serves on (the client fixture checks that every page is free)."""
     server, _ = served
     url = CHAT if chat else COMPLETIONS
-    body = {**body, "messages": [{"role": "user", "content": prompt}]} if chat else {**body, "prompt": prompt}
+    body = {**body, "messages": messages} if chat else {**body, "prompt": prompt}
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
         body["max_tokens"] = 8  # keeps generation short; its validation is fuzzed below 9 all the same
-    response = httpx.post(f"{server.url}{url}", content=json.dumps(body), timeout=60)  # NaN as Python writes it
+    raw = json.dumps(body).encode()  # NaN as Python writes it
+    if encoding == "raw":
+        raw = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    elif isinstance(encoding, tuple):
+        where, junk = encoding[0] % (len(raw) + 1), encoding[1]
+        raw = raw[:where] + junk + raw[where:]
+    response = httpx.post(f"{server.url}{url}", content=raw, timeout=60)
     assert response.status_code in (200, 400, 404), response.text
     if response.status_code != 200:
         assert response.json()["error"]["message"]
+    if isinstance(encoding, tuple) or has_lone_surrogate(body):
+        assert response.status_code == 400, response.text
+    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+
+
+# Valid bodies of every endpoint that between them hold a string (value or key) in every field that takes one. Each is
+# served (test_the_full_bodies_are_served); with a lone surrogate put into any one of its strings, none is.
+FULL_BODIES = [
+    (COMPLETIONS, {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stop": ["\n\n", "END"], "logit_bias": {"330": 1},
+                   "user": "u", "metadata": {"k": "v"}, "service_tier": "auto", "bad_words": ["xyz"],
+                   "structured_outputs": {"regex": "[a-z]+"}}),
+    (COMPLETIONS, {"prompt": ["one", "two"], "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema":
+                   {"name": "n", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}}),
+    (CHAT, {"model": "tiny", "max_tokens": 2, "stop": "\n\n",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather?"}], "name": "ann"},
+                         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "21"}],
+            "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 2, "structured_outputs": {"choice": ["yes", "no"]}}),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": True}),
+    ("/tokenize", {"messages": MESSAGES}),
+    ("/detokenize", {"tokens": [1, 2]}),
+]  # fmt: skip
+
+
+def string_places(value, path: tuple = ()) -> list[tuple[tuple, bool]]:
+    """(path, is_key) of every string in a JSON value, keys included: a path is the keys and indices leading there."""
+    if isinstance(value, str):
+        return [(path, False)]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in [((*path, key), True), *string_places(item, (*path, key))]]
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in string_places(item, (*path, i))]
+    return []
+
+
+def with_surrogate(value, path: tuple, is_key: bool, surrogate: str, at: int):
+    """A copy of `value` whose string at `path` (the key there, with is_key) has `surrogate` put in at `at`."""
+
+    def put(text: str) -> str:
+        return text[: at % (len(text) + 1)] + surrogate + text[at % (len(text) + 1) :]
+
+    if not path:
+        return put(value)
+    head, rest = path[0], path[1:]
+    if isinstance(value, list):
+        return [
+            with_surrogate(item, rest, is_key, surrogate, at) if i == head else item for i, item in enumerate(value)
+        ]
+    if is_key and not rest:
+        return {put(key) if key == head else key: item for key, item in value.items()}
+    return {
+        key: with_surrogate(item, rest, is_key, surrogate, at) if key == head else item for key, item in value.items()
+    }
+
+
+def field_name(path: tuple) -> str:
+    """A path as the server names it: messages[0].content."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def test_the_full_bodies_are_served(served, client):
+    server, _ = served
+    for url, body in FULL_BODIES:
+        response = httpx.post(f"{server.url}{url}", json=body, timeout=60)
+        assert response.status_code == 200, (url, body, response.text)
+
+
+@pytest.mark.usefixtures("client")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    data=st.data(),
+    which=st.integers(0, len(FULL_BODIES) - 1),
+    surrogate=st.sampled_from("\ud800\udbff\udc00\udfff") | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+    at=st.integers(0, 100),
+    raw=st.booleans(),
+)
+def test_a_lone_surrogate_in_any_string_of_any_body_is_a_400_naming_it(served, data, which, surrogate, at, raw):
+    """Any string of a valid body, key or value, of any endpoint, with a lone surrogate in it, escaped as json.dumps
+    writes it or raw (bytes that are not UTF-8): a 400 whose message names the field."""
+    server, _ = served
+    url, body = FULL_BODIES[which]
+    path, is_key = data.draw(st.sampled_from(string_places(body)), label="string")
+    hostile = with_surrogate(body, path, is_key, surrogate, at)
+    content = json.dumps(hostile, ensure_ascii=not raw).encode("utf-8", "surrogatepass" if raw else "strict")
+    response = httpx.post(f"{server.url}{url}", content=content, timeout=60)
+    assert response.status_code == 400, response.text
+    named = f"the keys of {field_name(path[:-1]) or 'the body'}" if is_key else field_name(path)
+    assert response.json()["error"]["message"].startswith(f"{named} must be valid UTF-8 text"), response.text
+
+
+# Bodies no endpoint may take, each with what its 400 must say. The escapes are JSON's, as json.dumps and JavaScript's
+# JSON.stringify write a lone surrogate ("\ud800": half a surrogate pair, which no UTF-8 encoder can write).
+ASSISTANT_CALL = b'{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": '
+TOOL = b'{"type": "function", "function": {"name": "f", "description": "%s", "parameters": {"type": "object", '
+HOSTILE_BODIES = {
+    "surrogate key": (b'{"\\ud800": 1, "prompt": "x"}', "the keys of the body must be valid UTF-8 text"),
+    "surrogate prompt": (b'{"prompt": "hi \\udfff"}', "prompt must be valid UTF-8 text, got 'hi \\udfff'"),
+    "surrogate in a prompt list": (b'{"prompt": ["ok", "\\ud800"]}', "prompt[1] must be valid UTF-8"),
+    "surrogate stop": (b'{"prompt": "x", "stop": ["ok", "\\udbff"]}', "stop[1] must be valid UTF-8"),
+    "surrogate logit_bias key": (b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', "the keys of logit_bias must"),
+    "surrogate model": (b'{"model": "\\ud800", "prompt": "x"}', "model must be valid UTF-8"),
+    "surrogate unknown field": (b'{"prompt": "x", "bogus": {"deep": ["\\udc00"]}}', "bogus.deep[0] must"),
+    "surrogate content": (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content must"),
+    "surrogate content part": (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+        "messages[0].content[0].text must",
+    ),
+    "surrogate name": (b'{"messages": [{"role": "user", "content": "hi", "name": "\\udc00"}]}', "messages[0].name"),
+    "surrogate role": (b'{"messages": [{"role": "us\\ud800er", "content": "hi"}]}', "messages[0].role must"),
+    "surrogate tool description": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [' + TOOL % b"\\ud800" + b'"properties": {}}}}]}',
+        "tools[0].function.description must",
+    ),
+    "surrogate tool parameter": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": ['
+        + TOOL % b"d"
+        + b'"properties": {"\\udfff": {"type": "string"}}}}}]}',
+        "the keys of tools[0].function.parameters.properties must",
+    ),
+    "surrogate tool-call arguments": (
+        b'{"messages": [{"role": "user", "content": "hi"}, '
+        + ASSISTANT_CALL
+        + b'{"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}]}]}',
+        "messages[1].tool_calls[0].function.arguments must",
+    ),
+    "surrogate tool_choice": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": '
+        b'{"name": "\\ud800"}}}',
+        "tool_choice.function.name must",
+    ),
+    "surrogate json schema": (
+        b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": '
+        b'{"enum": ["\\ud800"]}}}}',
+        "response_format.json_schema.schema.enum[0] must",
+    ),
+    "surrogate regex": (b'{"prompt": "x", "structured_outputs": {"regex": "\\udc00+"}}', "structured_outputs.regex"),
+    "surrogate detokenize key": (b'{"tokens": [1, 2], "\\udbff": 0}', "the keys of the body must"),
+    "not UTF-8 in a value": (b'{"prompt": "caf\xe9"}', "prompt must be valid UTF-8 text, got 'caf\\udce9'"),
+    "not UTF-8 in a key": (b'{"caf\xe9": 1, "prompt": "x"}', "the keys of the body must be valid UTF-8"),
+    "a surrogate in UTF-8's form": (b'{"prompt": "\xed\xa0\x80"}', "prompt must be valid UTF-8 text"),
+    "not UTF-8 outside strings": (b'{"prompt": "x"}\xff', "the body is not JSON"),
+    "NaN": (b'{"prompt": "x", "temperature": NaN}', "the body has NaN, which is not JSON"),
+    "Infinity": (b'{"prompt": "x", "metadata": {"a": Infinity}}', "the body has Infinity"),
+    "-Infinity": (b'{"prompt": "x", "presence_penalty": -Infinity}', "the body has -Infinity"),
+    "a float beyond range": (b'{"prompt": "x", "top_p": 1e999}', "the number '1e999', beyond the range of a float"),
+    "a key twice": (b'{"prompt": "x", "prompt": "y"}', "the body has the key 'prompt' twice in one object"),
+    "a nested key twice": (
+        b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}',
+        "the body has the key 'role' twice",
+    ),
+    "an array": (b'[{"prompt": "x"}]', "the body must be a JSON object, got [{'prompt': 'x'}]"),
+    "a number": (b"42", "the body must be a JSON object, got 42"),
+    "a string": (b'"\\ud800"', "the body must be a JSON object"),
+    "null": (b"null", "the body must be a JSON object, got None"),
+    "empty": (b"", "the body is not JSON"),
+    "cut short": (b'{"prompt": "x"', "the body is not JSON"),
+}
+
+
+@pytest.mark.parametrize(("raw", "named"), HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
+def test_hostile_bodies_get_a_400_naming_the_problem(served, client, server_log, raw, named):
+    """On every endpoint that takes a body: 400 in OpenAI's shape, the message naming the problem (and the field),
+    no traceback in the log; a normal request succeeds right after."""
+    server, _ = served
+    for path in (COMPLETIONS, CHAT, "/tokenize", "/detokenize"):
+        response = httpx.post(f"{server.url}{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and named in error["message"], (path, error)
+    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+    reply = client.completions.create(model="tiny", prompt="Still here", max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_text_that_only_looks_like_a_surrogate_is_accepted(served, client):
+    """A pair written as two escapes is one character (here an emoji), and an escaped backslash before "ud800" is
+    six characters of text: both are UTF-8 text, and served."""
+    server, _ = served
+    for prompt in (b'"smile \\ud83d\\ude00"', b'"C:\\\\ud800"'):
+        response = httpx.post(f"{server.url}{COMPLETIONS}", content=b'{"max_tokens": 2, "prompt": %s}' % prompt)
+        assert response.status_code == 200, response.text
+    pair = httpx.post(f"{server.url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}').json()["tokens"]
+    assert pair == httpx.post(f"{server.url}/tokenize", json={"prompt": "\U0001f600"}).json()["tokens"]
+
+
+def test_the_openai_client_gets_a_bad_request_for_a_lone_surrogate(client):
+    """Through the openai client's own post(), with the body as json.dumps writes it (the client's create() cannot
+    encode a lone surrogate itself): openai.BadRequestError naming the field, and the next request is served."""
+    from openai.types.chat import ChatCompletion
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "\ud800"}], "max_tokens": 2}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.name must be valid UTF-8 text") as error:
+        client.post("/chat/completions", cast_to=ChatCompletion, content=json.dumps(body).encode())
+    assert error.value.status_code == 400 and error.value.type == "invalid_request_error"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "metadata": {"score": math.nan}}
+    with pytest.raises(openai.BadRequestError, match="NaN"):
+        client.post("/chat/completions", cast_to=ChatCompletion, content=json.dumps(body).encode())
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_json_text_inside_a_body_is_read_as_strictly_as_the_body(served, client, server_log):
+    """JSON text in a body's strings (an assistant turn's tool-call arguments, a schema given as text): a lone
+    surrogate escaped there is a 400 naming where, and so is a schema nested too deep; arguments nested too deep for
+    a parser stay text, as arguments that are not JSON do. Never a 500."""
+    server, _ = served
+
+    def turn(arguments: str) -> dict:
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return {"model": "tiny", "max_tokens": 2, "tools": [WEATHER], "tool_choice": "none",
+                "messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]}  # fmt: skip
+
+    def schema(text: str) -> dict:
+        return {"model": "tiny", "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": text}}
+
+    for url, body, named in (
+        (CHAT, turn('{"city": "\\ud800"}'), "messages[1].tool_calls[0].function.arguments.city must be valid UTF-8"),
+        (COMPLETIONS, schema('{"enum": ["\\ud800"]}'), "structured_outputs.json.enum[0] must be valid UTF-8"),
+        (COMPLETIONS, schema("[" * 3000 + "]" * 3000), "structured_outputs.json nests arrays and objects over 100"),
+        (COMPLETIONS, schema('{"type": "number", "maximum": NaN}'), "structured_outputs.json has NaN"),
+    ):
+        response = httpx.post(f"{server.url}{url}", json=body)
+        assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+    deep = httpx.post(f"{server.url}{CHAT}", json=turn("[" * 3000 + "]" * 3000))
+    assert deep.status_code == 400 and "max_model_len 96" in deep.json()["error"]["message"], deep.text  # rendered
+    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
 
 
 def test_the_readme_field_table_is_the_servers():

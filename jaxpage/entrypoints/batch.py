@@ -6,7 +6,8 @@
 Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
 (see `jaxpage.entrypoints.openai_api` for the body fields). Output lines, in the order requests finish: {"id",
 "custom_id", "response": {"status_code", "request_id", "body"}, "error"}; a request that is invalid gets status 400 and
-an error body, a line that is not a request at all (not JSON, no custom_id) a record with "error" set.
+an error body (a line whose text is not UTF-8, or holds a lone surrogate, included), a line that is not a request at
+all (not JSON, no custom_id) a record with "error" set.
 
 The input is read as the engine takes requests (a few times max_num_seqs ahead), never whole, and each record is
 written and flushed when its request finishes. Every record has a unique custom_id: a line without one is
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jaxpage.entrypoints.json_body import check_unicode, parse_json
 from jaxpage.entrypoints.openai_api import (
     ParsedRequest,
     RequestError,
@@ -88,7 +90,7 @@ def run_batch(input_path, output_path, llm=None, *, quiet: bool = False, **engin
         raise BatchError(f"cannot write the output {output_path}: {e.strerror or e}") from None
     stats = llm.engine.spec_decoding_stats
     before = None if stats is None else stats.copy()
-    with out, open(input_path, encoding="utf-8", errors="replace") as lines:
+    with out, open(input_path, "rb") as lines:  # bytes: a line that is not UTF-8 is that line's error (json_body)
         job.run(lines, out, total)
     if stats is not None:
         job.summary.spec_decoding = stats.since(before).as_dict()
@@ -157,13 +159,13 @@ class _Job:
             self.bar.close()
         self.summary.seconds = time.perf_counter() - start
 
-    def _take(self, line_number: int, line: str) -> None:
+    def _take(self, line_number: int, line: bytes) -> None:
         """Records an error for a bad line, skips a request already done, or hands the request to the engine."""
         self.summary.requests += 1
         try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
-            return self._error(f"line-{line_number}", None, "invalid_json", f"line {line_number}: not JSON: {e}")
+            record = parse_json(line, f"line {line_number}")
+        except ValueError as e:  # not JSON, nested too deep, NaN, a key twice, ...
+            return self._error(f"line-{line_number}", None, "invalid_json", str(e))
         custom_id = record.get("custom_id") if isinstance(record, dict) else None
         if not isinstance(custom_id, str) or not custom_id or not _is_text(custom_id):
             message = f"line {line_number}: custom_id must be a non-empty string of valid text"
@@ -177,6 +179,7 @@ class _Job:
             self.bar.update()
             return None
         try:
+            check_unicode(record, whole=f"line {line_number}")  # a lone surrogate or a byte not UTF-8, in any field
             if record.get("method", "POST") != "POST":
                 raise RequestError(f"method must be POST, got {record.get('method')!r}")
             if len(split_prompts(record.get("url"), record.get("body"))) > 1:

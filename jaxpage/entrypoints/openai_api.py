@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxpage.entrypoints.json_body import check_unicode, parse_json
 from jaxpage.entrypoints.tool_calls import (
     ToolChoice,
     forced_schema,
@@ -285,6 +286,10 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
         if structured is not None:
             if not isinstance(structured, dict):
                 raise RequestError(f"structured_outputs must be an object, got {describe(structured)}")
+            if isinstance(structured.get("json"), str):  # a schema as JSON text: read as strictly as the body
+                schema = parse_json(structured["json"], "structured_outputs.json")
+                check_unicode(schema, "structured_outputs.json")
+                structured = dict(structured, json=schema)
             return StructuredOutputsParams(**structured)
         if response_format is None:
             return None

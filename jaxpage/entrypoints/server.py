@@ -7,12 +7,13 @@
     GET  /   a chat page (jaxpage/entrypoints/static/chat.html: one file, script and style inline, no CDN)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (the message names
-the field; bodies nested too deep or with numbers too long are refused before they are parsed), 401 without the
-right key when an API key is set (compared in constant time; every path but OPEN_PATHS), 404 for an unknown path or
-model, 413 for a body over max_body_bytes, 503 with Retry-After when max_waiting_requests requests wait already
-(AsyncEngine's admission), 500 for a request that failed in a step. A client that disconnects aborts its request
-(its pages are freed at once), streaming or not. `/health` is 200 only while the engine loop is alive and making
-progress (AsyncEngine.health). Each request gets a log line when it ends (RequestLog).
+the field; bodies nested too deep or with numbers too long are refused before they are parsed; a body that is not a
+JSON object of UTF-8 text, lone surrogates included, is refused where it enters: jaxpage.entrypoints.json_body), 401
+without the right key when an API key is set (compared in constant time; every path but OPEN_PATHS), 404 for an
+unknown path or model, 413 for a body over max_body_bytes, 503 with Retry-After when max_waiting_requests requests
+wait already (AsyncEngine's admission), 500 for a request that failed in a step. A client that disconnects aborts
+its request (its pages are freed at once), streaming or not. `/health` is 200 only while the engine loop is alive
+and making progress (AsyncEngine.health). Each request gets a log line when it ends (RequestLog).
 
 Shutdown (SIGINT, SIGTERM): no new connections; requests in flight get shutdown_timeout_s to finish, then the engine
 aborts them and their clients get a 503 in OpenAI's error shape, or, streaming, an error event and [DONE].
@@ -307,8 +308,9 @@ class RequestLog:
 
 
 async def read_body(request: Request, max_body_bytes: int):
-    """(the JSON body, None), or (None, the error response): over max_body_bytes (413), not JSON, nested too deep
-    or with a number too long (400: jaxpage.entrypoints.json_body), the client gone before sending it all (499)."""
+    """(the JSON body, None), or (None, the error response): over max_body_bytes (413), not a JSON object of UTF-8
+    text, nested too deep or with a number too long (400: jaxpage.entrypoints.json_body), the client gone before
+    sending it all (499)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_body_bytes:
         return None, error_response(413, f"request body over {max_body_bytes} bytes")

@@ -17,6 +17,7 @@ import json
 import re
 import uuid
 
+from jaxpage.entrypoints.json_body import check_unicode, parse_json
 from jaxpage.validation import describe, fail
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -475,7 +476,8 @@ def render_messages_for_template(messages: list[dict], chat_template: str) -> li
 
 def _checked_functions(field: str, tool_calls) -> list[tuple[str, dict | str]]:
     """(name, arguments) of each of an assistant message's tool calls; the arguments parsed when they are a JSON
-    object, the string as it is otherwise."""
+    object, the string as it is otherwise (JSON nested too deep too). JSON that holds a lone surrogate is refused
+    (json_body.check_unicode): the template would write it into a prompt no tokenizer takes."""
     if not isinstance(tool_calls, list | tuple):
         fail(field, 'a list of {"type": "function", "function": {...}} calls', tool_calls, wrong_type=True)
     functions = []
@@ -489,8 +491,9 @@ def _checked_functions(field: str, tool_calls) -> list[tuple[str, dict | str]]:
         if not isinstance(arguments, str):
             fail(f"{field}[{j}].function.arguments", "a JSON string", arguments, wrong_type=True)
         try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
+            parsed = parse_json(arguments, f"{field}[{j}].function.arguments")
+        except ValueError:
             parsed = None
+        check_unicode(parsed, f"{field}[{j}].function.arguments")
         functions.append((name, parsed if isinstance(parsed, dict) else arguments))
     return functions
