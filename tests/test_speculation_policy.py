@@ -16,7 +16,6 @@ from jaxpage.spec_decode.policy import (
     MIN_SAMPLES,
     PROBE_STEPS,
     REPROBE_AFTER,
-    SWITCH_AFTER,
     WARMUP_STEPS,
     SpeculationPolicy,
 )
@@ -141,8 +140,8 @@ POOR = Workload(verify_s=0.060, decode_s=0.030, accepted=0)  # 1 token for 2x th
 
 def run(policy: SpeculationPolicy, workload: Workload, steps: int, slow=(), first: int = 0) -> tuple[list[bool], float]:
     """`steps` steps (numbered from `first`) of `workload`; those numbered in `slow` take 10x as long (a noisy
-    machine), or, `slow` a function, those for which slow(step number, whether it verifies) is true. Returns (whether each step verified, the speed-up over plain decoding: tokens per second against
-    1 / decode_s)."""
+    machine), or, `slow` a function, those for which slow(step number, whether it verifies) is true. Returns
+    (whether each step verified, the speed-up over plain decoding: tokens per second against 1 / decode_s)."""
     verified, seconds, tokens = [], 0.0, 0
     for i in range(first, first + steps):
         verify = policy.should_verify(1, {0: draft(8)}, V1, D1)
@@ -214,7 +213,8 @@ def test_speculation_that_does_not_pay_turns_off_and_stays_off(caplog, monkeypat
     assert sum(verified[50:]) <= 0.1 * len(verified[50:])  # the probes of the verify arm
     assert speedup >= 0.9
     (line,) = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
-    assert line.startswith("speculative decoding off: 1 sequences, verify verify(T=9, S=1, R=1, k=8) 60.00 ms (median")
+    assert line.startswith("speculative decoding off: 2 of the latest 16 steps with drafts pay; the latest: 1 seq")
+    assert "verify verify(T=9, S=1, R=1, k=8) 60.00 ms (median of " in line
     assert "decode(T=1, S=1, R=1) 30.00 ms (median of " in line and "= 30.00 ms/token" in line
 
 
@@ -238,7 +238,7 @@ def test_after_turning_off_it_turns_on_again_when_the_workload_pays():
     assert not policy.speculating
     verified, _ = run(policy, PAYS, 400, first=600)
     turned_on = next(i for i in range(len(verified)) if all(verified[i : i + 20]))
-    assert turned_on <= MAX_REPROBE_AFTER + PROBE_STEPS + SWITCH_AFTER
+    assert turned_on <= MAX_REPROBE_AFTER + PROBE_STEPS
     assert policy.speculating and policy.num_switches_on == 1
     assert sum(verified[-100:]) >= 90
 

@@ -11,8 +11,8 @@ decode step's seconds per token,
 expected tokens being the number of sequences plus, for each draft, its length times its expected acceptance.
 Both are measured as the engine runs:
   - step seconds, per step shape: the median of its last WINDOW usable steps (observe_step), robust to a few steps
-    slowed by whatever else runs on the machine. Not usable, as warm-up: a shape's first WARMUP_STEPS steps, and any
-    step that compiled or loaded a program (compile time, first-run allocations). A shape's estimate counts once it
+    slowed by whatever else runs on the machine. Not usable, as warm-up: any step that compiled or loaded a program
+    (the caller says so), then a shape's first WARMUP_STEPS steps (first-run costs). A shape's estimate counts once it
     has MIN_SAMPLES usable steps; until then it is measured first (the verify shape, then the decode shape), unless
     a larger measured shape of its kind (and k) stands in for it: an over-estimate, so that a batch that shrinks is
     not made to try each smaller verify shape (for a draft model that means catching up on every sequence's tokens);
@@ -33,8 +33,9 @@ window, so that its estimate is of now (a slow first measurement, or a load sinc
 probe). `reprobe_after` starts at REPROBE_AFTER, doubles after each probe that leaves the decision as it was, up to
 MAX_REPROBE_AFTER, and starts again when the decision changes: a decision to stop verifying is never permanent, and
 costs at most PROBE_STEPS in MAX_REPROBE_AFTER steps while it holds.
-Whether the policy speculates (`speculating`) follows its decisions, turning when SWITCH_AFTER decisions in a row
-say otherwise (so that one draft of a poor kind does not count as a turn); each turn is logged (INFO, logger
+Whether the policy speculates (`speculating`) follows its decisions: it turns off when at most SWITCH_SHARE of the
+latest SWITCH_WINDOW decisions verified, on again when at least 1 - SWITCH_SHARE did (declining the drafts of a poor
+kind now and then, as the per-draft estimates ask, is no turn); each turn is logged (INFO, logger
 "jaxpage") with the numbers that decided it, and `state()` gives the counters and current estimates (the engine's
 stats, the server's /metrics).
 """
@@ -61,7 +62,8 @@ MIN_SAMPLES = 5  # usable steps of a shape before its median counts
 PROBE_STEPS = WINDOW // 2 + 1  # steps of the other arm per probe: they decide its median
 REPROBE_AFTER = 16  # decisions of one arm in a row before the other is probed (at first)
 MAX_REPROBE_AFTER = 256
-SWITCH_AFTER = 3  # decisions in a row that turn `speculating`
+SWITCH_WINDOW = 16  # `speculating`: from the share of these latest decisions that verified
+SWITCH_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +121,7 @@ class SpeculationPolicy:
         self.step_times = StepTimes()
         self.speculating = True  # until measured otherwise
         self._pays: bool | None = None  # the latest decision
-        self._against = 0  # decisions in a row against `speculating`
+        self._decisions: collections.deque = collections.deque(maxlen=SWITCH_WINDOW)  # the latest (True: verify)
         self._streak = 0  # decisions in a row the same (since the latest probe)
         self._reprobe_after = REPROBE_AFTER
         self._probe = False  # the arm being probed (True: verify)
@@ -175,21 +177,25 @@ class SpeculationPolicy:
         return verify
 
     def _turn(self, pays: bool, num_seqs: int, expected: float, verify_shape, verify_s, decode_shape, decode_s):
-        """`speculating` follows the decisions, SWITCH_AFTER in a row; each turn is logged."""
-        self._against = 0 if pays == self.speculating else self._against + 1
-        if self._against < SWITCH_AFTER:
+        """`speculating` follows the share of the latest decisions that verified; each turn is logged."""
+        self._decisions.append(pays)
+        share = sum(self._decisions) / len(self._decisions)
+        turns = share <= SWITCH_SHARE if self.speculating else share >= 1 - SWITCH_SHARE
+        if len(self._decisions) < SWITCH_WINDOW or not turns:
             return
-        self._against = 0
-        self.speculating = pays
-        if pays:
+        self.speculating = not self.speculating
+        if self.speculating:
             self.num_switches_on += 1
         else:
             self.num_switches_off += 1
         times = self.step_times
         logger.info(
-            "speculative decoding %s: %d sequences, verify %s %.2f ms (median of %d steps) for %.2f expected tokens "
-            "= %.2f ms/token, decode %s %.2f ms (median of %d) = %.2f ms/token; acceptance rate %.2f",
-            "on" if pays else "off",
+            "speculative decoding %s: %d of the latest %d steps with drafts pay; the latest: %d sequences, verify %s "
+            "%.2f ms (median of %d steps) for %.2f expected tokens = %.2f ms/token, decode %s %.2f ms (median of %d) "
+            "= %.2f ms/token; acceptance rate %.2f",
+            "on" if self.speculating else "off",
+            sum(self._decisions),
+            len(self._decisions),
             num_seqs,
             verify_shape,
             1e3 * verify_s,
