@@ -3,7 +3,7 @@ workload, at batch 1 and batch 16.
 
     python scripts/bench_spec_decode.py [--model SRC] [--speculative-config JSON] [--draft-layers N]
         [--max-tokens 128] [--batch1-requests 4] [--batch 16] [--temperature 0] [--max-model-len 2048]
-        [--repeats 2] [--workloads grounded,chat]
+        [--repeats 2] [--workloads grounded,chat] [--runs 1]
 
 Workloads (chat-formatted prompts, made here from the standard library's own source, no download):
   grounded  outputs that copy much of the prompt: add type hints to a Python function, fix the typos in a
@@ -21,12 +21,16 @@ steps; throughput is output tokens / those seconds, speed-up an engine's over pl
 sampling every engine must give the same tokens (checked, and printed as `identical`): speculative decoding changes
 the speed, never the output. Per cell the speculative counters (drafts, draft tokens, accepted tokens, acceptance
 rate, mean accepted length, acceptance per position) are printed.
-Progress goes to stderr; a table and, as the last line, one JSON object with every figure go to stdout.
+Per cell, too, the speculation policy's state (jaxpage.spec_decode.policy: whether it speculates, its turns on and
+off, its probes). --batch 1 leaves out the batched cells. --runs N: N consecutive runs, each with engines made afresh
+(a fresh policy, as a new process has: what a user who starts the engine again gets), then each run's speed-ups.
+Progress goes to stderr; a table per run and, as the last line, one JSON object with every figure go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import time
@@ -118,7 +122,6 @@ def chat_prompts(count: int) -> list[str]:
 def write_early_exit_draft(model: str | None, num_layers: int) -> str:
     """A draft model made of the first num_layers layers of `model` (with its final norm and LM head), saved as a
     jaxpage checkpoint (with the tokenizer) in a temporary directory; returns the directory."""
-    import dataclasses
     import tempfile
 
     import jax
@@ -167,18 +170,14 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=3, help="k of the draft-model engine")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch1-requests", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="the batched cells' batch (1: no batched cells)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each batch cell by each engine")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--workloads", default="grounded,chat", help="comma-separated: grounded, chat")
+    parser.add_argument("--runs", type=int, default=1, help="consecutive runs, each with fresh engines")
     args = parser.parse_args()
 
-    from jaxpage.entrypoints.llm import LLM
-    from jaxpage.sampling_params import SamplingParams
-    from jaxpage.tokenizers.tokenizer import encode_chat
-
-    common = dict(max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 1))
     configs = {"plain": None, "spec": args.speculative_config}
     if args.draft_layers:
         draft_dir = write_early_exit_draft(args.model, args.draft_layers)
@@ -187,6 +186,30 @@ def main() -> None:
             "model": draft_dir,
             "num_speculative_tokens": args.num_draft_tokens,
         }
+    runs = []
+    for run in range(args.runs):
+        if args.runs > 1:
+            log(f"run {run + 1} of {args.runs}")
+        runs.append(run_once(args, configs))
+    if args.runs > 1:
+        print("speed-up by run (identical greedy output: y/n)")
+        for i, result in enumerate(runs):
+            figures = [
+                f"{c['workload']} batch {c['batch']} {name} x{x:.2f} {'y' if c['identical'][name] else 'n'}"
+                for c in result["cells"]
+                for name, x in c["speedup"].items()
+            ]
+            print(f"run {i + 1}: " + "; ".join(figures))
+    print(json.dumps(runs[0] if args.runs == 1 else {"runs": runs}))
+
+
+def run_once(args, configs: dict) -> dict:
+    """Engines made afresh serve every cell; prints the table, returns every figure."""
+    from jaxpage.entrypoints.llm import LLM
+    from jaxpage.sampling_params import SamplingParams
+    from jaxpage.tokenizers.tokenizer import encode_chat
+
+    common = dict(max_model_len=args.max_model_len, max_num_seqs=max(args.batch, 1))
     engines = {}
     compiled = {}
     for name, spec in configs.items():
@@ -209,7 +232,7 @@ def main() -> None:
     cells = []
     for workload in args.workloads.split(","):
         make = workloads[workload]
-        for batch in (1, args.batch):
+        for batch in sorted({1, args.batch}):
             prompts = encode(make(args.batch1_requests if batch == 1 else batch))
             names = list(engines)
             seconds = dict.fromkeys(names, 0.0)
@@ -237,6 +260,7 @@ def main() -> None:
                     name: engines[name].engine.spec_decoding_stats.since(stats).as_dict()
                     for name, stats in before.items()
                 },
+                "policy": {name: dataclasses.asdict(engines[name].engine.spec_decoding_policy) for name in before},
             }
             cells.append(cell)
             log(
@@ -265,8 +289,10 @@ def main() -> None:
                 f"{c['workload']:10} {c['batch']:>5} {name:>6} {c['tokens_per_s'][name]:>8.2f} "
                 f"{c['speedup'][name]:>9.3f} {accept:>7} {mean:>8} {str(c['identical'][name]):>9}"
             )
-    configs = {name: str(engines[name].engine.config.speculative_config) for name in configs}
-    print(json.dumps({"configs": configs, "compiled": compiled, "cells": cells}))
+    names = {name: str(engines[name].engine.config.speculative_config) for name in configs}
+    for llm in engines.values():
+        llm.engine.shutdown()
+    return {"configs": names, "compiled": compiled, "cells": cells}
 
 
 if __name__ == "__main__":

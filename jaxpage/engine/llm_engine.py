@@ -152,6 +152,12 @@ class LLMEngine:
         """vLLM's speculative decoding counters (jaxpage.spec_decode.stats), None without speculative decoding."""
         return None if self.spec_decoder is None else self.spec_decoder.stats
 
+    @property
+    def spec_decoding_policy(self):
+        """What the speculation policy decides now and why (jaxpage.spec_decode.policy.PolicyState), None without
+        speculative decoding."""
+        return None if self.spec_decoder is None else self.spec_decoder.policy.state()
+
     @classmethod
     def from_engine_args(cls, **engine_args) -> LLMEngine:
         return cls(EngineConfig(**engine_args))

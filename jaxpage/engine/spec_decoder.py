@@ -8,8 +8,9 @@
    their distributions for verification, and the draft pool's computed tokens per sequence (which the scheduler
    records: nothing here writes a Sequence).
 3. The target verifies inside its step (jaxpage.spec_decode.verification).
-4. `observe(shape, seconds, updates)` after the scheduler's update: the policy's step times and acceptance, and
-   vLLM's counters (`stats`); `forget` for a sequence ended outside a step's update.
+4. `observe(shape, seconds, updates)` after the scheduler's update: the policy's step times (not those of a step that
+   compiled a program) and acceptance, and vLLM's counters (`stats`); `forget` for a sequence ended outside a step's
+   update. The policy's decisions and estimates: `policy.state()`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class SpeculativeDecoder:
         self.target_runner = target_runner
         self.draft_runner = draft_runner
         self._kinds: dict[int, int] = {}  # seq_id -> the kind of its draft in the current step
+        self._compilations = self._num_compilations()  # programs compiled or loaded before the latest step
 
     def propose(self, scheduler: Scheduler) -> dict[int, list[int]] | None:
         """Draft tokens by seq_id for this step, or None (no step with drafts: see the module docstring)."""
@@ -61,7 +63,9 @@ class SpeculativeDecoder:
     def observe(self, shape: StepShape, seconds: float, updates: list[SequenceUpdate]) -> None:
         """After a step of `shape` that took `seconds` on the device: its verified drafts' acceptance; the
         sequences the step ended are forgotten."""
-        self.policy.observe_step(shape, seconds)
+        compilations = self._num_compilations()
+        self.policy.observe_step(shape, seconds, compiled=compilations != self._compilations)
+        self._compilations = compilations
         for update in updates:
             if update.num_draft_tokens:
                 self.stats.observe_draft(update.num_draft_tokens, update.num_accepted)
@@ -69,6 +73,11 @@ class SpeculativeDecoder:
                 self.policy.observe_draft(update.seq.seq_id, kind, update.num_draft_tokens, update.num_accepted)
             if update.finish_reason is not None:
                 self.forget(update.seq.seq_id)
+
+    def _num_compilations(self) -> int:
+        """Programs the runners have compiled or loaded so far: a step that added one took compile time."""
+        runners = (self.target_runner, self.draft_runner)
+        return sum(runner.num_compilations for runner in runners if runner is not None)
 
     def forget(self, seq_id: int) -> None:
         """A sequence ended: its acceptance estimate goes."""

@@ -5,7 +5,9 @@ runs as n sequences there too), and the KV cache's used share. Counters and hist
 (`observe`, with every RequestOutput it hands over): prompt and generation tokens, finished requests by reason, time
 to first token, inter-token latency (between a request's outputs, one observation per output: a step that gives a
 sequence several tokens, by speculative decoding, is one observation) and end-to-end latency; prefix-cache queries
-and hits, and the speculative decoding counters, are the engine's own counts.
+and hits, and the speculative decoding counters, are the engine's own counts; so is the speculation policy's state:
+whether it speculates now (a gauge, 1 or 0), its turns on and off, its probes of the arm not taken, and the estimates
+of its latest decision (seconds per token of a verify step and of a decode step, the drafts' acceptance rate).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.outputs import RequestOutput
@@ -46,10 +48,33 @@ class EngineCounts:
             for position, count in enumerate(stats.num_accepted_tokens_per_pos):
                 per_position.add_metric([str(position)], count)
             yield per_position
+        policy = self.engine.spec_decoding_policy
+        if policy is not None:
+            yield _gauge("spec_decode_speculating", "1: drafts are verified now, 0: not", policy.speculating)
+            switches = CounterMetricFamily(
+                PREFIX + "spec_decode_num_switches", "Times the policy turned speculation on or off", labels=["to"]
+            )
+            switches.add_metric(["on"], policy.num_switches_on)
+            switches.add_metric(["off"], policy.num_switches_off)
+            yield switches
+            yield _counter("spec_decode_num_probes", "Probes of the arm the policy does not take", policy.num_probes)
+            yield _counter("spec_decode_num_declined", "Steps with drafts that decoded instead", policy.num_declined)
+            estimates = (
+                ("verify_seconds_per_token", "A verify step's seconds per expected token", policy.verify_s_per_token),
+                ("decode_seconds_per_token", "A decode step's seconds per token", policy.decode_s_per_token),
+                ("acceptance_rate_estimate", "Estimated accepted / draft tokens", policy.acceptance_rate),
+            )
+            for name, documentation, value in estimates:
+                if value is not None:
+                    yield _gauge("spec_decode_" + name, documentation, value)
 
 
 def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, documentation, value=value)
 
 
 class ServerMetrics:
