@@ -1,28 +1,41 @@
-"""Where a decode step's time goes, at batch 1, 4 and 64: the engine's own split of each step, and each device
-program timed alone.
+"""One request timed whole as its user times it, against transformers' `generate` timed the same way; and where a
+decode step's time goes, at batch 1, 4 and 64: the engine's own split of each step, and each device program timed
+alone.
 
-    python scripts/bench_latency.py [--model PATH] [--batch-sizes 1,4,64] [--tokens 128] [--quantization int8] [--hf]
-        [--async-scheduling off|on|both]
+    python scripts/bench_latency.py [--model PATH] [--parts requests,steps] [--prompt-lens 16,128,1024]
+        [--tokens 128] [--quantization int8] [--dtype float32] [--repeats 3] [--no-server] [--no-hf]
+        [--batch-sizes 1,4,64] [--async-scheduling off|on|both]
 
-Per batch size: that many requests of a 16-token prompt decode --tokens tokens each (greedy, ignore_eos), after a
-warm-up that compiles every step shape. Every decode-only step of the run is split as the engine times it
+requests: an engine as `LLM()` makes it (the engine's defaults; --dtype, --quantization), warmed up (engine.warmup()),
+then for each prompt length (a window of a fixed text corpus, given as text, so tokenizing is timed too; its token
+count is reported) one request of --tokens tokens (greedy, ignore_eos), --repeats times each way:
+  generate   `LLM.generate` timed around the call (request seconds), then `LLM.generate_stream` for the time to the
+             first token (TTFT) and between tokens (ITL);
+  serve      `jaxpage serve` (a child process, same engine arguments, warmed up before the timing), streaming
+             /v1/completions: TTFT to the first chunk with a token, ITL between them, request seconds to the last event;
+  hf         transformers' float32 `generate` of the same prompt tokens (the GGUF dequantized by transformers), timed
+             around the call, TTFT and ITL from its streamer's callbacks (--no-hf leaves it out).
+Medians of the repeats; jaxpage / hf is the ratio of request seconds (the issue's target: >= 1.3x float32,
+>= 2x int8 weights at 128 tokens; a 16-token prompt's first token <= 100 ms).
+steps: per batch size, that many requests of a 16-token prompt decode --tokens tokens each (greedy, ignore_eos), after
+a warm-up that compiles every step shape. Every decode-only step of the run is split as the engine times it
 (LLMEngine.last_step_stats): schedule, prepare (the step's arrays), device (dispatch until the sampled tokens are on
 the host), postprocess (the scheduler's update, detokenization -- also reported alone -- stop checks, outputs). Then
 the step's programs run again alone on its own inputs, each waited for: forward pass, sampler (LM head and sampling).
 The idle gap is the device part of a step less those programs: dispatch, transfer, and time the device waits.
 Reported per batch size: the medians in milliseconds, decode tokens/s, host time (schedule + prepare +
 postprocess) as a share of the step, and the time to the first token (from adding the requests) beside the device
-time of the steps before it (the prompts' prefill). --hf: transformers' float32 `generate` at batch 1 on the same
-model, same run. Each of it with synchronous and asynchronous scheduling (an engine each, same run), unless
---async-scheduling says one; with asynchronous scheduling a step's parts overlap other steps' device time, and the
-step time is the wall time between two outputs. Compiled shapes and compile seconds are printed as they compile. The
-last line is one JSON object.
+time of the steps before it (the prompts' prefill). Each of it with synchronous and asynchronous scheduling (an
+engine each, same run), unless --async-scheduling says one; with asynchronous scheduling a step's parts overlap other
+steps' device time, and the step time is the wall time between two outputs.
+Compiled shapes and compile seconds are printed as they compile. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import time
 
@@ -34,45 +47,120 @@ PROMPT_LEN = 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a .gguf file or HF directory (default: the default model)")
-    parser.add_argument("--batch-sizes", default="1,4,64")
-    parser.add_argument("--tokens", type=int, default=128, help="decode tokens per request")
+    parser.add_argument("--parts", default="requests,steps", help="requests, steps or both (comma-separated)")
+    parser.add_argument("--prompt-lens", default="16,128,1024", help="requests: prompt tokens, comma-separated")
+    parser.add_argument("--batch-sizes", default="1,4,64", help="steps: batch sizes")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--quantization", choices=["int8"], help="weights as int8 (jaxpage only)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--hf", action="store_true", help="transformers' generate at batch 1 too")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each program alone")
+    parser.add_argument("--no-hf", dest="hf", action="store_false", help="requests: leave transformers out")
+    parser.add_argument("--no-server", dest="server", action="store_false", help="requests: leave jaxpage serve out")
+    parser.add_argument("--repeats", type=int, default=3, help="requests: each way; steps: runs of each program alone")
     parser.add_argument(
         "--async-scheduling",
         choices=["off", "on", "both"],
         default="both",
-        help="the engine's async_scheduling; both: an engine of each, one after the other, in this run",
+        help="steps: the engine's async_scheduling; both: an engine of each, one after the other, in this run",
     )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"requests", "steps"}:
+        parser.error(f"--parts: requests and/or steps, not {args.parts!r}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    result = {}
+    if "requests" in parts:
+        result["requests"] = requests_part(args, [int(n) for n in args.prompt_lens.split(",")])
+        for row in result["requests"]["rows"]:
+            print(describe_request(row))
+    if "steps" in parts:
+        result["steps"] = steps_part(args, [int(b) for b in args.batch_sizes.split(",")])
+        for row in result["steps"]["jaxpage"]:
+            print(describe(row))
+    print(json.dumps(result))
+
+
+def requests_part(args, prompt_lens: list[int]) -> dict:
+    """Each prompt length's request, timed whole by generate, the server and transformers (see the docstring)."""
+    from jaxpage.benchmarks.request_latency import time_generate, time_hf_generate, time_server
+    from jaxpage.benchmarks.workloads import corpus_text
+    from jaxpage.entrypoints.llm import LLM
+    from jaxpage.tokenizers.tokenizer import encode_prompt
+
+    engine_args = dict(dtype=args.dtype)
+    if args.quantization:
+        engine_args["quantization"] = args.quantization
+    llm = LLM(args.model, **engine_args)
+    start = time.perf_counter()
+    compiled = llm.engine.warmup()
+    log(f"requests: warm-up: {len(compiled)} programs in {time.perf_counter() - start:.1f} s")
+    tokenizer = llm.get_tokenizer()
+    corpus = list(tokenizer(corpus_text()).input_ids)
+    prompts = {}
+    for n in prompt_lens:
+        text = tokenizer.decode(corpus[:n])
+        prompts[n] = (text, encode_prompt(tokenizer, text))
+    rows = []
+    for n, (text, ids) in prompts.items():
+        row = dict(prompt_len=n, prompt_tokens=len(ids), generate=time_generate(llm, text, args.tokens, args.repeats))
+        log(f"requests: generate, {len(ids)}-token prompt: {row['generate']}")
+        rows.append(row)
+    del llm
+    if args.server:
+        from jaxpage.benchmarks.live_server import free_port, start_server
+
+        port = free_port()
+        log("requests: jaxpage serve starting (warm-up untimed)")
+        server = start_server(args.model, engine_args, port)
+        try:
+            for row, (text, _) in zip(rows, prompts.values(), strict=True):
+                row["serve"] = time_server(f"http://127.0.0.1:{port}", text, args.tokens, args.repeats)
+                log(f"requests: serve, {row['prompt_tokens']}-token prompt: {row['serve']}")
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
+    if args.hf:
+        from jaxpage.benchmarks.hf_baselines import hf_source, load_hf_baseline
+
+        hf = load_hf_baseline(hf_source(args.model))
+        time_hf_generate(hf, prompts[prompt_lens[0]][1], 4, 1)  # its first call's one-time work, untimed
+        for row, (_, ids) in zip(rows, prompts.values(), strict=True):
+            row["hf"] = time_hf_generate(hf, ids, args.tokens, args.repeats)
+            row["generate_over_hf"] = row["hf"]["request_s"] / row["generate"]["request_s"]
+            log(f"requests: hf, {row['prompt_tokens']}-token prompt: {row['hf']}")
+    return {"engine_args": engine_args, "tokens": args.tokens, "rows": rows}
+
+
+def describe_request(row: dict) -> str:
+    parts = []
+    for side in ("generate", "serve", "hf"):
+        if side in row:
+            s = row[side]
+            parts.append(
+                f"{side} {s['request_s']:.3f} s ({s['tokens_per_s']:.1f} tokens/s, TTFT {1e3 * s['ttft_s']:.0f} ms, "
+                f"ITL {1e3 * s['itl_s']:.1f} ms)"
+            )
+    ratio = f"; generate {row['generate_over_hf']:.2f}x hf" if "generate_over_hf" in row else ""
+    return f"request, {row['prompt_tokens']}-token prompt: " + "; ".join(parts) + ratio
+
+
+def steps_part(args, sizes: list[int]) -> dict:
+    """Each batch size's decode steps, split as the engine times them (see the docstring)."""
     from jaxpage.entrypoints.llm import LLM
 
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
     engine_args = dict(dtype=args.dtype, max_num_seqs=max(sizes), max_model_len=PROMPT_LEN + args.tokens + 16)
     if args.quantization:
         engine_args["quantization"] = args.quantization
     rows = []
     for mode in ("off", "on") if args.async_scheduling == "both" else (args.async_scheduling,):
         mode_args = dict(engine_args, async_scheduling=mode == "on")
-        llm = LLM(args.model, **mode_args) if args.model else LLM(**mode_args)
+        llm = LLM(args.model, **mode_args)
         start = time.perf_counter()
         compiled = llm.engine.warmup()
         log(f"async_scheduling {mode}: warm-up: {len(compiled)} programs in {time.perf_counter() - start:.1f} s")
         rows += [dict(measure(llm.engine, batch, args.tokens, args.repeats), async_scheduling=mode) for batch in sizes]
         del llm
-    result = {"jaxpage": rows, "engine_args": engine_args}
-    if args.hf:
-        hf = result["hf_generate_batch1_tokens_per_s"] = hf_generate_tokens_per_s(args.model, args.tokens)
-        for row in rows:
-            if row["batch"] == 1:
-                result[f"jaxpage_over_hf_batch1_async_{row['async_scheduling']}"] = row["decode_tokens_per_s"] / hf
-    for row in rows:
-        print(describe(row))
-    if args.hf:
-        print(f"HF generate, batch 1: {result['hf_generate_batch1_tokens_per_s']:.1f} tokens/s")
-    print(json.dumps(result))
+    return {"jaxpage": rows, "engine_args": engine_args}
 
 
 def measure(engine, batch: int, tokens: int, repeats: int) -> dict:
@@ -178,25 +266,6 @@ def _timed_detokenization(engine) -> list[float]:
 
     cls.add, cls._bench_timed, cls._bench_spent = timed_add, True, spent
     return spent
-
-
-def hf_generate_tokens_per_s(model: str | None, tokens: int) -> float:
-    """transformers' float32 generate, batch 1, greedy: tokens/s of its decode (a run of 1 token subtracted)."""
-    import torch
-
-    from jaxpage.benchmarks.hf_baselines import hf_source, load_hf_baseline
-
-    hf = load_hf_baseline(hf_source(model))
-    prompt = torch.tensor([[(j % 1000) + 10 for j in range(PROMPT_LEN)]])
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return time.perf_counter() - start
-
-    run(4)  # warm
-    return (tokens - 1) / (run(tokens) - run(1))
 
 
 def describe(row: dict) -> str:

@@ -37,22 +37,14 @@ import json
 import math
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from jaxpage.benchmarks.live_server import completion_body, free_port, start_server, stream_completion
 from jaxpage.benchmarks.progress import log
 from jaxpage.benchmarks.workloads import describe, make_workload
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentiles(values: list[float]) -> dict:
@@ -96,34 +88,14 @@ def first_step(llm, row: dict) -> float:
 
 async def one_request(http, url: str, row: dict, delay: float, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
-    body = {
-        "prompt": row["prompt_token_ids"],
-        "max_tokens": row["max_tokens"],
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    chunk_times, tokens = [], 0
-    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise SystemExit(f"the server answered {response.status_code}: {await response.aread()}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"]:  # a token (its text may still be held back by the detokenizer), as vLLM counts
-                chunk_times.append(time.perf_counter())
-    done = time.perf_counter()
+    result = await stream_completion(http, url, completion_body(row["prompt_token_ids"], row["max_tokens"]))
+    times = result["chunk_times"]
     return {
-        "sent": sent,
-        "done": done,
-        "tokens": tokens,
-        "ttft": chunk_times[0] - sent if chunk_times else None,
-        "itl": list(np.diff(chunk_times)),
+        "sent": result["sent"],
+        "done": result["done"],
+        "tokens": result["tokens"],
+        "ttft": times[0] - result["sent"] if times else None,
+        "itl": list(np.diff(times)),
     }
 
 
@@ -160,34 +132,6 @@ async def run_rate(url: str, rows: list[dict], rate: float, seed: int, llm=None)
         "first_step_s": first_steps,
         "ttft_each_s": [r["ttft"] for r in results] if first_steps else [],
     }
-
-
-def start_server(args, engine_args: dict, port: int) -> subprocess.Popen:
-    import httpx
-
-    command = [sys.executable, "-m", "jaxpage", "serve", "--port", str(port), "--served-model-name", "bench"]
-    if args.model:
-        command += ["--model", args.model]
-    for key, value in engine_args.items():
-        flag = f"--{key.replace('_', '-')}"
-        if isinstance(value, bool):  # --name / --no-name
-            command.append(flag if value else f"--no-{flag[2:]}")
-        elif value is not None:
-            command += [flag, str(value)]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 900
-    while True:
-        if server.poll() is not None:
-            raise SystemExit(f"jaxpage serve exited: {server.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit("jaxpage serve did not come up in 900 s")
-        time.sleep(0.5)
 
 
 def plot(path: Path, cells: list[dict], generate_rate: float | None) -> None:
@@ -268,7 +212,7 @@ def main() -> None:
     llm = local_engine(args, engine_args)
     port = free_port()
     log("serve: starting (warm-up untimed)")
-    server = start_server(args, engine_args, port)
+    server = start_server(args.model, engine_args, port)
     cells, generate, saturated = [], [], []
     try:
         for rate, workload in runs:

@@ -43,7 +43,7 @@ def _missing_kernel_tool() -> str | None:
 
 needs_kernel_tools = pytest.mark.skipif(_missing_kernel_tool() is not None, reason=str(_missing_kernel_tool()))
 TINY_GQA = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")  # 4 heads, 2 KV heads
-# A small engine: programs pool, forward decode(T=4), sample rows=4, forward mixed(T=128), copy. A pool of 16384
+# A small engine: programs pool, forward decode(T=1, 4), sample rows=1, 4, forward mixed(T=16, 64, 128), copy. A pool of 16384
 # pages (hundreds of MiB: nothing is allocated): larger than a TPU's VMEM, which XLA may otherwise prefetch a small
 # array into (a copy that is not a relayout), and than any step's temporaries.
 NUM_PAGES = 16384
@@ -208,7 +208,8 @@ def test_a_tiny_models_programs_compile_for_a_tpu(tiny_model_path, kv_cache_dtyp
     verifiers = ["verify", "verify+masks", "verify+penalties"]
     if kv_cache_dtype != "auto":
         samplers = verifiers = []
-    assert kinds == ["pool", "forward", *samplers, "forward", "forward", *verifiers,
+    mixed = ["forward"] * 3  # T = 16, 64 (small prompts) and 128
+    assert kinds == ["pool", "forward", *samplers, *mixed, "forward", *verifiers,
                      *(["prompt_logprobs"] if samplers else []), "copy"]  # fmt: skip
     _checked(build)
 
@@ -244,7 +245,7 @@ def test_model_families_forward_passes_compile_for_the_chips(tiny_model_path, ta
     build = aot.build(target, engine, aot.model_shape(str(tiny_model_path(family))))
     aot.compile_all(build, kinds={"pool", "forward"}, kernels=False)  # the kernels' figures: test_the_gpu_kernels_...
     assert build.backend.name == ("pallas_tpu" if target is TPU else "pallas_gpu")
-    assert [p.kind for p in build.programs] == ["pool", "forward", "forward"]  # decode and mixed steps
+    assert [p.kind for p in build.programs] == ["pool", *["forward"] * 4]  # decode, mixed T = 16, 64, 128
     _checked(build)
     hybrid = family.name.startswith("gemma")  # its sliding layers' pages in a group of their own
     assert isinstance(build.runners[0].kv_cache, HybridKVCache) == hybrid
@@ -288,7 +289,7 @@ def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, 
     ]
     status = _compile_for_script().main(argv)
     printed = capsys.readouterr().out
-    assert "pallas_gpu attention" in printed and "8/8 programs compiled" in printed
+    assert "pallas_gpu attention" in printed and "10/10 programs compiled" in printed
     assert "decode step ESTIMATE (roofline, not measured), batch 1" in printed
     report = json.loads(out.read_text())
     samplers = ["sample", "sample+masks", "sample+penalties"]
@@ -296,7 +297,7 @@ def test_compile_for_reports_every_program_for_a_gpu(tiny_model_path, tmp_path, 
         "pool",
         "forward",
         *samplers,
-        "forward",
+        *["forward"] * 3,  # mixed steps of 16, 64 and 128 tokens
         "prompt_logprobs",
         "copy",
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jaxpage.worker.step_inputs import StepInputs
 from jaxpage.worker.step_shapes import StepShape, bucket_for, powers_of_two, step_shapes
 
 
@@ -21,7 +22,9 @@ def test_every_step_has_a_shape(max_num_seqs, max_num_batched_tokens):
     sample_rows = sorted({s.sample_rows for s in shapes})
     assert sample_rows[-1] == decode[-1]
     for shape in shapes:
-        assert shape.num_rows == (shape.num_tokens if shape.kind == "decode" else min(shape.num_tokens, max_num_seqs))
+        small = shape.kind == "mixed" and shape.num_tokens in (16, 64) and shape.num_rows == min(4, max_num_seqs)
+        rows = shape.num_tokens if shape.kind == "decode" else min(shape.num_tokens, max_num_seqs)
+        assert shape.num_rows == rows or small
         assert shape.sample_rows == bucket_for(shape.num_rows, sample_rows)  # the sampler's rows: its own buckets
         assert shape.sample_rows < 4 * shape.num_rows or shape.sample_rows == 8
     for n in {min(k, decode[-1]) for k in (1, 2, 3, decode[-1] // 2 + 1, decode[-1])}:  # 2x padding at most, past 4
@@ -33,7 +36,7 @@ def test_every_step_has_a_shape(max_num_seqs, max_num_batched_tokens):
         assert bucket_for(n, mixed) >= n
 
 
-def test_the_default_arguments_compile_fourteen_programs():
+def test_the_default_arguments_compile_sixteen_programs():
     shapes = step_shapes(max_num_seqs=64, max_num_batched_tokens=512)
     assert [str(s) for s in shapes] == [
         "decode(T=1, S=1, R=1)",  # one request alone: no padding row, an LM head of one row
@@ -44,11 +47,23 @@ def test_the_default_arguments_compile_fourteen_programs():
         "decode(T=32, S=32, R=32)",
         "decode(T=48, S=48, R=64)",
         "decode(T=64, S=64, R=64)",
+        "mixed(T=16, S=4, R=8)",  # a short prompt, few sequences
+        "mixed(T=64, S=4, R=8)",
         "mixed(T=128, S=64, R=64)",
         "mixed(T=512, S=64, R=64)",
     ]
     assert StepShape(4, 4, 8, 1) in shapes
-    assert len(shapes) + len({s.sample_rows for s in shapes}) == 14  # 10 forward passes, 4 samplers
+    assert len(shapes) + len({s.sample_rows for s in shapes}) == 16  # 12 forward passes, 4 samplers
+
+
+def test_a_mixed_step_takes_the_smallest_shape_that_holds_its_tokens_and_its_sequences():
+    inputs = StepInputs(step_shapes(64, 512), page_size=16, max_model_len=1024, data_parallel_size=1, stack=False)
+    assert str(inputs.smallest_shape("mixed", 16, 1)) == "mixed(T=16, S=4, R=8)"  # a short prompt alone
+    assert str(inputs.smallest_shape("mixed", 20, 1)) == "mixed(T=64, S=4, R=8)"
+    assert str(inputs.smallest_shape("mixed", 64, 4)) == "mixed(T=64, S=4, R=8)"
+    assert str(inputs.smallest_shape("mixed", 20, 5)) == "mixed(T=128, S=64, R=64)"  # more sequences than 4
+    assert str(inputs.smallest_shape("mixed", 65, 1)) == "mixed(T=128, S=64, R=64)"
+    assert str(inputs.smallest_shape("decode", 2)) == "decode(T=4, S=4, R=8)"
 
 
 @given(st.integers(1, 512), st.integers(1, 4096), st.integers(1, 16), st.integers(1, 512))

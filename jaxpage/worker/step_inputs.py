@@ -123,13 +123,14 @@ class StepInputs:
             return self.smallest_shape("verify", rows)
         if all(item.num_new_tokens == 1 for item in items):
             return self.smallest_shape("decode", rows)
-        return self.smallest_shape("mixed", max(output.num_batched_tokens for output in outputs))
+        return self.smallest_shape("mixed", max(output.num_batched_tokens for output in outputs), rows)
 
-    def smallest_shape(self, kind: str, size: int) -> StepShape:
-        """The smallest shape of `kind` for `size` sequences (decode, verify) or tokens (mixed)."""
-        return next(
-            s for s in self.shapes if s.kind == kind and (s.num_tokens if kind == "mixed" else s.num_rows) >= size
-        )
+    def smallest_shape(self, kind: str, size: int, rows: int = 0) -> StepShape:
+        """The smallest shape of `kind` for `size` sequences (decode, verify) or tokens and `rows` sequences
+        (mixed)."""
+        if kind == "mixed":
+            return next(s for s in self.shapes if s.kind == kind and s.num_tokens >= size and s.num_rows >= rows)
+        return next(s for s in self.shapes if s.kind == kind and s.num_rows >= size)
 
     @staticmethod
     def processor_level(*outputs: SchedulerOutput) -> int:

@@ -4,7 +4,8 @@ Every step is padded to one of a few shapes:
   decode-only steps (every sequence has one new token): T tokens = S rows, 1, a power of two from 4, or 24 or 48,
       up to the most sequences a step can hold (min(max_num_seqs, max_num_batched_tokens), always the last);
   mixed steps (some sequence computes several tokens): T = 128, 512, 2048, ... up to max_num_batched_tokens (always
-      the last), S = min(T, max_num_seqs);
+      the last), S = min(T, max_num_seqs); and small ones, T = 16 and 64 for S = 4 rows, for a short prompt with few
+      sequences (a mixed step takes the smallest shape that holds both its tokens and its sequences);
   verify steps, with speculative decoding (k draft tokens at most per sequence, some sequence brings drafts, none
       has more than k + 1 new tokens): S = 1, 2, 4, ... up to max_verify_rows rows, T = S * (k + 1).
 The sampler takes R >= S rows, R = 1, 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
@@ -28,6 +29,11 @@ import dataclasses
 MIN_DECODE_BUCKET = 4
 DECODE_HALF_STEPS = (16, 32)  # decode buckets also at 1.5 x these: 24, 48
 MIN_MIXED_BUCKET = 128
+# A short prompt (a chat's turn) alone, or with a few decodes, prefills in a small mixed shape of its own, 16 or 64
+# tokens for 4 sequences: a prefill step costs about its padded tokens' FLOPs here. With the default model (float32,
+# scripts/bench_latency.py) a 16-token prompt's first token came after 243 ms padded to 128 tokens, 155 ms to 64,
+# 67 ms to 16.
+SMALL_MIXED_TOKENS, SMALL_MIXED_ROWS = (16, 64), 4
 MIN_SAMPLE_ROWS = 8
 
 
@@ -83,6 +89,9 @@ def step_shapes(
         StepShape(t, min(t, max_num_seqs), bucket_for(min(t, max_num_seqs), sample_rows), 0)
         for t in powers_of_two(MIN_MIXED_BUCKET, max_num_batched_tokens, factor=4)
     ]
+    rows = min(SMALL_MIXED_ROWS, max_num_seqs)
+    small = [t for t in SMALL_MIXED_TOKENS if t < mixed[0].num_tokens]
+    mixed = [StepShape(t, rows, bucket_for(rows, sample_rows), 0) for t in small] + mixed
     q_len = num_speculative_tokens + 1
     verify = []
     if num_speculative_tokens and max_verify_rows:
