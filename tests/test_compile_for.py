@@ -43,9 +43,9 @@ def _missing_kernel_tool() -> str | None:
 
 needs_kernel_tools = pytest.mark.skipif(_missing_kernel_tool() is not None, reason=str(_missing_kernel_tool()))
 TINY_GQA = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")  # 4 heads, 2 KV heads
-# A small engine: programs pool, forward decode(T=1, 4), sample rows=1, 4, forward mixed(T=16, 64, 128), copy. A pool of 16384
-# pages (hundreds of MiB: nothing is allocated): larger than a TPU's VMEM, which XLA may otherwise prefetch a small
-# array into (a copy that is not a relayout), and than any step's temporaries.
+# A small engine: programs pool, forward decode(T=1, 4), sample rows=1, 4, forward mixed(T=16, 64, 128), copy. A pool
+# of 16384 pages (hundreds of MiB: nothing is allocated): larger than a TPU's VMEM, which XLA may otherwise prefetch a
+# small array into (a copy that is not a relayout), and than any step's temporaries.
 NUM_PAGES = 16384
 TINY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, num_pages=NUM_PAGES, compilation_cache_dir=None)
 

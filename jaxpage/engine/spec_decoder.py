@@ -7,7 +7,7 @@
    catches up and fills the placeholders (jaxpage.worker.draft_runner); returns the output with the drafts,
    their distributions for verification, and the draft pool's computed tokens per sequence (which the scheduler
    records: nothing here writes a Sequence).
-3. The target verifies inside its step (jaxpage.spec_decode.verification).
+3. The target verifies inside its step (jaxpage.sample.rejection_sampler).
 4. `observe(shape, seconds, updates)` after the scheduler's update: the policy's step times (not those of a step that
    compiled a program) and acceptance, and vLLM's counters (`stats`); `forget` for a sequence ended outside a step's
    update. The policy's decisions and estimates: `policy.state()`.

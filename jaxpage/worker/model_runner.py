@@ -266,7 +266,7 @@ class ModelRunner:
     def _sample_on_shard(self, params, hidden: jax.Array, inputs: SampleInput):
         """(token ids [R, k + 1], accepted draft tokens [R], (log-probs of the tokens [R, k + 1], top ids
         [R, k + 1, MAX_LOGPROBS], top log-probs)). With k = 0 each row samples one token; with k > 0 each row's
-        drafts are verified (jaxpage.spec_decode.verification). The full logits never leave this function; the log-probs
+        drafts are verified (jaxpage.sample.rejection_sampler). The full logits never leave this function; the log-probs
         are computed only when some row asks for them."""
         logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)  # [R * (k + 1), V] float32
         token_ids, num_accepted, logprobs = sample_rows(logits, inputs)

@@ -9,7 +9,7 @@ Every step is padded to one of a few shapes:
   verify steps, with speculative decoding (k draft tokens at most per sequence, some sequence brings drafts, none
       has more than k + 1 new tokens): S = 1, 2, 4, ... up to max_verify_rows rows, T = S * (k + 1).
 The sampler takes R >= S rows, R = 1, 8, 32, 128, ... up to the most sequences: it compiles once per R, shared by
-decode and mixed steps. A verify step's sampler is the verification (jaxpage.spec_decode.verification): the LM head over
+decode and mixed steps. A verify step's sampler is the verification (jaxpage.sample.rejection_sampler): the LM head over
 k + 1 positions of each of its S rows. Which kind a step is, is known here, on the host: a decode-only step compiles
 only the decode attention, a verify step the ragged one told that no sequence has more than k + 1 query rows.
 """
