@@ -7,8 +7,9 @@ alone.
         [--batch-sizes 1,4,64] [--async-scheduling off|on|both]
 
 requests: an engine as `LLM()` makes it (the engine's defaults; --dtype, --quantization), warmed up (engine.warmup()),
-then for each prompt length (a window of a fixed text corpus, given as text, so tokenizing is timed too; its token
-count is reported) one request of --tokens tokens (greedy, ignore_eos), --repeats times each way:
+and one untimed request, then for each prompt length (windows of a fixed text corpus, a new one for each timed call:
+none is in a prefix cache; given as text, so tokenizing is timed too; their token counts are reported) one
+request of --tokens tokens (greedy, ignore_eos), --repeats times each way:
   generate   `LLM.generate` timed around the call (request seconds), then `LLM.generate_stream` for the time to the
              first token (TTFT) and between tokens (ITL);
   serve      `jaxpage serve` (a child process, same engine arguments, warmed up before the timing), streaming
@@ -96,14 +97,21 @@ def requests_part(args, prompt_lens: list[int]) -> dict:
     log(f"requests: warm-up: {len(compiled)} programs in {time.perf_counter() - start:.1f} s")
     tokenizer = llm.get_tokenizer()
     corpus = list(tokenizer(corpus_text()).input_ids)
+    # Per length, 3 x repeats distinct windows of the corpus (text, its token ids): generate's and its stream's, then
+    # the server's; transformers gets generate's token ids.
     prompts = {}
     for n in prompt_lens:
-        text = tokenizer.decode(corpus[:n])
-        prompts[n] = (text, encode_prompt(tokenizer, text))
+        texts = [tokenizer.decode(corpus[i * n : (i + 1) * n]) for i in range(3 * args.repeats)]
+        prompts[n] = [(text, encode_prompt(tokenizer, text)) for text in texts]
+    from jaxpage.sampling_params import SamplingParams
+
+    llm.generate(tokenizer.decode(corpus[-64:]), SamplingParams(max_tokens=8))  # a user's engine has run a request
     rows = []
-    for n, (text, ids) in prompts.items():
-        row = dict(prompt_len=n, prompt_tokens=len(ids), generate=time_generate(llm, text, args.tokens, args.repeats))
-        log(f"requests: generate, {len(ids)}-token prompt: {row['generate']}")
+    for n, windows in prompts.items():
+        texts = [text for text, _ in windows]
+        row = dict(prompt_len=n, prompt_tokens=[len(ids) for _, ids in windows])
+        row["generate"] = time_generate(llm, texts[: 2 * args.repeats], args.tokens)
+        log(f"requests: generate, {n}-token prompt: {row['generate']}")
         rows.append(row)
     del llm
     if args.server:
@@ -113,9 +121,10 @@ def requests_part(args, prompt_lens: list[int]) -> dict:
         log("requests: jaxpage serve starting (warm-up untimed)")
         server = start_server(args.model, engine_args, port)
         try:
-            for row, (text, _) in zip(rows, prompts.values(), strict=True):
-                row["serve"] = time_server(f"http://127.0.0.1:{port}", text, args.tokens, args.repeats)
-                log(f"requests: serve, {row['prompt_tokens']}-token prompt: {row['serve']}")
+            for row, windows in zip(rows, prompts.values(), strict=True):
+                texts = [text for text, _ in windows[2 * args.repeats :]]
+                row["serve"] = time_server(f"http://127.0.0.1:{port}", texts, args.tokens)
+                log(f"requests: serve, {row['prompt_len']}-token prompt: {row['serve']}")
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=120)
@@ -123,11 +132,11 @@ def requests_part(args, prompt_lens: list[int]) -> dict:
         from jaxpage.benchmarks.hf_baselines import hf_source, load_hf_baseline
 
         hf = load_hf_baseline(hf_source(args.model))
-        time_hf_generate(hf, prompts[prompt_lens[0]][1], 4, 1)  # its first call's one-time work, untimed
-        for row, (_, ids) in zip(rows, prompts.values(), strict=True):
-            row["hf"] = time_hf_generate(hf, ids, args.tokens, args.repeats)
+        time_hf_generate(hf, [prompts[prompt_lens[0]][0][1]], 4)  # its first call's one-time work, untimed
+        for row, windows in zip(rows, prompts.values(), strict=True):
+            row["hf"] = time_hf_generate(hf, [ids for _, ids in windows[: args.repeats]], args.tokens)
             row["generate_over_hf"] = row["hf"]["request_s"] / row["generate"]["request_s"]
-            log(f"requests: hf, {row['prompt_tokens']}-token prompt: {row['hf']}")
+            log(f"requests: hf, {row['prompt_len']}-token prompt: {row['hf']}")
     return {"engine_args": engine_args, "tokens": args.tokens, "rows": rows}
 
 
@@ -141,7 +150,7 @@ def describe_request(row: dict) -> str:
                 f"ITL {1e3 * s['itl_s']:.1f} ms)"
             )
     ratio = f"; generate {row['generate_over_hf']:.2f}x hf" if "generate_over_hf" in row else ""
-    return f"request, {row['prompt_tokens']}-token prompt: " + "; ".join(parts) + ratio
+    return f"request, {row['prompt_len']}-token prompt: " + "; ".join(parts) + ratio
 
 
 def steps_part(args, sizes: list[int]) -> dict:

@@ -1,7 +1,8 @@
 """One request timed whole, as its user times it: `LLM.generate` around the call, `LLM.generate_stream` and the
 server's stream for the time to the first token (TTFT) and between tokens (ITL), and transformers' `generate` timed
 the same way (its streamer for TTFT and ITL). Every side gets the same prompt tokens and makes exactly `max_tokens`
-tokens greedily."""
+tokens greedily. Each timed call gets a prompt of its own (a list of them, of one length): none finds its prompt in
+jaxpage's prefix cache, as a user's first request would not."""
 
 from __future__ import annotations
 
@@ -25,19 +26,20 @@ def summary(request_s: list[float], ttft_s: list[float], itl_s: list[float], tok
     }
 
 
-def time_generate(llm, prompt: str | dict, max_tokens: int, repeats: int) -> dict:
-    """`LLM.generate` timed around the call, then `LLM.generate_stream` for TTFT and ITL (each output with new
-    tokens; the call is timed from before it is made)."""
+def time_generate(llm, prompts: list[str], max_tokens: int) -> dict:
+    """`LLM.generate` timed around the call for the first half of `prompts`, then `LLM.generate_stream` for TTFT
+    and ITL (each output with new tokens; the call is timed from before it is made) for the second half."""
     from jaxpage.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     request_s, ttft_s, itl_s = [], [], []
-    for _ in range(repeats):
+    half = len(prompts) // 2
+    for prompt in prompts[:half]:
         start = time.perf_counter()
         (output,) = llm.generate(prompt, params)
         request_s.append(time.perf_counter() - start)
         assert len(output.outputs[0].token_ids) == max_tokens
-    for _ in range(repeats):
+    for prompt in prompts[half:]:
         start = time.perf_counter()
         times, seen = [], 0
         for output in llm.generate_stream(prompt, params):
@@ -49,7 +51,7 @@ def time_generate(llm, prompt: str | dict, max_tokens: int, repeats: int) -> dic
     return summary(request_s, ttft_s, itl_s, max_tokens)
 
 
-def time_server(url: str, prompt: str | list[int], max_tokens: int, repeats: int) -> dict:
+def time_server(url: str, prompts: list[str], max_tokens: int) -> dict:
     """Streaming /v1/completions calls, one at a time: request seconds from sending to the last event, TTFT to the
     first chunk with a token, ITL between such chunks."""
     import asyncio
@@ -60,7 +62,7 @@ def time_server(url: str, prompt: str | list[int], max_tokens: int, repeats: int
 
     async def run() -> list[dict]:
         async with httpx.AsyncClient(timeout=None) as http:
-            return [await stream_completion(http, url, completion_body(prompt, max_tokens)) for _ in range(repeats)]
+            return [await stream_completion(http, url, completion_body(p, max_tokens)) for p in prompts]
 
     results = asyncio.run(run())
     for r in results:
@@ -74,7 +76,7 @@ def time_server(url: str, prompt: str | list[int], max_tokens: int, repeats: int
     )
 
 
-def time_hf_generate(hf, prompt_ids: list[int], max_tokens: int, repeats: int) -> dict:
+def time_hf_generate(hf, prompts_ids: list[list[int]], max_tokens: int) -> dict:
     """transformers' greedy `generate` of exactly max_tokens tokens, timed around the call; TTFT and ITL from a
     streamer's callbacks (the first `put` is the prompt, each later one a token), in the same calls."""
     import torch
@@ -90,9 +92,9 @@ def time_hf_generate(hf, prompt_ids: list[int], max_tokens: int, repeats: int) -
         def end(self):
             pass
 
-    input_ids = torch.tensor([prompt_ids])
     request_s, ttft_s, itl_s = [], [], []
-    for _ in range(repeats):
+    for prompt_ids in prompts_ids:
+        input_ids = torch.tensor([prompt_ids])
         clock = Clock()
         start = time.perf_counter()
         with torch.no_grad():
