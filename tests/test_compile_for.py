@@ -337,7 +337,8 @@ def test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores(shape, k
     # build the same kernels in a fraction of the time (and a pool of NUM_PAGES: the 8-bit pool of a full model on an
     # H200 is over 4 GiB, which takes 64-bit offsets: jaxpage.attention's addressable_pages). One sequence: a decode
     # step and the mixed steps of 16, 64 and 128 tokens (other step shapes change the kernels' grids and constants, not
-    # their code's shape). About 70 s in all on 2 CPU cores with the kernels of this commit, most of it the 8B shape's ragged kernel's spills, in
+    # their code's shape). About 70 s in all on 2 CPU cores with the kernels of this commit, most of it the 8B
+    # shape's ragged kernel's spills, in
     # XLA's ptxas and in ours.
     model = dataclasses.replace(aot.model_shape(shape), num_layers=2)
     engine = EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE | dict(max_num_seqs=1))
