@@ -6,6 +6,7 @@ The fixtures that return transformers' models (tiny_model_dir, smollm2_hf) impor
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -153,3 +154,18 @@ def full_vocab_dir(smollm2_path, tmp_path_factory) -> str:
     write_tiny_model(FULL_VOCAB_FAMILY, directory)
     load_tokenizer(smollm2_path).save_pretrained(str(directory))
     return str(directory)
+
+
+@pytest.fixture
+def log_records():
+    """The records the jaxpage and uvicorn loggers emit meanwhile (their own handler: jaxpage's logger does not
+    propagate to the root logger, where caplog listens)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("jaxpage", "uvicorn.error", "uvicorn")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)

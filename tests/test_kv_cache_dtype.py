@@ -4,8 +4,6 @@ copying the scales, and on the default model perplexity and greedy agreement aga
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,11 +38,9 @@ def test_engine_argument_in_vllm_names():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
-def test_pool_layout_and_sizing_use_the_real_bytes(tiny_dir, kv_cache_dtype, caplog, monkeypatch):
+def test_pool_layout_and_sizing_use_the_real_bytes(tiny_dir, kv_cache_dtype, log_records):
     budget = 200 << 10  # fewer pages than max_num_seqs full sequences: the budget decides
-    monkeypatch.setattr(logging.getLogger("jaxpage"), "propagate", True)  # jaxpage's logger has its own handler
-    with caplog.at_level(logging.INFO, logger="jaxpage"):
-        llm = make_llm(tiny_dir, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget)
+    llm = make_llm(tiny_dir, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget)
     engine = llm.engine
     config, pool = engine.model_config, engine.runner.kv_cache
     layers, kv_heads, head_dim = config.num_layers, config.num_kv_heads, config.head_dim
@@ -56,7 +52,7 @@ def test_pool_layout_and_sizing_use_the_real_bytes(tiny_dir, kv_cache_dtype, cap
     assert pool.num_pages == budget // (pool.page_size * token_bytes)
     assert (
         f"KV cache: {token_bytes} bytes per token (2 * {layers} layers * {kv_heads} kv heads * ({head_dim} dims * 1 "
-        f"byte {kv_cache_dtype} + 2 bytes scale))" in caplog.text
+        f"byte {kv_cache_dtype} + 2 bytes scale))" in "\n".join(r.getMessage() for r in log_records)
     )
     float_pool = make_llm(tiny_dir, kv_cache_memory_bytes=budget).engine.runner.kv_cache  # float32 on CPU
     assert float_pool.k_scales is None

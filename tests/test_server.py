@@ -374,21 +374,7 @@ def test_bodies_nested_too_deep_or_with_huge_numbers_are_refused_before_parsing(
         assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
 
 
-@pytest.fixture
-def server_log():
-    """The records the jaxpage and uvicorn loggers emit meanwhile."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    loggers = [logging.getLogger(name) for name in ("jaxpage", "uvicorn.error", "uvicorn")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    yield records
-    for logger in loggers:
-        logger.removeHandler(handler)
-
-
-def test_each_request_is_logged_and_a_client_gone_mid_body_is_one_quiet_line(served, client, server_log):
+def test_each_request_is_logged_and_a_client_gone_mid_body_is_one_quiet_line(served, client, log_records):
     server, _ = served
     client.completions.create(model="tiny", prompt="Log me", max_tokens=3, temperature=0)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -397,14 +383,14 @@ def test_each_request_is_logged_and_a_client_gone_mid_body_is_one_quiet_line(ser
         )
         sock.sendall(head + b'{"prompt": "cut sh')
     deadline = time.monotonic() + 5
-    while not any("499" in r.getMessage() for r in server_log) and time.monotonic() < deadline:
+    while not any("499" in r.getMessage() for r in log_records) and time.monotonic() < deadline:
         time.sleep(0.01)
-    lines = [r.getMessage() for r in server_log if r.name == "jaxpage.requests"]
+    lines = [r.getMessage() for r in log_records if r.name == "jaxpage.requests"]
     assert any(
         " POST /v1/completions 200: " in line and "+ 3 completion tokens, finish length" in line for line in lines
     )
     assert any("499: the client disconnected before sending the whole body" in line for line in lines), lines
-    assert not [r for r in server_log if r.levelno >= logging.WARNING or r.exc_info], server_log
+    assert not [r for r in log_records if r.levelno >= logging.WARNING or r.exc_info], log_records
 
 
 def test_tokenizer_info_as_vllm_serves_it(served, reference):
@@ -751,7 +737,7 @@ def has_lone_surrogate(value) -> bool:
 @pytest.mark.usefixtures("client")
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies, prompt=texts | garbage, messages=chat_messages, chat=st.booleans(), encoding=encodings)
-def test_no_body_gets_a_500(served, server_log, body, prompt, messages, chat, encoding):
+def test_no_body_gets_a_500(served, log_records, body, prompt, messages, chat, encoding):
     """Generated garbage in every field the server knows and in keys, lone surrogates and bytes that are not UTF-8
     among it, on both endpoints: a 200 or a 4xx naming the problem, never a 500 nor a traceback in the log (a body
     that is not UTF-8 text is a 400); the engine serves on (the client fixture checks that every page is free)."""
@@ -772,7 +758,7 @@ def test_no_body_gets_a_500(served, server_log, body, prompt, messages, chat, en
         assert response.json()["error"]["message"]
     if isinstance(encoding, tuple) or has_lone_surrogate(body):
         assert response.status_code == 400, response.text
-    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+    assert not [r for r in log_records if r.levelno >= logging.ERROR or r.exc_info], log_records
 
 
 # Valid bodies of every endpoint that between them hold a string (value or key) in every field that takes one. Each is
@@ -932,7 +918,7 @@ HOSTILE_BODIES = {
 
 
 @pytest.mark.parametrize(("raw", "named"), HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
-def test_hostile_bodies_get_a_400_naming_the_problem(served, client, server_log, raw, named):
+def test_hostile_bodies_get_a_400_naming_the_problem(served, client, log_records, raw, named):
     """On every endpoint that takes a body: 400 in OpenAI's shape, the message naming the problem (and the field),
     no traceback in the log; a normal request succeeds right after."""
     server, _ = served
@@ -941,7 +927,7 @@ def test_hostile_bodies_get_a_400_naming_the_problem(served, client, server_log,
         assert response.status_code == 400, (path, response.text)
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and named in error["message"], (path, error)
-    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+    assert not [r for r in log_records if r.levelno >= logging.ERROR or r.exc_info], log_records
     reply = client.completions.create(model="tiny", prompt="Still here", max_tokens=2, temperature=0)
     assert reply.choices[0].finish_reason == "length"
 
@@ -973,7 +959,7 @@ def test_the_openai_client_gets_a_bad_request_for_a_lone_surrogate(client):
     assert reply.choices[0].finish_reason == "length"
 
 
-def test_json_text_inside_a_body_is_read_as_strictly_as_the_body(served, client, server_log):
+def test_json_text_inside_a_body_is_read_as_strictly_as_the_body(served, client, log_records):
     """JSON text in a body's strings (an assistant turn's tool-call arguments, a schema given as text): a lone
     surrogate escaped there is a 400 naming where, and so is a schema nested too deep; arguments nested too deep for
     a parser stay text, as arguments that are not JSON do. Never a 500."""
@@ -997,7 +983,7 @@ def test_json_text_inside_a_body_is_read_as_strictly_as_the_body(served, client,
         assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
     deep = httpx.post(f"{server.url}{CHAT}", json=turn("[" * 3000 + "]" * 3000))
     assert deep.status_code == 400 and "max_model_len 96" in deep.json()["error"]["message"], deep.text  # rendered
-    assert not [r for r in server_log if r.levelno >= logging.ERROR or r.exc_info], server_log
+    assert not [r for r in log_records if r.levelno >= logging.ERROR or r.exc_info], log_records
 
 
 def test_the_readme_field_table_is_the_servers():
