@@ -10,17 +10,16 @@ import threading
 import time
 
 import pytest
+from tiny_models import TINY_ENGINE
 
 from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 
-ARGS = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4, page_size=4, max_num_batched_tokens=32)
-
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    return LLM(tiny_dir, **ARGS)
+    return LLM(tiny_dir, skip_tokenizer_init=True, **TINY_ENGINE)
 
 
 @pytest.fixture

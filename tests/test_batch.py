@@ -11,13 +11,12 @@ import sys
 import time
 
 import pytest
+from tiny_models import TINY_ENGINE, cli_options
 
 from jaxpage.entrypoints.batch import BatchError, run_batch
 from jaxpage.entrypoints.cli import main
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
-
-ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=8)
 
 
 def completion_line(custom_id: str, prompt, **body) -> dict:
@@ -42,7 +41,7 @@ def choices(record: dict) -> list:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_dir):
-    return LLM(tiny_dir, **ENGINE)
+    return LLM(tiny_dir, **TINY_ENGINE)
 
 
 PROMPTS = [[5, 9, 13], list(range(10, 40)), [77], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
@@ -142,7 +141,6 @@ def test_the_job_itself_failing_is_a_batch_error(tiny_llm, tmp_path):
 
 
 def batch_command(tiny_dir, input_path, output_path) -> list[str]:
-    options = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8"]
     return [
         sys.executable,
         "-m",
@@ -152,7 +150,7 @@ def batch_command(tiny_dir, input_path, output_path) -> list[str]:
         str(output_path),
         "--model",
         tiny_dir,
-        *options,
+        *cli_options(TINY_ENGINE),
         "--quiet",
     ]
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import websockets.sync.client
 from live_server import LiveServer, free_port
+from tiny_models import FULL_VOCAB_ENGINE
 
 from jaxpage.entrypoints.async_engine import AsyncEngine
 from jaxpage.entrypoints.llm import LLM
@@ -40,7 +41,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def server(full_vocab_dir):
-    llm = LLM(full_vocab_dir, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=64, page_size=8)
+    llm = LLM(full_vocab_dir, **FULL_VOCAB_ENGINE)
     engine = AsyncEngine(llm.engine).start()
     live = LiveServer(create_app(engine, "tiny", api_key="sesame"))
     yield live

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import TINY_ENGINE
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.errors import ModelLoadError
@@ -26,7 +27,7 @@ PROMPTS = [[5, 9, 13, 2, 40], list(range(10, 60)), [77], [(7 * i) % 90 + 3 for i
 
 
 def make_llm(tiny_dir, **engine_args) -> LLM:
-    args = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8) | engine_args
+    args = TINY_ENGINE | engine_args
     return LLM(tiny_dir, **args)
 
 

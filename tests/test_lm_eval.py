@@ -12,6 +12,7 @@ from pathlib import Path
 import lm_eval
 import pytest
 from live_server import LiveServer
+from tiny_models import FULL_VOCAB_ENGINE
 
 from jaxpage.entrypoints.async_engine import AsyncEngine
 from jaxpage.entrypoints.llm import LLM
@@ -19,7 +20,7 @@ from jaxpage.entrypoints.server import create_app
 from jaxpage.sampling_params import SamplingParams
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
-ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
+ENGINE = FULL_VOCAB_ENGINE
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 from live_server import free_port
-from test_batch import ENGINE, PROMPTS, choices, completion_line, read_records, write_lines
+from test_batch import PROMPTS, choices, completion_line, read_records, write_lines
+from tiny_models import cli_options
 
 from jaxpage.config import EngineConfig
 from jaxpage.entrypoints import distributed
@@ -24,11 +25,13 @@ from jaxpage.entrypoints.llm import LLM
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.worker.step_broadcast import Message, StepBroadcast, pack, payload_words, unpack
 
+# Fewer rows than the tests' shared engine (tiny_models.TINY_ENGINE): these engines warm up, which compiles every
+# step shape, and their programs (tensor-parallel, several processes) are theirs alone.
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=8)
 REPETITIVE = [(p * 8)[:24] for p in PROMPTS]  # n-gram and draft-model drafts get accepted
 
 
 def batch_process(tiny_dir, input_path, output_path, port: int, process_id: int, devices: int, options: list):
-    engine = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "8"]
     hosts = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
     command = [
         sys.executable,
@@ -43,7 +46,10 @@ def batch_process(tiny_dir, input_path, output_path, port: int, process_id: int,
     # Each process its own simulated devices (the tests' 8 would not be its host's).
     env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
     return subprocess.Popen(
-        [*command, *engine, *hosts, *options, "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [*command, *cli_options(ENGINE), *hosts, *options, "--quiet"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
 
 

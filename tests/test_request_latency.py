@@ -4,6 +4,7 @@ timed call's figures are consistent with the call (a first token before the last
 from __future__ import annotations
 
 import pytest
+from tiny_models import TINY_ENGINE
 
 from jaxpage.benchmarks.request_latency import gaps, summary, time_generate, time_hf_generate
 from jaxpage.entrypoints.llm import LLM
@@ -18,7 +19,7 @@ def test_gaps_and_summary_take_medians_of_the_repeats():
 
 
 def test_generate_is_timed_whole_and_its_stream_token_by_token(tiny_dir):
-    llm = LLM(tiny_dir, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=8)
+    llm = LLM(tiny_dir, **TINY_ENGINE)
     figures = time_generate(llm, PROMPTS, max_tokens=5)  # two calls of generate, two streams
     assert figures["repeats"] == 2
     assert 0 < figures["ttft_s"] < figures["request_s"] * 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_llm_api import dense_greedy
+from tiny_models import TINY_ENGINE
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.models import forward, load_model
@@ -50,7 +51,7 @@ def reference_greedy(model_dir, prompts: list[list[int]], params: list[SamplingP
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    return LLM(tiny_dir, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
+    return LLM(tiny_dir, **TINY_ENGINE)
 
 
 CONTROLLED = [
@@ -174,9 +175,7 @@ def test_speculative_decoding_keeps_the_controlled_greedy_tokens(llm, tiny_dir):
     """Verify steps apply each position's penalties, biases, allowed tokens and min_tokens (the history includes
     the drafts before it): greedy tokens as without speculation, with drafts accepted along the way."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    speculating = LLM(
-        tiny_dir, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8, speculative_config=spec
-    )
+    speculating = LLM(tiny_dir, **TINY_ENGINE, speculative_config=spec)
     speculating.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
     repetitive = [[7, 8, 9, 10] * 5, [30, 31, 30, 31, 30], PROMPTS[2], PROMPTS[0]]
     requests = [{"prompt_token_ids": p} for p in repetitive]

@@ -24,6 +24,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer, free_port
+from tiny_models import FULL_VOCAB_ENGINE
 
 from jaxpage.entrypoints.async_engine import AsyncEngine
 from jaxpage.entrypoints.llm import LLM
@@ -32,7 +33,7 @@ from jaxpage.entrypoints.server import GracefulServer, create_app
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.tokenizers.tokenizer import encode_chat
 
-ENGINE = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
+ENGINE = FULL_VOCAB_ENGINE
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
 

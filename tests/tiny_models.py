@@ -22,6 +22,22 @@ class TinyFamily:
     kwargs: dict
 
 
+# The engine of the tests whose workload does not depend on the engine's sizes (API, batch, server, streaming
+# tests). A step program is keyed by the model, the pool's shape and the step shape, which these sizes set: engines of
+# one configuration, in the test processes and in the commands they start, share every program through the persistent
+# compilation cache ($JAXPAGE_CACHE, one per CI run), so only the first engine to reach a shape compiles it. A test
+# that needs other sizes (a pool small enough to preempt, short chunks) says so with its own arguments.
+TINY_ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=8)
+# The full-vocabulary tiny model's (chat templates, text, HTTP): the same sizes, and a context limit of 96 the server
+# tests' messages name.
+FULL_VOCAB_ENGINE = TINY_ENGINE | dict(max_model_len=96)
+
+
+def cli_options(engine_args: dict) -> list[str]:
+    """The command-line options that give an engine these arguments: {"max_num_seqs": 8} -> ["--max-num-seqs", "8"]."""
+    return [part for name, value in engine_args.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
 TINY_COMMON_CONFIG = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=256
 )
