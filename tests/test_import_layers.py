@@ -48,6 +48,7 @@ LAYERS = [
     "jaxpage.kv_cache",
     "jaxpage.mesh_axes",
     "jaxpage.outputs",
+    "jaxpage.lora_request",
     "jaxpage.sampling_params",
     "jaxpage.config",  # engine arguments, sub-configs, model configs and their readers, the speculative config
     "jaxpage.errors",

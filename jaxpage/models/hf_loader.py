@@ -45,7 +45,7 @@ def _weight_map(directory: Path) -> tuple[dict[str, Path], Path]:
         pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
         hint = f" ({', '.join(pickled)} are pickled PyTorch files, which jaxpage never unpickles)" if pickled else ""
         raise ModelLoadError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}{hint}; save the model as safetensors")
-    with _open(single) as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}, single
 
 
@@ -66,7 +66,7 @@ def _check_not_truncated(path: Path) -> None:
             raise ModelLoadError(f"{path}: truncated: tensor {name!r} ends at byte {end}, the file has {size}")
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
     if not path.is_file():
         raise ModelLoadError(f"{path}: file not found")
     _check_not_truncated(path)
@@ -94,7 +94,7 @@ class SafetensorsSource:
     def get(self, name: str) -> np.ndarray:
         path = self._weight_map[name]
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(_open(path))
+            self._handles[path] = self._stack.enter_context(open_safetensors(path))
         return self._handles[path].get_tensor(name)
 
 

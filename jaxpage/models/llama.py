@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import Attention, DenseAttention, DenseBatch
 from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
+from jaxpage.models.lora import LayerLoRA, LoRAInputs, add_lora, lora_of
 from jaxpage.models.moe import MoEBlock, expert_method
 from jaxpage.models.rope import apply_rope, rope_tables
 
@@ -80,15 +81,15 @@ class SelfAttention(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x, rope, batch, kv_cache, layer):
+    def __call__(self, x, rope, batch, kv_cache, layer, lora: LayerLoRA = None):
         c = self.config
 
         def projection(heads, name):
-            return linear(c, (heads, c.head_dim), c.qkv_bias, self.dtype, name)
+            return add_lora(linear(c, (heads, c.head_dim), c.qkv_bias, self.dtype, name)(x), x, *lora_of(lora, name))
 
-        q = projection(c.num_heads, "q_proj")(x)  # [..., H, d]
-        k = projection(c.num_kv_heads, "k_proj")(x)  # [..., K, d]
-        v = projection(c.num_kv_heads, "v_proj")(x)  # [..., K, d]
+        q = projection(c.num_heads, "q_proj")  # [..., H, d]
+        k = projection(c.num_kv_heads, "k_proj")  # [..., K, d]
+        v = projection(c.num_kv_heads, "v_proj")  # [..., K, d]
         if c.qk_norm:
             q = rms_norm(c, self.dtype, "q_norm")(q)
             k = rms_norm(c, self.dtype, "k_norm")(k)
@@ -98,7 +99,9 @@ class SelfAttention(nn.Module):
             cos, sin = cos[sliding.astype(jnp.int32)], sin[sliding.astype(jnp.int32)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = layer_attention(c, self.attention, sliding)(q, k, v, batch, kv_cache, layer)
-        out = linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1))(out)
+        out = add_lora(
+            linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1))(out), out, *lora_of(lora, "o_proj")
+        )
         return _all_reduce(out, self.tp_axis), kv_cache
 
 
@@ -129,15 +132,15 @@ class MLP(nn.Module):
     tp_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora: LayerLoRA = None):
         c = self.config
 
-        def dense(features, name):
-            return linear(c, features, c.mlp_bias, self.dtype, name)
+        def dense(features, name, x):
+            return add_lora(linear(c, features, c.mlp_bias, self.dtype, name)(x), x, *lora_of(lora, name))
 
-        gate = dense(c.intermediate_size, "gate_proj")(x)
-        up = dense(c.intermediate_size, "up_proj")(x)
-        return _all_reduce(dense(c.hidden_size, "down_proj")(activation(c)(gate) * up), self.tp_axis)
+        gate = dense(c.intermediate_size, "gate_proj", x)
+        up = dense(c.intermediate_size, "up_proj", x)
+        return _all_reduce(dense(c.hidden_size, "down_proj", activation(c)(gate) * up), self.tp_axis)
 
 
 def activation(config: ModelConfig):
@@ -171,7 +174,7 @@ def feed_forward(config: ModelConfig, dtype, tp_axis: str | None, expert_method:
         expert_shards,
         name="mlp",
     )
-    return lambda x: _all_reduce(block(x), tp_axis)
+    return lambda x, lora=None: _all_reduce(block(x), tp_axis)  # (adapters of the experts are refused when loaded)
 
 
 class DecoderLayer(nn.Module):
@@ -182,17 +185,21 @@ class DecoderLayer(nn.Module):
     expert_method: str = "expert_loop"  # MoE models: jaxpage.models.moe.METHODS
 
     @nn.compact
-    def __call__(self, carry, layer, rope, batch):
+    def __call__(self, carry, layer_inputs, rope, batch, lora_mask):
+        """layer_inputs: (this layer's index, its slice of the LoRA slot weights or None); lora_mask: see
+        jaxpage.models.lora.slot_mask (None without LoRA)."""
         x, kv_cache = carry
+        layer, lora_weights = layer_inputs
+        lora = None if lora_weights is None else (lora_weights, lora_mask)
         c = self.config
         h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, name="attn")(
-            rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer
+            rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer, lora
         )
         if c.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed too
             h = rms_norm(c, self.dtype, "attn_output_norm")(h)
         x = x + h
         mlp = feed_forward(c, self.dtype, self.tp_axis, self.expert_method)
-        h = mlp(rms_norm(c, self.dtype, "post_attention_norm")(x))  # the norm before the MLP, by Llama's name
+        h = mlp(rms_norm(c, self.dtype, "post_attention_norm")(x), lora)  # the norm before the MLP, by Llama's name
         if c.sandwich_norms:
             h = rms_norm(c, self.dtype, "mlp_output_norm")(h)
         return (x + h, kv_cache), None
@@ -228,7 +235,7 @@ class Llama(nn.Module):
             DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
             unroll=layer_unroll(c, self.platform),
         )(c, self.attention, self.dtype, self.tp_axis, expert_method(self.platform))
@@ -238,8 +245,9 @@ class Llama(nn.Module):
                 c, c.vocab_size, False, self.dtype, "lm_head", int8_method=lm_head_method(self.platform)
             )
 
-    def __call__(self, token_ids, positions, batch, kv_cache=None):
-        """Returns (hidden [..., hidden_size] after the final norm, kv_cache after every layer)."""
+    def __call__(self, token_ids, positions, batch, kv_cache=None, lora: LoRAInputs | None = None):
+        """Returns (hidden [..., hidden_size] after the final norm, kv_cache after every layer). lora: the LoRA slot
+        weights and each token's slot (jaxpage.models.lora)."""
         if self.tp_axis is None:
             x = self.embed_tokens(token_ids)
         else:  # this shard's rows of the vocabulary; zeros for the others' tokens
@@ -256,7 +264,8 @@ class Llama(nn.Module):
             )
             rope = tuple(jnp.stack(tables) for tables in zip(rope, rope_tables(local, positions), strict=True))
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, rope, batch)
+        lora_weights, mask = (None, None) if lora is None else (lora.weights, lora.mask(self.dtype))
+        (x, kv_cache), _ = self.layers((x, kv_cache), (layer_ids, lora_weights), rope, batch, mask)
         return self.norm(x), kv_cache
 
     def logits(self, hidden):
@@ -312,20 +321,23 @@ def params_dtype(params: dict) -> jnp.dtype:
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _dense_logits(config: ModelConfig, params: dict, token_ids: jax.Array, valid: jax.Array) -> jax.Array:
+def _dense_logits(
+    config: ModelConfig, params: dict, token_ids: jax.Array, valid: jax.Array, lora: LoRAInputs | None
+) -> jax.Array:
     positions = jnp.maximum(jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1, 0)
     model = dense_model(config, params_dtype(params))
     variables = {"params": params}
-    hidden, _ = model.apply(variables, token_ids, positions, DenseBatch(positions=positions, valid=valid))
+    hidden, _ = model.apply(variables, token_ids, positions, DenseBatch(positions=positions, valid=valid), None, lora)
     return model.apply(variables, hidden, method=Llama.logits)
 
 
-def forward(config: ModelConfig, params: dict, token_ids, attention_mask=None) -> jax.Array:
+def forward(config: ModelConfig, params: dict, token_ids, attention_mask=None, lora: LoRAInputs | None = None):
     """Cache-free forward pass: float32 logits [batch, seq, vocab] for int token ids [batch, seq].
 
     `attention_mask` [batch, seq] (1 for tokens, 0 for padding, as in transformers) lets prompts of
     different lengths share a batch, padded on either side; positions count the real tokens of each row.
-    Logits at padding positions are meaningless.
+    Logits at padding positions are meaningless. `lora`: LoRA slot weights and each token's slot [batch, seq]
+    (jaxpage.models.lora).
     """
     token_ids = jnp.asarray(token_ids, jnp.int32)
     if token_ids.ndim != 2:
@@ -336,4 +348,4 @@ def forward(config: ModelConfig, params: dict, token_ids, attention_mask=None) -
         valid = jnp.asarray(attention_mask).astype(bool)
         if valid.shape != token_ids.shape:
             raise ValueError(f"attention_mask shape {valid.shape} differs from token_ids shape {token_ids.shape}")
-    return _dense_logits(config, params, token_ids, valid)
+    return _dense_logits(config, params, token_ids, valid, lora)
