@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from jaxpage.engine.llm_engine import LLMEngine
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.errors import ModelLoadError
+    from jaxpage.lora_request import LoRARequest
     from jaxpage.outputs import CompletionOutput, RequestOutput
     from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -27,6 +28,7 @@ _LAZY_NAMES = {
     "LLMEngine": "jaxpage.engine.llm_engine",
     "SamplingParams": "jaxpage.sampling_params",
     "StructuredOutputsParams": "jaxpage.sampling_params",
+    "LoRARequest": "jaxpage.lora_request",
     "EngineConfig": "jaxpage.config",
     "ModelConfig": "jaxpage.config",
     "ModelLoadError": "jaxpage.errors",
@@ -39,6 +41,7 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "EngineConfig",
     "RequestOutput",
     "CompletionOutput",

@@ -53,6 +53,14 @@ class Sequence:
     group: tuple[Sequence, ...] = dataclasses.field(default=(), repr=False)
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache had when first admitted (None: not yet)
     num_pending_tokens: int = 0  # sampled by launched steps, not yet known here (asynchronous scheduling)
+    # Its LoRA adapter (jaxpage.engine.lora_slots): the request's lora_int_id (0: none), the adapter's weights
+    # (jaxpage.models.lora_adapter.LoRAAdapter), the device slot it is in while the sequence runs (-1: none), and the
+    # adapter's digest, which roots the prefix-cache keys of its pages (two adapters' K/V of the same tokens differ:
+    # they never share a page).
+    lora_id: int = 0
+    lora_adapter: object = dataclasses.field(default=None, repr=False)
+    lora_slot: int = -1
+    prefix_root: bytes | None = None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -138,6 +146,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     page_copies: list[tuple[int, int]]  # copy-on-write (src, dst) pages to copy, all at once, before the step
     window_page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the window group's
+    # (slot, adapter) of the LoRA adapters to copy into their device slots before the step (LoRASlots.acquire)
+    lora_loads: list[tuple[int, object]] = dataclasses.field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

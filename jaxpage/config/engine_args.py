@@ -107,6 +107,12 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
         metavar="JSON",
     )
+    # LoRA adapters (vLLM's names; jaxpage.models.lora): requests may name an adapter (LoRARequest); max_loras of them
+    # sit in device slots at once (the others wait), each of rank at most max_lora_rank (zero-padded to it).
+    # (Python API for now: the server's and batch jobs' flags come with their way of naming adapters.)
+    enable_lora: bool = arg(False, "serve LoRA adapters chosen per request (default: off)", cli=None)
+    max_loras: int = arg(1, "LoRA adapters in one step at most: their device slots (default 1)", cli=None)
+    max_lora_rank: int = arg(16, "the largest LoRA rank served (default 16)", cli=None)
     # Tensor parallelism (jaxpage.worker.parallel): the model split over this many devices, Megatron-style; 1: one
     # device.
     tensor_parallel_size: int = arg(1, "devices to split the model over, as Megatron (default 1)")
@@ -198,6 +204,9 @@ class EngineConfig:
         put("kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        check_bool(arg("enable_lora"), self.enable_lora)
+        put("max_loras", check_int(arg("max_loras"), self.max_loras, 1, 1024))
+        put("max_lora_rank", check_int(arg("max_lora_rank"), self.max_lora_rank, 1, 1024))
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
         put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
         check_bool(arg("enable_expert_parallel"), self.enable_expert_parallel)
@@ -217,6 +226,11 @@ class EngineConfig:
             raise ValueError(
                 "engine argument async_scheduling: speculative decoding proposes its drafts from the tokens of the "
                 "step before on the host; leave async_scheduling unset (or False) with speculative_config"
+            )
+        if self.enable_lora and (self.tensor_parallel_size > 1 or (self.num_processes or 1) > 1):
+            raise ValueError(
+                "engine argument enable_lora: LoRA adapters are served on one device per replica and one process for "
+                f"now (tensor_parallel_size {self.tensor_parallel_size}, num_processes {self.num_processes or 1})"
             )
         if self.data_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(

@@ -104,7 +104,7 @@ class BlockManager:
         self._register(seq)
         hashes = self._seq_hashes[seq.seq_id]
         limit = seq.num_prompt_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_prompt_tokens - 1)
-        for key, page in self._cached_chain(seq.token_ids[:limit]):
+        for key, page in self._cached_chain(seq.token_ids[:limit], seq.prefix_root):
             self._add_ref(page)
             self._set_filled(page, self.page_size)
             self._table(seq).append(page)
@@ -113,15 +113,15 @@ class BlockManager:
         self.free_outside_window(seq)  # a long hit's first pages may lie before the window already
         return seq.num_computed_tokens
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Tokens of a prompt that match_prefix would find in the prefix cache now (nothing changes)."""
+    def cached_prefix_tokens(self, token_ids: list[int], root: bytes | None = None) -> int:
+        """Tokens of a prompt (of root `prefix_root`) that match_prefix would find in the prefix cache now."""
         if not self.enable_prefix_caching:
             return 0
-        return sum(1 for _ in self._cached_chain(token_ids[: len(token_ids) - 1])) * self.page_size
+        return sum(1 for _ in self._cached_chain(token_ids[: len(token_ids) - 1], root)) * self.page_size
 
-    def _cached_chain(self, token_ids: list[int]):
-        """(key, page) of each full page of token_ids found in the prefix cache, from the first, while they chain."""
-        ps, parent = self.page_size, None
+    def _cached_chain(self, token_ids: list[int], root: bytes | None):
+        """(key, page) of token_ids' full pages in the prefix cache, from the first while they chain (from `root`)."""
+        ps, parent = self.page_size, root
         for i in range(len(token_ids) // ps):
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             key = hash_page(parent, tokens)
@@ -195,7 +195,7 @@ class BlockManager:
         if not self.enable_prefix_caching or hashes is None:
             return
         ps = self.page_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else seq.prefix_root
         full_pages = min(seq.num_computed_tokens, seq.num_tokens) // ps
         for i in range(len(hashes), min(full_pages, len(self._table(seq)))):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])

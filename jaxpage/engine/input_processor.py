@@ -12,7 +12,9 @@ import time
 import numpy as np
 
 from jaxpage.config import EngineConfig
+from jaxpage.engine.lora_adapters import LoRAAdapters
 from jaxpage.engine.output_processor import Request
+from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import CompletionOutput, RequestMetrics
 from jaxpage.sample.logits_controls import LogitsControls
 from jaxpage.sampling_params import SamplingParams
@@ -31,10 +33,12 @@ class InputProcessor:
         num_pages: int,
         config: EngineConfig,
         eos_token_ids: frozenset[int] = frozenset(),
+        lora_adapters: LoRAAdapters | None = None,
     ):
         """num_pages: a replica's pool, the null page included; config: the engine's (its page_size, and the seed
         of the seeds drawn for requests that bring none); eos_token_ids: what min_tokens holds back and grammars
-        end with."""
+        end with; lora_adapters: the LoRA adapters requests name (None: a request that names one is refused)."""
+        self.lora_adapters = lora_adapters or LoRAAdapters(None, 0, enabled=False)
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -52,8 +56,10 @@ class InputProcessor:
         prompt: str | dict,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        """The checked and tokenized request (see LLMEngine.add_request for what is checked), not yet queued."""
+        """The checked and tokenized request (see LLMEngine.add_request for what is checked), not yet queued; its
+        LoRA adapter read (on the caller's thread) the first time its id comes."""
         if not isinstance(request_id, str) or not request_id:
             fail("request_id", "a non-empty string", request_id, wrong_type=not isinstance(request_id, str))
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -91,6 +97,7 @@ class InputProcessor:
                 )
                 for seed in seeds
             ]
+        self.lora_adapters.attach(seqs, lora_request)
         if len(seqs) > 1:  # the n samples compute the prompt once and share its pages (see Scheduler)
             for seq in seqs:
                 seq.group = tuple(seqs)

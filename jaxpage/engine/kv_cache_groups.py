@@ -47,14 +47,14 @@ class KVCacheGroups:
             return False
         return all([group.allocate_slots(seq, num_new_tokens) for group in self.groups])
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], root: bytes | None = None) -> int:
         """Tokens of a prompt that both groups' prefix caches hold now."""
-        return min(group.cached_prefix_tokens(token_ids) for group in self.groups)
+        return min(group.cached_prefix_tokens(token_ids, root) for group in self.groups)
 
     def match_prefix(self, seq: Sequence) -> int:
         """BlockManager.match_prefix in both groups, of the prefix both hold (the window group may have evicted pages
         that the full group still has, or the other way round)."""
-        found = self.cached_prefix_tokens(seq.token_ids)
+        found = self.cached_prefix_tokens(seq.token_ids, seq.prefix_root)
         return min([group.match_prefix(seq, found) for group in self.groups])
 
     def can_fork(self, parent: Sequence, num_tokens: int) -> bool:

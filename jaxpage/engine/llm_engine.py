@@ -16,12 +16,15 @@ from jaxpage.attention import resolve_backend
 from jaxpage.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig
 from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.input_processor import InputProcessor
+from jaxpage.engine.lora_adapters import LoRAAdapters
+from jaxpage.engine.lora_slots import LoRASlots
 from jaxpage.engine.output_processor import OutputProcessor, Request
 from jaxpage.engine.replica import Replica, Replicas, choose_replica
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.engine.spec_decoder import SpeculativeDecoder
 from jaxpage.engine.step_pipeline import InFlightStep, StepPipeline, use_async_scheduling
 from jaxpage.engine.step_stats import StepStats
+from jaxpage.lora_request import LoRARequest
 from jaxpage.models.llama import params_dtype
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import RequestOutput
@@ -103,8 +106,9 @@ class LLMEngine:
         self._new_replicas()
         self.output_processor = OutputProcessor(self.tokenizer)
         vocab = self.model_config.vocab_size
+        lora = LoRAAdapters(self.model_config, config.max_lora_rank, config.enable_lora)
         self.input_processor = InputProcessor(
-            self.tokenizer, vocab, self.max_model_len, self._num_pages, config, frozenset(eos)
+            self.tokenizer, vocab, self.max_model_len, self._num_pages, config, frozenset(eos), lora
         )
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
@@ -170,9 +174,10 @@ class LLMEngine:
         prompt: str | dict,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queues a request. `prompt` is a string, {"prompt_token_ids": [...]} or {"prompt": "..."} (a dict may give
-        both, the text then only labels the output).
+        """Queues a request, through LoRA adapter `lora_request` if given. `prompt` is a string, {"prompt_token_ids":
+        [...]} or {"prompt": "..."} (a dict may give both, the text then only labels the output).
 
         Everything is checked here, never inside `step()`: ValueError (ArgumentTypeError for a wrong type; both
         name the field and the value), and nothing is queued, for a request_id that is not a non-empty string or
@@ -180,7 +185,8 @@ class LLMEngine:
         bad sampling params (checked again, in case they changed since they were built), top_k or stop token ids
         beyond the vocabulary, or a request that can never fit max_model_len or the page pool.
         """
-        self.add_prepared_requests([self.prepare_request(request_id, prompt, sampling_params, arrival_time)])
+        request = self.prepare_request(request_id, prompt, sampling_params, arrival_time, lora_request)
+        self.add_prepared_requests([request])
 
     def prepare_request(
         self,
@@ -188,11 +194,12 @@ class LLMEngine:
         prompt: str | dict,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """The checked and tokenized request, not yet queued: add_request's checks (but for a request_id in use,
         which add_prepared_requests checks), without waiting for a step in progress."""
         self._check_leader("add_request")
-        return self.input_processor.prepare(request_id, prompt, sampling_params, arrival_time)
+        return self.input_processor.prepare(request_id, prompt, sampling_params, arrival_time, lora_request)
 
     def add_prepared_requests(self, requests: list[Request]) -> None:
         """Queues prepared requests, all or none: ValueError, and nothing queued, if a request_id is in use (or
@@ -203,7 +210,7 @@ class LLMEngine:
             if taken:
                 raise ValueError(f"request_id {', '.join(map(describe, taken))} is already in use; nothing was queued")
             for request in requests:
-                request.replica = choose_replica(self.replicas, request.prompt_token_ids)
+                request.replica = choose_replica(self.replicas, request.prompt_token_ids, request.seqs[0].prefix_root)
                 self.output_processor.add(request)
                 for seq in request.seqs:
                     self.replicas[request.replica].scheduler.add(seq)
@@ -325,10 +332,9 @@ class LLMEngine:
     def _new_replicas(self) -> None:
         """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
         c, readers = self.config, [runner.config for runner in self.executor.runners]  # the models reading the pages
-        self.replicas[:] = [
-            Replica.new(self._num_pages, c.part(CacheConfig), self._scheduler_config, readers, self._window_pages)
-            for _ in range(c.data_parallel_size)
-        ]
+        lora_slots = LoRASlots(c.max_loras) if c.enable_lora else None  # (after a failed step: each refilled anew)
+        pages = (self._num_pages, c.part(CacheConfig), self._scheduler_config, readers, self._window_pages, lora_slots)
+        self.replicas[:] = [Replica.new(*pages) for _ in range(c.data_parallel_size)]
 
     @property
     def scheduler(self) -> Scheduler:

@@ -13,6 +13,7 @@ import dataclasses
 from jaxpage.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.kv_cache_groups import KVCacheGroups
+from jaxpage.engine.lora_slots import LoRASlots
 from jaxpage.engine.scheduler import Scheduler
 
 
@@ -23,18 +24,24 @@ class Replica:
 
     @classmethod
     def new(
-        cls, num_pages: int, cache: CacheConfig, config: SchedulerConfig, models=(), window_pages: int | None = None
+        cls,
+        num_pages: int,
+        cache: CacheConfig,
+        config: SchedulerConfig,
+        models=(),
+        window_pages: int | None = None,
+        lora_slots: LoRASlots | None = None,
     ) -> Replica:
         """A replica of `num_pages` pages for the models that share its block tables (the target, and a draft; none
         given: pages kept until a request ends); window_pages: the window group's pages of a hybrid target's grouped
-        pool (jaxpage.engine.kv_cache_groups)."""
+        pool (jaxpage.engine.kv_cache_groups); lora_slots: the LoRA adapters' slots, which every replica shares."""
         if window_pages is not None:
             window = models[0].sliding_window
             block_manager = KVCacheGroups(num_pages, window_pages, cache.page_size, cache.enable_prefix_caching, window)
         else:
             window = window_to_free(models)
             block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, window)
-        return cls(block_manager, Scheduler(config, block_manager))
+        return cls(block_manager, Scheduler(config, block_manager, lora_slots))
 
     @property
     def load(self) -> int:
@@ -77,11 +84,12 @@ class Replicas(list):
         )
 
 
-def choose_replica(replicas: list[Replica], prompt_token_ids: list[int]) -> int:
-    """The index of the replica a new request with this prompt goes to (see the module docstring)."""
+def choose_replica(replicas: list[Replica], prompt_token_ids: list[int], prefix_root: bytes | None = None) -> int:
+    """The index of the replica a new request with this prompt (and LoRA adapter's prefix_root) goes to (see the
+    module docstring)."""
     if len(replicas) == 1:
         return 0
-    hits = [r.block_manager.cached_prefix_tokens(prompt_token_ids) for r in replicas]
+    hits = [r.block_manager.cached_prefix_tokens(prompt_token_ids, prefix_root) for r in replicas]
     best = max(hits)
     candidates = [i for i, h in enumerate(hits) if h == best]
     return min(candidates, key=lambda i: (replicas[i].load, i))

@@ -47,6 +47,7 @@ import numpy as np
 from jaxpage.config import SchedulerConfig
 from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.kv_cache_groups import KVCacheGroups
+from jaxpage.engine.lora_slots import LoRASlots
 from jaxpage.sequence import (  # noqa: F401 (the step's types, re-exported)
     PROMPT_LOGPROB_TOKENS,
     ScheduledSequence,
@@ -58,9 +59,15 @@ from jaxpage.sequence import (  # noqa: F401 (the step's types, re-exported)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheGroups):
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager | KVCacheGroups, lora_slots: LoRASlots | None = None
+    ):
         self.config = config
         self.block_manager = block_manager
+        # The LoRA adapters' device slots (shared by the data-parallel replicas, whose weights are one copy): a running
+        # sequence pins its adapter's; one whose adapter finds every slot pinned by others waits, the rest go on.
+        self.lora_slots = lora_slots
+        self._lora_loads: list[tuple[int, object]] = []  # (slot, adapter) to fill before the step being scheduled
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -77,6 +84,7 @@ class Scheduler:
         thrown away."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._unpin_lora(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -91,6 +99,8 @@ class Scheduler:
         if not self.waiting or len(self.running) == self.config.max_num_seqs:
             return True
         head = self.waiting[0]
+        if head.lora_id and not self.lora_slots.can_acquire(head.lora_id):
+            return True  # it waits for a LoRA slot
         first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
         return not self.block_manager.can_allocate(head, first_chunk)
 
@@ -101,6 +111,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted = False
         drafts = drafts or {}
+        self._lora_loads = []
         assert not drafts or self.can_draft(), "drafts are for steps without prefill"
 
         for seq in list(self.running):
@@ -129,7 +140,7 @@ class Scheduler:
         if not preempted and not drafts:
             scheduled += self._admit(budget)
         manager = self.block_manager
-        return SchedulerOutput(scheduled, manager.take_copies(), manager.take_window_copies())
+        return SchedulerOutput(scheduled, manager.take_copies(), manager.take_window_copies(), self._lora_loads)
 
     def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""
@@ -138,6 +149,8 @@ class Scheduler:
         for seq in self.waiting:
             if budget == 0 or len(self.running) == self.config.max_num_seqs:
                 break
+            if seq.lora_id and not self.lora_slots.can_acquire(seq.lora_id):
+                continue  # every LoRA slot is pinned by other adapters' sequences
             shared = seq.num_prompt_tokens - 1  # the prompt tokens siblings share
             sibling = max(
                 (s for s in seq.group if s.status is SequenceStatus.RUNNING),
@@ -165,6 +178,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = hits
             admitted.append(seq)
+            self._pin_lora(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence.of(seq, num_new))
@@ -192,10 +206,23 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Frees the sequence's pages; it goes back to the front of the queue and recomputes all its tokens."""
         self.running.remove(seq)
+        self._unpin_lora(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _pin_lora(self, seq: Sequence) -> None:
+        """A slot for the admitted sequence's adapter, filled before this step where it is new there."""
+        if seq.lora_id:
+            seq.lora_slot, load = self.lora_slots.acquire(seq.lora_id)
+            if load:
+                self._lora_loads.append((seq.lora_slot, seq.lora_adapter))
+
+    def _unpin_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_id)
+            seq.lora_slot = -1
 
     def launched(self, output: SchedulerOutput) -> None:
         """The step `output` is on its way to the device: its scheduled tokens count as computed (draft tokens

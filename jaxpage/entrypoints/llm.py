@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.tokenizers.tokenizer import encode_chat
@@ -36,13 +37,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings or {"prompt_token_ids": [...]}); outputs in prompt order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's.
 
         All prompts are validated before any runs: a bad one raises ValueError and nothing is queued. A request
         that fails at run time comes back with finish_reason "error" and `error` set; the others are unharmed.
         """
-        request_ids = self._add(prompts, sampling_params)
+        request_ids = self._add(prompts, sampling_params, lora_request)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generate") as bar:
             for output in self._run(request_ids):
@@ -55,10 +58,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput (cumulative text and tokens) each time a request progresses; the last one of
         each request has finished=True. Closing the iterator early aborts what is still running."""
-        request_ids = self._add(prompts, sampling_params)
+        request_ids = self._add(prompts, sampling_params, lora_request)
         yield from self._run(request_ids)
 
     def chat(
@@ -66,6 +70,7 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them. Content
         is a string or OpenAI content parts ([{"type": "text", "text": ...}, ...]). Every conversation is checked
@@ -77,9 +82,9 @@ class LLM:
         else:
             conversations = [messages]
         prompts = [{"prompt_token_ids": encode_chat(self.engine.tokenizer, c)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _add(self, prompts, sampling_params) -> list[str]:
+    def _add(self, prompts, sampling_params, lora_request=None) -> list[str]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         elif not isinstance(prompts, list | tuple):
@@ -94,9 +99,11 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         else:
             fail("sampling_params", "a SamplingParams, a list of them, or None", sampling_params, wrong_type=True)
+        loras = per_prompt("lora_request", lora_request, LoRARequest, len(prompts))
         # Check (and tokenize) every request before queueing any: a bad one must not leave others queued.
         requests = [
-            self.engine.prepare_request(self._next_id(), prompt, p) for prompt, p in zip(prompts, params, strict=True)
+            self.engine.prepare_request(self._next_id(), prompt, p, lora_request=lora)
+            for prompt, p, lora in zip(prompts, params, loras, strict=True)
         ]
         self.engine.add_prepared_requests(requests)  # all or none (an id an engine user added meanwhile: none)
         return [request.request_id for request in requests]
@@ -118,3 +125,14 @@ class LLM:
         finally:
             if pending:
                 self.engine.abort_request(list(pending))
+
+
+def per_prompt(name: str, value, kind: type, num_prompts: int) -> list:
+    """An argument given once for every prompt, or as a list of one per prompt (None items allowed), as a list."""
+    if value is None or isinstance(value, kind):
+        return [value] * num_prompts
+    if not isinstance(value, list | tuple) or not all(v is None or isinstance(v, kind) for v in value):
+        fail(name, f"a {kind.__name__}, a list of them (or None), or None", value, wrong_type=True)
+    if len(value) != num_prompts:
+        raise ValueError(f"{len(value)} {name}s for {num_prompts} prompts")
+    return list(value)

@@ -118,3 +118,12 @@ def add_lora(y: jax.Array, x: jax.Array, weights: tuple | None, mask: jax.Array 
     b = b.reshape(num_slots * rank, b.shape[-1]).astype(x.dtype)
     delta = ((x @ a) * mask.astype(x.dtype)) @ b
     return y + delta.reshape(y.shape).astype(y.dtype)
+
+
+def split_lora(params: dict, slots: jax.Array | None) -> tuple[dict, LoRAInputs | None]:
+    """(the model's parameters, the LoRA inputs) of parameters that may hold the adapters' slots under "lora"
+    ({module: {"a", "b"}}, as jaxpage.worker.model_runner keeps them) and the tokens' slots (None: LoRA is off)."""
+    if "lora" not in params:
+        return params, None
+    weights = {module: (w["a"], w["b"]) for module, w in params["lora"].items()}
+    return {k: v for k, v in params.items() if k != "lora"}, LoRAInputs(weights, slots)

@@ -77,7 +77,10 @@ def make_runners(
         mesh=mesh,
         compile_only=compile_only,
     )
-    runners = [ModelRunner(*target, backend, **args, draft_probs=draft is not None, window_pages=window_pages)]
+    lora_slots = (config.max_loras, config.max_lora_rank) if config.enable_lora else None
+    runners = [
+        ModelRunner(*target, backend, **args, draft_probs=draft is not None, window_pages=window_pages, lora=lora_slots)
+    ]
     if draft is not None:
         runners.append(DraftModelRunner(*draft, backend, **args))
     return runners
@@ -118,6 +121,9 @@ class Executor:
         ]
         if copies or window_copies:
             runner.copy_pages(copies, window_copies)
+        for output in outputs:  # adapters new to their slots (the replicas share the slots)
+            for slot, adapter in output.lora_loads:
+                self.launch(0, Message.LORA, slot, runner.lora.payload(adapter))
         start = time.perf_counter()
         shape = runner.inputs.shape_for(*outputs)
         level = runner.inputs.processor_level(*outputs)

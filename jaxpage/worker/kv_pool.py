@@ -143,6 +143,15 @@ class KVPool:
             "gpu_memory_utilization or num_pages"
         )
 
+    def chunks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> list:
+        """A step's copy-on-write copies (src, dst) (and a grouped pool's window group's) as `copy` takes them, to be
+        applied as if all at once (every source read before any destination is written): COPY_CHUNK at a time, so
+        that one compiled program serves any number, unless a destination is also a source (a page freed and reused
+        within the step): then in one call, whose size may compile anew (rare)."""
+        groups = [list(copies), list(window_copies)][: len(pool_groups(self.layout))]
+        assert len(groups) == 2 or not window_copies, "window copies for a pool without a window group"
+        return list(copy_chunks(groups))
+
     def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         if src.shape[-1] != COPY_CHUNK:  # the rare copy that must run in one call: compiled for its size here
             self.cache = self._copy_jit(self.cache, src, dst)

@@ -31,13 +31,15 @@ from jaxpage.attention import AttentionBackend, PagedAttention
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
 from jaxpage.models.llama import Llama, build, params_dtype
+from jaxpage.models.lora import split_lora
 from jaxpage.sample.logits_processors import apply_logits_processors
 from jaxpage.sample.rejection_sampler import verify_drafts
 from jaxpage.sample.sampler import sample, sampled_logprobs, target_logprobs
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import PROMPT_LOGPROB_TOKENS
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape, load_or_compile
-from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, copy_chunks, pool_arrays, pool_shape
+from jaxpage.worker.kv_pool import COPY_CHUNK, KVPool, pool_arrays, pool_shape
+from jaxpage.worker.lora_weights import LoRAWeights
 from jaxpage.worker.parallel import DATA_AXIS, REPLICAS, TP_AXIS, on_shards, param_specs, shard_config
 from jaxpage.worker.step_broadcast import Header, Message
 from jaxpage.worker.step_inputs import (
@@ -156,6 +158,7 @@ class ModelRunner:
         draft_probs: bool = False,
         mesh: jax.sharding.Mesh | None = None,
         compile_only: bool = False,
+        lora: tuple[int, int] | None = None,  # (max_loras, max_lora_rank): LoRA adapters' slots, params["lora"]
     ):
         self.config = config  # the whole model's (with_replicated_kv_heads under tensor parallelism)
         # Programs built for chips this host lacks (jaxpage.aot): params are ShapeDtypeStructs placed on compile-only
@@ -172,11 +175,12 @@ class ModelRunner:
         self.tensor_parallel_size = 1 if self.mesh is None else self.mesh.shape[TP_AXIS]
         self.data_parallel_size = 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
         self.pages_per_replica = num_pages
-        # Every program this runner launches goes through `door` (kind, key, payload, flag, draft_probs), which
-        # calls `run`: jaxpage.worker.executor.Executor makes it the one door to the device (several hosts hear of each
-        # launch there); alone, a runner's door is its `run`.
+        # Every program this runner launches goes through `door` (kind, key, payload, flag, draft_probs), which calls
+        # `run`; jaxpage.worker.executor.Executor makes it the one door to the device (several hosts hear of each).
         self.door = self.run
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
+        self.lora = lora and LoRAWeights(config, *lora, dtype, self._replicated, compile_only, self._load_or_compile)
+        self.params = params = params if self.lora is None else {**params, "lora": self.lora.arrays}
         self._param_specs = param_specs(params, config.expert_parallel_size > 1)
         split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
         shard = shard_config(config, self.tensor_parallel_size) if split else config
@@ -199,6 +203,7 @@ class ModelRunner:
         self.inputs = StepInputs(
             *(self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab, config.vocab_size),
             window_group=grouped,
+            lora=lora is not None,
         )
         attention = functools.partial(PagedAttention, backend, config.attention_scale, config.sliding_window)
         sliding = config.sliding_layers if grouped else ()  # a grouped pool's layers write and read their group's
@@ -242,8 +247,9 @@ class ModelRunner:
         hidden] of the tokens that give prompt log-probs, kv_cache with the step's K/V)."""
 
         def forward(params, kv_cache, step):
+            params, lora = split_lora(params, step.lora_slots)
             hidden, kv_cache = self.models[max_q_len].apply(
-                {"params": params}, step.with_fed_tokens(), step.positions, step.attention, kv_cache
+                {"params": params}, step.with_fed_tokens(), step.positions, step.attention, kv_cache, lora
             )
             return hidden[step.logits_indices], hidden[step.prompt_indices], kv_cache
 
@@ -302,13 +308,11 @@ class ModelRunner:
     def _hidden_rows(self, rows: int) -> jax.ShapeDtypeStruct:
         """What the forward pass hands a program that takes `rows` of its hidden states (stacked over the replicas
         on several devices), and where it leaves them."""
-        shape = (rows, self.config.hidden_size)
-        if self.mesh is not None:
-            shape = (self.data_parallel_size, *shape)
-        where = None
-        if self.compile_only:
-            where = self._replicated if self.mesh is None else NamedSharding(self.mesh, REPLICAS)
-        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=where)
+        stacked = () if self.mesh is None else (self.data_parallel_size,)
+        placed = self._replicated if self.mesh is None else NamedSharding(self.mesh, REPLICAS)
+        return jax.ShapeDtypeStruct(
+            (*stacked, rows, self.config.hidden_size), self.dtype, sharding=placed if self.compile_only else None
+        )
 
     def _load_or_compile(self, what: CompiledShape, args: tuple, compile_it, static=None) -> jax.stages.Compiled:
         """The program `what` (jaxpage.worker.compilation_cache.load_or_compile), keyed by `static` (default: the model
@@ -350,6 +354,7 @@ class ModelRunner:
                     programs.append((sampler_name(rows, k, level), program))
         programs.append((CompiledShape("prompt_logprobs", PROMPT_LOGPROB_TOKENS), self.compile_prompt_logprobs))
         programs.append((CompiledShape("copy", COPY_CHUNK), self.pool.copy_program))
+        programs += [(CompiledShape("lora", self.lora.shape), self.lora.fill_program)] if self.lora else []
         return programs
 
     def _pool_warmup(self) -> tuple[CompiledShape, Callable[[], jax.stages.Compiled]]:
@@ -401,6 +406,8 @@ class ModelRunner:
             if feeds:  # tokens of the step before, read on the device (StepInput.feed_index)
                 step = dataclasses.replace(step, fed_tokens=self.last_tokens)
             return self._run_step(self.shapes[key], step, sample_input, level)
+        elif kind is Message.LORA:
+            self.params["lora"] = self.lora.fill(key, payload)
         elif kind is Message.PROMPT_LOGPROBS:
             return self.compile_prompt_logprobs()(self.params, self.prompt_hidden, payload)
         else:
@@ -428,11 +435,7 @@ class ModelRunner:
         return abstract(tree, self._replicated) if self.compile_only else tree
 
     def copy_pages(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
-        """The copy-on-write copies (src, dst) of a step (and of a grouped pool's window group), applied as if all at
-        once (every source read before any destination is written). COPY_CHUNK at a time, so that one compiled
-        program serves any number, unless a destination is also a source (a page freed and reused within the step):
-        then in one call, whose size may compile anew (rare)."""
-        groups = [list(copies), list(window_copies)][: self.inputs.num_pool_groups]
-        assert len(groups) == 2 or not window_copies, "window copies for a pool without a window group"
-        for src, dst in copy_chunks(groups):
+        """The copy-on-write copies (src, dst) of a step (and of a grouped pool's window group), as KVPool.chunks
+        makes them, launched through the door."""
+        for src, dst in self.pool.chunks(copies, window_copies):
             self._launch(Message.COPY, src.shape[-1], (src, dst))

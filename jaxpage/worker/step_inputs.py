@@ -36,6 +36,7 @@ class StepInput:
     # [max sample rows] (each row's last token; ModelRunner puts the previous step's in); -1 keeps token_ids[t].
     feed_index: jax.Array  # [T] int32
     fed_tokens: jax.Array  # [max sample rows] int32
+    lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA slot, -1 for none (None: LoRA is off)
 
     def with_fed_tokens(self) -> jax.Array:
         """token_ids with the fed ones in (on the device, inside the forward pass)."""
@@ -83,6 +84,14 @@ def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
     )
 
 
+def token_lora_slots(items: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
+    """[num_tokens] int32: each of the step's tokens' LoRA slot (its sequence's lora_slot), -1 for padding."""
+    slots = np.full(num_tokens, -1, np.int32)
+    counts = [item.num_new_tokens for item in items]
+    slots[: sum(counts)] = np.repeat(np.asarray([item.seq.lora_slot for item in items], np.int32), counts)
+    return slots
+
+
 class StepInputs:
     def __init__(
         self,
@@ -94,12 +103,15 @@ class StepInputs:
         draft_vocab_size: int = 0,
         vocab_size: int = 0,
         window_group: bool = False,
+        lora: bool = False,
     ):
         """stack: the programs take arrays stacked over the replicas (they run on a mesh); draft_vocab_size: verify
         steps take a draft model's distributions over that vocabulary (0: point masses); vocab_size: the model's
         (the width of the logits processors' bitmasks); window_group: the pool has a window group of layers with
-        pages of its own (jaxpage.kv_cache.HybridKVCache), whose slot mapping and block tables steps carry too."""
+        pages of its own (jaxpage.kv_cache.HybridKVCache), whose slot mapping and block tables steps carry too;
+        lora: steps carry each token's LoRA slot (StepInput.lora_slots)."""
         self.window_group = window_group
+        self.lora = lora
         self.num_pool_groups = 2 if window_group else 1
         self.shapes = shapes
         self.page_size = page_size
@@ -212,9 +224,9 @@ class StepInputs:
         assert len(rows) <= PROMPT_LOGPROB_TOKENS, len(rows)  # the scheduler keeps them within
         prompt_indices[: len(rows)] = [token for _, token, _ in rows]
         fed_tokens = np.zeros(self.max_sample_rows, np.int32)
-        step = StepInput(
-            token_ids, positions, attention, logits_indices.reshape(-1), prompt_indices, feed_index, fed_tokens
-        )
+        lora_slots = token_lora_slots(items, shape.num_tokens) if self.lora else None
+        indices = (logits_indices.reshape(-1), prompt_indices, feed_index, fed_tokens)
+        step = StepInput(token_ids, positions, attention, *indices, lora_slots)
         logits = self.logits_inputs(items, shape.sample_rows, k, level) if level != NO_PROCESSORS else None
         return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, logits=logits)
 

@@ -1,0 +1,67 @@
+"""The LoRA adapters' device slots (jaxpage.models.lora): their arrays, which the runner keeps among the parameters
+under "lora", and the one program that fills a slot with an adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxpage.config import ModelConfig
+from jaxpage.models.lora import adapter_slot, empty_slots
+from jaxpage.worker.compilation_cache import CompiledShape
+
+
+class LoRAWeights:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        rank: int,
+        dtype,
+        placement,
+        compile_only: bool,
+        load_or_compile: Callable,
+    ):
+        """`num_slots` slots of rank `rank` for the model `config`, in the compute dtype, placed as `placement` (a
+        sharding: every device holds them whole) or, compile_only, shape structs there; load_or_compile: the
+        runner's (its compilation cache)."""
+        self.config, self.shape, self.dtype = config, (num_slots, rank), dtype
+        zeros = {m: {"a": a, "b": b} for m, (a, b) in empty_slots(config, num_slots, rank, dtype).items()}
+        if compile_only:
+            self.arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement), zeros)
+        else:
+            self.arrays = jax.device_put(zeros, placement)
+        self.compile_only, self.placement = compile_only, placement
+        self.load_or_compile = load_or_compile
+        self._fill: jax.stages.Compiled | None = None
+
+    def fill_program(self) -> jax.stages.Compiled:
+        """The program that writes one slot (its index traced) with an adapter's weights, donating the slots:
+        compiled once, for every slot and adapter."""
+        if self._fill is None:
+
+            def fill(slots, slot, weights):
+                return jax.tree.map(lambda x, w: x.at[:, slot].set(w.astype(x.dtype)), slots, weights)
+
+            one = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((x.shape[0], *x.shape[2:]), x.dtype, sharding=self.placement),
+                self.arrays,
+            )
+            args = (self.arrays, np.int32(0), one)
+            program = jax.jit(fill, donate_argnums=(0,))
+            what = CompiledShape("lora", self.shape)
+            static = (self.config, *self.shape, repr(self.placement))  # (data parallelism: the same shapes)
+            self._fill = self.load_or_compile(what, args, lambda: program.lower(*args).compile(), static)
+        return self._fill
+
+    def payload(self, adapter) -> dict:
+        """An adapter's weights (jaxpage.models.lora_adapter.LoRAAdapter) as one slot takes them, zero-padded."""
+        weights = adapter_slot(adapter, self.config, self.shape[1], self.dtype)
+        return {m: {"a": a, "b": b} for m, (a, b) in weights.items()}
+
+    def fill(self, slot: int, payload: dict) -> dict:
+        """Writes slot `slot`; returns the slots' arrays (the old ones are donated)."""
+        self.arrays = self.fill_program()(self.arrays, np.int32(slot), payload)
+        return self.arrays

@@ -1,0 +1,153 @@
+"""LoRA adapters in the engine: requests pick adapters per request (LLM.generate's lora_request), steps mix them and
+the base model, each request gets transformers + PEFT's greedy tokens for its adapter; adapters wait for a slot and
+are swapped in and out of fewer slots than adapters; the prefix cache never gives one adapter's pages to another;
+nothing compiles after warm-up; bad adapters and requests are refused by name while the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hf_reference import hf_greedy_tokens
+from peft_adapters import write_peft_adapter
+from tiny_models import TINY_ENGINE, TINY_FAMILIES
+
+from jaxpage.entrypoints.llm import LLM
+from jaxpage.errors import ModelLoadError
+from jaxpage.lora_request import LoRARequest
+from jaxpage.sampling_params import SamplingParams
+
+FAMILY = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name: (lora_int_id, PEFT's arguments): ranks 8, 16 and 4 in slots of rank 16
+    "all-r8": (1, dict(target_modules=ALL, r=8, lora_alpha=32)),
+    "attention-r16": (2, dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=16, lora_alpha=64)),
+    "mlp-r4-rslora": (3, dict(target_modules=["gate_proj", "up_proj", "down_proj"], r=4, lora_alpha=16,
+                              use_rslora=True)),
+}  # fmt: skip
+PROMPTS = [[5, 9, 13, 2, 40, 9, 9, 31], [77, 3, 64, 12, 12, 50], list(range(10, 30)), [33, 44, 55]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """(model directory, {name: (LoRARequest, PEFT's model)})."""
+    directory, hf = tiny_model_dir(FAMILY)
+    made = {}
+    for seed, (name, (lora_id, kwargs)) in enumerate(ADAPTERS.items()):
+        path = tmp_path_factory.mktemp(name)
+        made[name] = (LoRARequest(name, lora_id, str(path)), write_peft_adapter(hf, path, seed=seed, **kwargs))
+    return directory, hf, made
+
+
+@pytest.fixture(scope="module")
+def llm(adapters):
+    """Two slots for three adapters: some wait for a slot, and slots change adapters."""
+    directory, _, _ = adapters
+    return LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=16, **TINY_ENGINE)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_a_batch_mixing_adapters_and_the_base_gives_each_peft_s_greedy_tokens(adapters, llm, monkeypatch):
+    _, hf, made = adapters
+    names = ["all-r8", None, "attention-r16", "mlp-r4-rslora", "all-r8", None, "mlp-r4-rslora", "attention-r16"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    fills = []
+    fill = llm.engine.runner.lora.fill
+    monkeypatch.setattr(llm.engine.runner.lora, "fill", lambda slot, weights: fills.append(slot) or fill(slot, weights))
+    requests = [None if n is None else made[n][0] for n in names]
+    got = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests))
+    base = hf_greedy_tokens(hf, prompts, GREEDY.max_tokens)
+    for prompt, name, output, base_output in zip(prompts, names, got, base, strict=True):
+        model = hf if name is None else made[name][1]
+        assert output == hf_greedy_tokens(model, [prompt], GREEDY.max_tokens)[0], name
+        assert (output == base_output) == (name is None), name  # each adapter changes the tokens
+    assert len(fills) >= 3  # three adapters through two slots
+    alone = [
+        tokens(llm.generate({"prompt_token_ids": p}, GREEDY, lora_request=r))[0]
+        for p, r in zip(prompts, requests, strict=True)
+    ]
+    assert alone == got
+    assert llm.engine.block_manager.num_used_pages == 0
+    assert llm.engine.scheduler.lora_slots.pins(1) == 0  # every pin given back
+
+
+def test_the_prefix_cache_never_gives_one_adapter_s_pages_to_another(adapters, llm):
+    _, hf, made = adapters
+    prompt = {"prompt_token_ids": list(range(3, 60))}  # several full pages
+    first = tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0]))
+    scheduler = llm.engine.scheduler
+    hits = scheduler.num_prefix_hit_tokens
+    other = tokens(llm.generate(prompt, GREEDY, lora_request=made["attention-r16"][0]))
+    assert scheduler.num_prefix_hit_tokens == hits  # the same tokens under another adapter: recomputed
+    assert other == hf_greedy_tokens(made["attention-r16"][1], [prompt["prompt_token_ids"]], GREEDY.max_tokens)
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0])) == first
+    assert scheduler.num_prefix_hit_tokens > hits  # the same adapter again: its pages are found
+
+
+def test_bad_adapters_and_requests_are_refused_by_name_and_the_engine_keeps_serving(adapters, llm, tmp_path):
+    _, _, made = adapters
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with pytest.raises(ModelLoadError, match=r"LoRA adapter 'missing' \(.*\): no such directory"):
+        llm.generate(prompt, GREEDY, lora_request=LoRARequest("missing", 7, str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'all-r8'"):
+        llm.generate(prompt, GREEDY, lora_request=LoRARequest("impostor", 1, str(tmp_path)))
+    big = tmp_path / "big"
+    big.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (big / name).write_bytes((Path(made["attention-r16"][0].lora_path) / name).read_bytes())
+    settings = json.loads((big / "adapter_config.json").read_text())
+    (big / "adapter_config.json").write_text(json.dumps(settings | {"r": 32}))
+    with pytest.raises(ModelLoadError, match="rank 32 is larger than max_lora_rank 16"):
+        llm.generate(prompt, GREEDY, lora_request=LoRARequest("big", 8, str(big)))
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
+        llm.generate(prompt, GREEDY, lora_request=["all-r8"])
+    with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+        llm.generate([prompt], GREEDY, lora_request=[None, None])
+    assert not llm.engine.has_unfinished_requests()
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0]))  # still serving
+
+
+def test_an_engine_without_lora_refuses_a_lora_request(adapters):
+    directory, _, made = adapters
+    plain = LLM(str(directory), skip_tokenizer_init=True, **TINY_ENGINE)
+    with pytest.raises(ValueError, match="the engine serves no LoRA adapters; start it with enable_lora=True"):
+        plain.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=made["all-r8"][0])
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters are served on one device"):
+        LLM(str(directory), enable_lora=True, tensor_parallel_size=2)
+
+
+def test_nothing_compiles_after_warmup_whatever_the_adapters(adapters, llm):
+    _, _, made = adapters
+    llm.engine.warmup()
+    compiled = len(llm.engine.runner.compile_log)
+    requests = [made[n][0] for n in ADAPTERS] + [None]
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=requests)
+    assert len(llm.engine.runner.compile_log) == compiled
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+     dict(data_parallel_size=2)],
+    ids=["ngram-speculation", "data-parallel"],
+)  # fmt: skip
+def test_speculation_verifies_and_replicas_run_with_each_request_s_adapter(adapters, layout):
+    """Verify steps carry each token's slot (drafts checked under the request's adapter); data-parallel replicas
+    share one set of slots."""
+    directory, hf, made = adapters
+    llm = LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, **TINY_ENGINE, **layout)
+    if "speculative_config" in layout:
+        llm.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
+    names = ["all-r8", "attention-r16", None, "mlp-r4-rslora"]
+    prompts = [(p * 3)[:20] for p in PROMPTS]  # repetitive: n-gram drafts get accepted
+    requests = [None if n is None else made[n][0] for n in names]
+    got = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests))
+    for prompt, name, output in zip(prompts, names, got, strict=True):
+        assert output == hf_greedy_tokens(hf if name is None else made[name][1], [prompt], GREEDY.max_tokens)[0]
+    if "speculative_config" in layout:
+        assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
