@@ -133,12 +133,12 @@ def test_nothing_compiles_after_warmup_whatever_the_adapters(adapters, llm):
 @pytest.mark.parametrize(
     "layout",
     [dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
-     dict(data_parallel_size=2)],
-    ids=["ngram-speculation", "data-parallel"],
+     dict(data_parallel_size=2), dict(async_scheduling=True)],
+    ids=["ngram-speculation", "data-parallel", "async-scheduling"],
 )  # fmt: skip
-def test_speculation_verifies_and_replicas_run_with_each_request_s_adapter(adapters, layout):
+def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(adapters, layout):
     """Verify steps carry each token's slot (drafts checked under the request's adapter); data-parallel replicas
-    share one set of slots."""
+    share one set of slots; asynchronous scheduling fills a slot while the step before may still run."""
     directory, hf, made = adapters
     llm = LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, **TINY_ENGINE, **layout)
     if "speculative_config" in layout:
