@@ -24,6 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxpage.benchmarks.progress import log
+from jaxpage.benchmarks.turns import serve_in_turns
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -86,25 +87,16 @@ def main() -> None:
             requests.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
         tokenizer = base.get_tokenizer()
         topics = ["the sea", "a city at night", "an old library", "a mountain road", "a garden in spring"]
-        prompts = [f"Write a long description of {topics[i % len(topics)]}, number {i}." for i in range(args.requests)]
+        texts = [f"Write a long description of {topics[i % len(topics)]}, number {i}." for i in range(args.requests)]
+        prompts = [{"prompt_token_ids": tokenizer.encode(text)} for text in texts]
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        seconds = {name: 0.0 for name in engines}
-        tokens = {name: 0 for name in engines}
+        loras = {"lora": [requests[i % args.adapters] for i in range(args.requests)]}
+        seconds, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
         for repeat in range(args.repeats):
-            for name, llm in engines.items():
-                for i, prompt in enumerate(prompts):
-                    ids = tokenizer.encode(prompt)
-                    lora_request = requests[i % args.adapters] if name == "lora" else None
-                    llm.engine.add_request(
-                        f"{repeat}-{i}", {"prompt_token_ids": ids}, params, lora_request=lora_request
-                    )
-            while any(llm.engine.has_unfinished_requests() for llm in engines.values()):
-                for name, llm in engines.items():
-                    if llm.engine.has_unfinished_requests():
-                        start = time.perf_counter()
-                        outputs = llm.engine.step()
-                        seconds[name] += time.perf_counter() - start
-                        tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+            step_seconds, outputs = serve_in_turns(engines, prompts, params, f"r{repeat}", loras)
+            for name in engines:
+                seconds[name] += step_seconds[name]
+                tokens[name] += sum(map(len, outputs[name]))
             log(f"repeat {repeat + 1}: " + ", ".join(f"{n} {tokens[n] / seconds[n]:.1f} tokens/s" for n in engines))
 
     throughput = {name: tokens[name] / seconds[name] for name in engines}

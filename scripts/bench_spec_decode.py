@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from jaxpage.benchmarks.progress import log
+from jaxpage.benchmarks.turns import serve_in_turns
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 
@@ -139,27 +140,6 @@ def write_early_exit_draft(model: str | None, num_layers: int) -> str:
     load_tokenizer(model).save_pretrained(directory)
     log(f"draft: the first {num_layers} of {config.num_layers} layers, written to {directory}")
     return directory
-
-
-def serve_in_turns(engines: dict, prompts: list, params, tag: str) -> tuple[dict, dict]:
-    """Every engine serves `prompts`, the engines taking turns one step each: (seconds of each engine's own steps,
-    each engine's output token ids in prompt order)."""
-    seconds = dict.fromkeys(engines, 0.0)
-    finished = {name: {} for name in engines}
-    for llm in engines.values():
-        for i, prompt in enumerate(prompts):
-            llm.engine.add_request(f"{tag}-{i}", prompt, params)
-    while any(llm.engine.has_unfinished_requests() for llm in engines.values()):
-        for name, llm in engines.items():
-            if llm.engine.has_unfinished_requests():
-                start = time.perf_counter()
-                outputs = llm.engine.step()
-                seconds[name] += time.perf_counter() - start
-                for output in outputs:
-                    if output.finished:
-                        finished[name][output.request_id] = list(output.outputs[0].token_ids)
-    tokens = {name: [finished[name][f"{tag}-{i}"] for i in range(len(prompts))] for name in engines}
-    return seconds, tokens
 
 
 def main() -> None:
