@@ -11,7 +11,7 @@ zeros. The scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B w
 
 Weights, for the scanned layers (L layers, S slots; `in` and `out` as torch's Linear has them, heads flattened):
 
-    {module: (a [L, S, in, r], b [L, S, r, out])}     module in LORA_TARGETS (jaxpage.models.lora_adapter)
+    {module: {"a": [L, S, in, r], "b": [L, S, r, out]}}     module in LORA_TARGETS (jaxpage.models.lora_adapter)
 
 Under tensor parallelism each shard holds the slice of its projection: for the column-parallel q/k/v/gate/up
 projections, B's `out` (as the kernel's), for the row-parallel o/down projections A's `in`, whose partial products are
@@ -39,18 +39,18 @@ def empty_slots(config, num_slots: int, rank: int, dtype) -> dict:
     """Zeroed slot weights (numpy) for every module the model's adapters can target."""
     shapes = {m: module_features(config, m) for m in lora_modules(config)}
     return {
-        m: (
-            np.zeros((config.num_layers, num_slots, i, rank), dtype),
-            np.zeros((config.num_layers, num_slots, rank, o), dtype),
-        )
+        m: {
+            "a": np.zeros((config.num_layers, num_slots, i, rank), dtype),
+            "b": np.zeros((config.num_layers, num_slots, rank, o), dtype),
+        }
         for m, (i, o) in shapes.items()
     }
 
 
 def adapter_slot(adapter, config, rank: int, dtype) -> dict:
     """One adapter (jaxpage.models.lora_adapter.LoRAAdapter: a [L, in, r'], b [L, r', out] with its scaling in b) as
-    one slot's weights {module: (a [L, in, rank], b [L, rank, out])}, zero-padded to `rank`; modules it does not
-    target are zeros."""
+    one slot's weights {module: {"a": [L, in, rank], "b": [L, rank, out]}}, zero-padded to `rank`; modules it does
+    not target are zeros."""
     if adapter.rank > rank:
         raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, more than the slots' {rank}")
     slot = {}
@@ -61,17 +61,17 @@ def adapter_slot(adapter, config, rank: int, dtype) -> dict:
         if module in adapter.weights:
             a_in, b_in = adapter.weights[module]
             a[:, :, : adapter.rank], b[:, : adapter.rank, :] = a_in, b_in
-        slot[module] = (a, b)
+        slot[module] = {"a": a, "b": b}
     return slot
 
 
 def stack_slots(slots: list[dict | None], config, rank: int, dtype) -> dict:
-    """Slot weights {module: (a [L, S, in, r], b [L, S, r, out])} of S slots, each an adapter_slot or None (zeros)."""
+    """Slot weights (see the module docstring) of S slots, each an adapter_slot or None (zeros)."""
     weights = empty_slots(config, len(slots), rank, dtype)
     for s, slot in enumerate(slots):
-        if slot is not None:
-            for module, (a, b) in slot.items():
-                weights[module][0][:, s], weights[module][1][:, s] = a, b
+        for module, factors in (slot or {}).items():
+            for factor, w in factors.items():
+                weights[module][factor][:, s] = w
     return weights
 
 
@@ -86,15 +86,15 @@ def slot_mask(slots: jax.Array, num_slots: int, rank: int, dtype) -> jax.Array:
 class LoRAInputs:
     """What the model takes for LoRA: the slots' weights and each token's slot."""
 
-    weights: dict  # {module: (a [L, S, in, r], b [L, S, r, out])}
+    weights: dict  # {module: {"a": [L, S, in, r], "b": [L, S, r, out]}}
     slots: jax.Array  # [...] int32, the token axes of the model's input: each token's slot, -1 for none
 
     def mask(self, dtype) -> jax.Array:
-        _, num_slots, _, rank = next(iter(self.weights.values()))[0].shape
+        _, num_slots, _, rank = next(iter(self.weights.values()))["a"].shape
         return slot_mask(self.slots, num_slots, rank, dtype)
 
 
-# Inside a layer: (this layer's {module: (a [S, in, r], b [S, r, out])}, the tokens' slot mask), or None.
+# Inside a layer: (this layer's {module: {"a": [S, in, r], "b": [S, r, out]}}, the tokens' slot mask), or None.
 LayerLoRA = tuple[dict, jax.Array] | None
 
 
@@ -105,12 +105,12 @@ def lora_of(lora: LayerLoRA, module: str) -> tuple:
     return lora[0][module], lora[1]
 
 
-def add_lora(y: jax.Array, x: jax.Array, weights: tuple | None, mask: jax.Array | None) -> jax.Array:
+def add_lora(y: jax.Array, x: jax.Array, weights: dict | None, mask: jax.Array | None) -> jax.Array:
     """y (a projection's output [..., *out]) plus the tokens' adapters' products of its input x [..., *in]; weights:
-    this layer's (a [S, in, r], b [S, r, out]) of the projection, or None (no adapter targets it, or no LoRA)."""
+    this layer's {"a": [S, in, r], "b": [S, r, out]} of the projection, or None (no adapter targets it, or no LoRA)."""
     if weights is None or mask is None:
         return y
-    a, b = weights
+    a, b = weights["a"], weights["b"]
     num_slots, features_in, rank = a.shape
     tokens = mask.shape[:-1]
     x = x.reshape(*tokens, features_in)
@@ -121,9 +121,8 @@ def add_lora(y: jax.Array, x: jax.Array, weights: tuple | None, mask: jax.Array 
 
 
 def split_lora(params: dict, slots: jax.Array | None) -> tuple[dict, LoRAInputs | None]:
-    """(the model's parameters, the LoRA inputs) of parameters that may hold the adapters' slots under "lora"
-    ({module: {"a", "b"}}, as jaxpage.worker.model_runner keeps them) and the tokens' slots (None: LoRA is off)."""
+    """(the model's parameters, the LoRA inputs) of parameters that may hold the adapters' slots under "lora" (as
+    jaxpage.worker.model_runner keeps them) and the tokens' slots (None: LoRA is off)."""
     if "lora" not in params:
         return params, None
-    weights = {module: (w["a"], w["b"]) for module, w in params["lora"].items()}
-    return {k: v for k, v in params.items() if k != "lora"}, LoRAInputs(weights, slots)
+    return {k: v for k, v in params.items() if k != "lora"}, LoRAInputs(params["lora"], slots)

@@ -28,7 +28,7 @@ class LoRAWeights:
         sharding: every device holds them whole) or, compile_only, shape structs there; load_or_compile: the
         runner's (its compilation cache)."""
         self.config, self.shape, self.dtype = config, (num_slots, rank), dtype
-        zeros = {m: {"a": a, "b": b} for m, (a, b) in empty_slots(config, num_slots, rank, dtype).items()}
+        zeros = empty_slots(config, num_slots, rank, dtype)
         if compile_only:
             self.arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement), zeros)
         else:
@@ -58,8 +58,7 @@ class LoRAWeights:
 
     def payload(self, adapter) -> dict:
         """An adapter's weights (jaxpage.models.lora_adapter.LoRAAdapter) as one slot takes them, zero-padded."""
-        weights = adapter_slot(adapter, self.config, self.shape[1], self.dtype)
-        return {m: {"a": a, "b": b} for m, (a, b) in weights.items()}
+        return adapter_slot(adapter, self.config, self.shape[1], self.dtype)
 
     def fill(self, slot: int, payload: dict) -> dict:
         """Writes slot `slot`; returns the slots' arrays (the old ones are donated)."""
