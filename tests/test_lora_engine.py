@@ -92,6 +92,7 @@ def test_the_prefix_cache_never_gives_one_adapter_s_pages_to_another(adapters, l
 def test_bad_adapters_and_requests_are_refused_by_name_and_the_engine_keeps_serving(adapters, llm, tmp_path):
     _, _, made = adapters
     prompt = {"prompt_token_ids": PROMPTS[0]}
+    assert tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0]))  # id 1 is all-r8's from now on
     with pytest.raises(ModelLoadError, match=r"LoRA adapter 'missing' \(.*\): no such directory"):
         llm.generate(prompt, GREEDY, lora_request=LoRARequest("missing", 7, str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'all-r8'"):

@@ -100,4 +100,6 @@ def test_int8_base_weights_take_adapters_in_the_compute_dtype(llama, tiny_model_
     lora = slot_inputs([adapters["all-r8"][1]], config, [[s] * len(PROMPT) for s in rows])
     got = forward(int8_config, int8_params, [PROMPT] * 2, lora=lora)
     twin_config, twin_params = dequantized(int8_config, int8_params)
-    np.testing.assert_allclose(got, forward(twin_config, twin_params, [PROMPT] * 2, lora=lora), atol=1e-4, rtol=1e-4)
+    want = forward(twin_config, twin_params, [PROMPT] * 2, lora=lora)
+    # The int8 product rounds differently from its float twin's: test_int8's tolerance for the same comparison.
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
