@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from hf_reference import hf_greedy_tokens
 from peft_adapters import write_peft_adapter
@@ -118,8 +120,6 @@ def test_an_engine_without_lora_refuses_a_lora_request(adapters):
     plain = LLM(str(directory), skip_tokenizer_init=True, **TINY_ENGINE)
     with pytest.raises(ValueError, match="the engine serves no LoRA adapters; start it with enable_lora=True"):
         plain.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=made["all-r8"][0])
-    with pytest.raises(ValueError, match="enable_lora: LoRA adapters are served on one device"):
-        LLM(str(directory), enable_lora=True, tensor_parallel_size=2)
 
 
 def test_nothing_compiles_after_warmup_whatever_the_adapters(adapters, llm):
@@ -134,12 +134,14 @@ def test_nothing_compiles_after_warmup_whatever_the_adapters(adapters, llm):
 @pytest.mark.parametrize(
     "layout",
     [dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
-     dict(data_parallel_size=2), dict(async_scheduling=True)],
-    ids=["ngram-speculation", "data-parallel", "async-scheduling"],
+     dict(data_parallel_size=2), dict(async_scheduling=True), dict(tensor_parallel_size=6)],
+    ids=["ngram-speculation", "data-parallel", "async-scheduling", "tensor-parallel"],
 )  # fmt: skip
 def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(adapters, layout):
     """Verify steps carry each token's slot (drafts checked under the request's adapter); data-parallel replicas
-    share one set of slots; asynchronous scheduling fills a slot while the step before may still run."""
+    share one set of slots; asynchronous scheduling fills a slot while the step before may still run; tensor
+    parallelism splits the slots as their projections (6 shards: each of the 2 KV heads, and its adapters' B columns,
+    copied to 3)."""
     directory, hf, made = adapters
     llm = LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, **TINY_ENGINE, **layout)
     if "speculative_config" in layout:
@@ -152,3 +154,31 @@ def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(adapter
         assert output == hf_greedy_tokens(hf if name is None else made[name][1], [prompt], GREEDY.max_tokens)[0]
     if "speculative_config" in layout:
         assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+
+
+def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots(adapters):
+    """Several processes: the leader sends each adapter's weights with its slot (a LORA message); a follower that
+    replays its messages (jaxpage.worker.step_broadcast) without reading any adapter ends with the leader's slots and
+    KV pool, bit for bit."""
+    from test_multihost import Recorder, Replayer, attach
+
+    directory, _, made = adapters
+    leader, follower = (
+        LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, tensor_parallel_size=2,
+            **TINY_ENGINE)
+        for _ in range(2)
+    )  # fmt: skip
+    recorder = Recorder()
+    attach(leader.engine, recorder)
+    leader.engine.warmup()
+    requests = [made[n][0] for n in ADAPTERS] + [None]
+    leader.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=requests)
+    leader.engine.shutdown()
+    attach(follower.engine, Replayer(recorder.sent))
+    follower.engine.follow()
+    ours, theirs = leader.engine.runner, follower.engine.runner
+    assert [c.shape for c in ours.compile_log] == [c.shape for c in theirs.compile_log]
+    slots = zip(jax.tree.leaves(ours.params["lora"]), jax.tree.leaves(theirs.params["lora"]), strict=True)
+    for mine, replayed in slots:
+        assert np.array_equal(mine, replayed) and np.any(mine)
+    assert np.array_equal(ours.kv_cache.k, theirs.kv_cache.k) and np.array_equal(ours.kv_cache.v, theirs.kv_cache.v)

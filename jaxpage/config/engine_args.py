@@ -227,11 +227,6 @@ class EngineConfig:
                 "engine argument async_scheduling: speculative decoding proposes its drafts from the tokens of the "
                 "step before on the host; leave async_scheduling unset (or False) with speculative_config"
             )
-        if self.enable_lora and (self.tensor_parallel_size > 1 or (self.num_processes or 1) > 1):
-            raise ValueError(
-                "engine argument enable_lora: LoRA adapters are served on one device per replica and one process for "
-                f"now (tensor_parallel_size {self.tensor_parallel_size}, num_processes {self.num_processes or 1})"
-            )
         if self.data_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(
                 "engine argument speculative_config: speculative decoding runs without data parallelism "

@@ -49,8 +49,9 @@ def empty_slots(config, num_slots: int, rank: int, dtype) -> dict:
 
 def adapter_slot(adapter, config, rank: int, dtype) -> dict:
     """One adapter (jaxpage.models.lora_adapter.LoRAAdapter: a [L, in, r'], b [L, r', out] with its scaling in b) as
-    one slot's weights {module: {"a": [L, in, rank], "b": [L, rank, out]}}, zero-padded to `rank`; modules it does
-    not target are zeros."""
+    one slot's weights {module: {"a": [L, in, rank], "b": [L, rank, out]}}, zero-padded to `rank`, for the model
+    `config` as it runs (its KV heads copied under tensor parallelism: see with_kv_head_copies); modules it does not
+    target are zeros."""
     if adapter.rank > rank:
         raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, more than the slots' {rank}")
     slot = {}
@@ -60,9 +61,20 @@ def adapter_slot(adapter, config, rank: int, dtype) -> dict:
         b = np.zeros((config.num_layers, rank, o), dtype)
         if module in adapter.weights:
             a_in, b_in = adapter.weights[module]
-            a[:, :, : adapter.rank], b[:, : adapter.rank, :] = a_in, b_in
+            a[:, :, : adapter.rank], b[:, : adapter.rank, :] = a_in, with_kv_head_copies(b_in, o, config.head_dim)
         slot[module] = {"a": a, "b": b}
     return slot
+
+
+def with_kv_head_copies(b: np.ndarray, features_out: int, head_dim: int) -> np.ndarray:
+    """B [L, r, out] of a K/V projection with each head's columns repeated until it has `features_out`: the model as
+    tensor parallelism runs it when there are fewer KV heads than shards (jaxpage.worker.parallel, each KV head copied
+    to the shards that read it); unchanged otherwise."""
+    if b.shape[-1] == features_out:
+        return b
+    layers, rank, features = b.shape
+    heads = b.reshape(layers, rank, features // head_dim, head_dim)
+    return np.repeat(heads, features_out // features, axis=2).reshape(layers, rank, features_out)
 
 
 def stack_slots(slots: list[dict | None], config, rank: int, dtype) -> dict:

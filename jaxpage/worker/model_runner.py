@@ -179,12 +179,13 @@ class ModelRunner:
         # `run`; jaxpage.worker.executor.Executor makes it the one door to the device (several hosts hear of each).
         self.door = self.run
         self._gather_replicas = self.mesh is not None and self.mesh.is_multi_process
-        self.lora = lora and LoRAWeights(config, *lora, dtype, self._replicated, compile_only, self._load_or_compile)
+        self.lora = lora and LoRAWeights(
+            config, *lora, dtype, self.mesh, self._replicated, compile_only, self._load_or_compile
+        )
         self.params = params = params if self.lora is None else {**params, "lora": self.lora.arrays}
         self._param_specs = param_specs(params, config.expert_parallel_size > 1)
-        split = self.tensor_parallel_size > 1  # data parallelism alone runs the whole model on each replica
-        shard = shard_config(config, self.tensor_parallel_size) if split else config
-        tp_axis = TP_AXIS if split else None
+        tp_axis = TP_AXIS if self.tensor_parallel_size > 1 else None  # data parallelism alone: the whole model each
+        shard = shard_config(config, self.tensor_parallel_size) if tp_axis else config
         self.compile_log: list[CompiledShape] = []  # every program compiled or loaded, in order
         self.window_pages_per_replica = window_pages  # a hybrid's grouped pool: its window group's pages
         grouped = window_pages is not None
@@ -203,7 +204,7 @@ class ModelRunner:
         self.inputs = StepInputs(
             *(self.shapes, page_size, max_model_len, self.data_parallel_size, stack, draft_vocab, config.vocab_size),
             window_group=grouped,
-            lora=lora is not None,
+            lora_slot=self.lora and self.lora.template(),
         )
         attention = functools.partial(PagedAttention, backend, config.attention_scale, config.sliding_window)
         sliding = config.sliding_layers if grouped else ()  # a grouped pool's layers write and read their group's
@@ -329,11 +330,8 @@ class ModelRunner:
     def warmup(self) -> list[CompiledShape]:
         """Compiles every step shape and sampler shape not compiled yet (and the page copy); returns what it
         compiled."""
-        return self._compile_all(self.warmup_programs())
-
-    def _compile_all(self, programs: list) -> list[CompiledShape]:
         start = len(self.compile_log)
-        for _, get in programs:
+        for _, get in self.warmup_programs():
             get()
         return self.compile_log[start:]
 

@@ -8,6 +8,7 @@ does, over the axis "model" (TP shards):
     embedding and LM head              by vocabulary
     norms, and o/down biases           replicated
     KV pool                            by KV heads
+    LoRA slots (params["lora"])        as their projection: B by output for q/k/v/gate/up, A by input for o/down
 
 Each shard runs the model on its slice under `jax.shard_map` (jaxpage.models.llama with `tp_axis`): two
 all-reduces per layer (after the o and down projections), one for the embedding, and an all-gather of the
@@ -78,6 +79,11 @@ _SPLIT_AXIS = {
     ("layers", "mlp", "shared_expert", "gate_proj", "scale"): 1,  # [L, S]
     ("layers", "mlp", "shared_expert", "up_proj", "scale"): 1,
 }
+# LoRA adapters' slots (jaxpage.models.lora: "a" [L, S, in, r], "b" [L, S, r, out]): a column-parallel projection's B
+# split by its output features, a row-parallel one's A by its input features (each shard's partial product is summed
+# with the base projection's by its all-reduce); the other factor replicated.
+_SPLIT_AXIS |= {("lora", m, "b"): 3 for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+_SPLIT_AXIS |= {("lora", m, "a"): 2 for m in ("o_proj", "down_proj")}
 # Expert parallelism instead splits the routed experts whole, by expert (axis 1 of [L, E, ...]), scales included.
 _EXPERT_PARALLEL_AXIS = {
     ("layers", "mlp", "experts", projection, part): 1
@@ -92,6 +98,12 @@ _KV_PROJECTIONS = {
     for n in ("k_proj", "v_proj")
     for p in ("kernel", "bias", "scale")
 }
+
+
+def lora_shardings(mesh: Mesh, slots: dict) -> dict:
+    """Where the LoRA slots' arrays (`slots`: {module: {"a", "b"}}, of arrays or shapes, for the model as run, its
+    KV heads copied) live on `mesh`: split as their projections (see _SPLIT_AXIS)."""
+    return param_shardings(mesh, None, {"lora": slots})["lora"]
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices: list | None = None) -> Mesh:
@@ -187,12 +199,13 @@ def param_specs(params, expert_parallel: bool = False) -> dict:
     )
 
 
-def param_shardings(mesh: Mesh, config: ModelConfig, shapes, expert_parallel: bool = False) -> dict:
+def param_shardings(mesh: Mesh, config: ModelConfig | None, shapes, expert_parallel: bool = False) -> dict:
     """Where each parameter of the model as stored (`shapes`: its tree of shapes) goes as it loads: split over
     "model" as Megatron does (the routed experts by expert with `expert_parallel`), but K/V projections with fewer
-    heads than shards replicated (replicate_kv_heads then makes a copy per shard)."""
+    heads than shards replicated (replicate_kv_heads then makes a copy per shard). config None: the model as run
+    (its KV heads already copied, every K/V projection split)."""
     tp = mesh.shape[TP_AXIS]
-    split_kv = config.num_kv_heads % tp == 0
+    split_kv = config is None or config.num_kv_heads % tp == 0
 
     def sharding(kp, x):
         path = _path(kp)

@@ -40,7 +40,7 @@ class Message(enum.IntEnum):
     RESET = 7  # a fresh pool after a failed step
     STOP = 8  # the leader's engine shut down
     PROMPT_LOGPROBS = 9  # prompt log-probs from the latest step's hidden rows; payload: the prompt tokens asked about
-    LORA = 10  # a LoRA adapter's weights into its device slot; key: the slot (one process only, for now)
+    LORA = 10  # a LoRA adapter's weights into its device slot; key: the slot
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,15 +103,16 @@ class StepInputs:
         draft_vocab_size: int = 0,
         vocab_size: int = 0,
         window_group: bool = False,
-        lora: bool = False,
+        lora_slot: dict | None = None,
     ):
         """stack: the programs take arrays stacked over the replicas (they run on a mesh); draft_vocab_size: verify
         steps take a draft model's distributions over that vocabulary (0: point masses); vocab_size: the model's
         (the width of the logits processors' bitmasks); window_group: the pool has a window group of layers with
         pages of its own (jaxpage.kv_cache.HybridKVCache), whose slot mapping and block tables steps carry too;
-        lora: steps carry each token's LoRA slot (StepInput.lora_slots)."""
+        lora_slot: one LoRA slot's weights, zeros (jaxpage.worker.lora_weights.LoRAWeights.template), the arrays of a
+        LORA message; steps then carry each token's LoRA slot (StepInput.lora_slots). None: LoRA is off."""
         self.window_group = window_group
-        self.lora = lora
+        self.lora_slot = lora_slot
         self.num_pool_groups = 2 if window_group else 1
         self.shapes = shapes
         self.page_size = page_size
@@ -224,7 +225,7 @@ class StepInputs:
         assert len(rows) <= PROMPT_LOGPROB_TOKENS, len(rows)  # the scheduler keeps them within
         prompt_indices[: len(rows)] = [token for _, token, _ in rows]
         fed_tokens = np.zeros(self.max_sample_rows, np.int32)
-        lora_slots = token_lora_slots(items, shape.num_tokens) if self.lora else None
+        lora_slots = token_lora_slots(items, shape.num_tokens) if self.lora_slot else None
         indices = (logits_indices.reshape(-1), prompt_indices, feed_index, fed_tokens)
         step = StepInput(token_ids, positions, attention, *indices, lora_slots)
         logits = self.logits_inputs(items, shape.sample_rows, k, level) if level != NO_PROCESSORS else None
@@ -253,11 +254,13 @@ class StepInputs:
             return unpack(data, self.template(self.shapes[header.key], split_step_flag(header.flag)[0]))
         if header.kind is Message.PROMPT_LOGPROBS:
             return unpack(data, self.prompt_targets_template())
+        if header.kind is Message.LORA:
+            return unpack(data, self.lora_slot)
         return None
 
     def payload_sizes(self) -> set[int]:
         """The bytes of the arrays of every message a runner can send (jaxpage.worker.step_broadcast): page copies,
-        forward passes, steps (with each level of logits processors), prompt log-probs."""
+        forward passes, steps (with each level of logits processors), prompt log-probs, a LoRA slot's weights."""
 
         def size(tree) -> int:
             return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
@@ -265,6 +268,7 @@ class StepInputs:
         sizes = {
             2 * self.num_pool_groups * COPY_CHUNK * np.dtype(np.int32).itemsize,
             size(self.prompt_targets_template()),
+            size(self.lora_slot),
         }
         for shape in self.shapes:
             for level in PROCESSOR_LEVELS:
