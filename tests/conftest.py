@@ -105,6 +105,33 @@ def tiny_model_dir(tiny_model_path):
     return get
 
 
+# LoRA adapters of the smollm2-tied tiny model (tests/test_lora_*.py): name -> (lora_int_id, PEFT's arguments); ranks
+# 8, 16 and 4, for slots of rank 16.
+LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ADAPTERS = {
+    "all-r8": (1, dict(target_modules=LORA_TARGETS_ALL, r=8, lora_alpha=32)),
+    "attention-r16": (2, dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=16, lora_alpha=64)),
+    "mlp-r4-rslora": (3, dict(target_modules=["gate_proj", "up_proj", "down_proj"], r=4, lora_alpha=16,
+                              use_rslora=True)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir, tmp_path_factory):
+    """(the smollm2-tied tiny model's directory, transformers' model of it, {name: (LoRARequest, PEFT's model)}) for
+    the adapters of LORA_ADAPTERS, written by PEFT. Imports torch and peft."""
+    from peft_adapters import write_peft_adapter
+
+    from jaxpage.lora_request import LoRARequest
+
+    directory, hf = tiny_model_dir(next(f for f in TINY_FAMILIES if f.name == "smollm2-tied"))
+    made = {}
+    for seed, (name, (lora_id, kwargs)) in enumerate(LORA_ADAPTERS.items()):
+        path = tmp_path_factory.mktemp(name)
+        made[name] = (LoRARequest(name, lora_id, str(path)), write_peft_adapter(hf, path, seed=seed, **kwargs))
+    return directory, hf, made
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The default model's GGUF file (fetched into the jaxpage cache on first use)."""

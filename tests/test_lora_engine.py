@@ -11,42 +11,23 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import LORA_ADAPTERS as ADAPTERS
 from hf_reference import hf_greedy_tokens
-from peft_adapters import write_peft_adapter
-from tiny_models import TINY_ENGINE, TINY_FAMILIES
+from tiny_models import TINY_ENGINE
 
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.errors import ModelLoadError
 from jaxpage.lora_request import LoRARequest
 from jaxpage.sampling_params import SamplingParams
 
-FAMILY = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADAPTERS = {  # name: (lora_int_id, PEFT's arguments): ranks 8, 16 and 4 in slots of rank 16
-    "all-r8": (1, dict(target_modules=ALL, r=8, lora_alpha=32)),
-    "attention-r16": (2, dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=16, lora_alpha=64)),
-    "mlp-r4-rslora": (3, dict(target_modules=["gate_proj", "up_proj", "down_proj"], r=4, lora_alpha=16,
-                              use_rslora=True)),
-}  # fmt: skip
 PROMPTS = [[5, 9, 13, 2, 40, 9, 9, 31], [77, 3, 64, 12, 12, 50], list(range(10, 30)), [33, 44, 55]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory):
-    """(model directory, {name: (LoRARequest, PEFT's model)})."""
-    directory, hf = tiny_model_dir(FAMILY)
-    made = {}
-    for seed, (name, (lora_id, kwargs)) in enumerate(ADAPTERS.items()):
-        path = tmp_path_factory.mktemp(name)
-        made[name] = (LoRARequest(name, lora_id, str(path)), write_peft_adapter(hf, path, seed=seed, **kwargs))
-    return directory, hf, made
-
-
-@pytest.fixture(scope="module")
-def llm(adapters):
+def llm(lora_adapters):
     """Two slots for three adapters: some wait for a slot, and slots change adapters."""
-    directory, _, _ = adapters
+    directory, _, _ = lora_adapters
     return LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_lora_rank=16, **TINY_ENGINE)
 
 
@@ -54,8 +35,8 @@ def tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_a_batch_mixing_adapters_and_the_base_gives_each_peft_s_greedy_tokens(adapters, llm, monkeypatch):
-    _, hf, made = adapters
+def test_a_batch_mixing_adapters_and_the_base_gives_each_peft_s_greedy_tokens(lora_adapters, llm, monkeypatch):
+    _, hf, made = lora_adapters
     names = ["all-r8", None, "attention-r16", "mlp-r4-rslora", "all-r8", None, "mlp-r4-rslora", "attention-r16"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     fills = []
@@ -78,8 +59,8 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_peft_s_greedy_tokens(ad
     assert llm.engine.scheduler.lora_slots.pins(1) == 0  # every pin given back
 
 
-def test_the_prefix_cache_never_gives_one_adapter_s_pages_to_another(adapters, llm):
-    _, hf, made = adapters
+def test_the_prefix_cache_never_gives_one_adapter_s_pages_to_another(lora_adapters, llm):
+    _, hf, made = lora_adapters
     prompt = {"prompt_token_ids": list(range(3, 60))}  # several full pages
     first = tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0]))
     scheduler = llm.engine.scheduler
@@ -91,8 +72,8 @@ def test_the_prefix_cache_never_gives_one_adapter_s_pages_to_another(adapters, l
     assert scheduler.num_prefix_hit_tokens > hits  # the same adapter again: its pages are found
 
 
-def test_bad_adapters_and_requests_are_refused_by_name_and_the_engine_keeps_serving(adapters, llm, tmp_path):
-    _, _, made = adapters
+def test_bad_adapters_and_requests_are_refused_by_name_and_the_engine_keeps_serving(lora_adapters, llm, tmp_path):
+    _, _, made = lora_adapters
     prompt = {"prompt_token_ids": PROMPTS[0]}
     assert tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0]))  # id 1 is all-r8's from now on
     with pytest.raises(ModelLoadError, match=r"LoRA adapter 'missing' \(.*\): no such directory"):
@@ -115,15 +96,15 @@ def test_bad_adapters_and_requests_are_refused_by_name_and_the_engine_keeps_serv
     assert tokens(llm.generate(prompt, GREEDY, lora_request=made["all-r8"][0]))  # still serving
 
 
-def test_an_engine_without_lora_refuses_a_lora_request(adapters):
-    directory, _, made = adapters
+def test_an_engine_without_lora_refuses_a_lora_request(lora_adapters):
+    directory, _, made = lora_adapters
     plain = LLM(str(directory), skip_tokenizer_init=True, **TINY_ENGINE)
     with pytest.raises(ValueError, match="the engine serves no LoRA adapters; start it with enable_lora=True"):
         plain.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=made["all-r8"][0])
 
 
-def test_nothing_compiles_after_warmup_whatever_the_adapters(adapters, llm):
-    _, _, made = adapters
+def test_nothing_compiles_after_warmup_whatever_the_adapters(lora_adapters, llm):
+    _, _, made = lora_adapters
     llm.engine.warmup()
     compiled = len(llm.engine.runner.compile_log)
     requests = [made[n][0] for n in ADAPTERS] + [None]
@@ -137,12 +118,12 @@ def test_nothing_compiles_after_warmup_whatever_the_adapters(adapters, llm):
      dict(data_parallel_size=2), dict(async_scheduling=True), dict(tensor_parallel_size=6)],
     ids=["ngram-speculation", "data-parallel", "async-scheduling", "tensor-parallel"],
 )  # fmt: skip
-def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(adapters, layout):
+def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(lora_adapters, layout):
     """Verify steps carry each token's slot (drafts checked under the request's adapter); data-parallel replicas
     share one set of slots; asynchronous scheduling fills a slot while the step before may still run; tensor
     parallelism splits the slots as their projections (6 shards: each of the 2 KV heads, and its adapters' B columns,
     copied to 3)."""
-    directory, hf, made = adapters
+    directory, hf, made = lora_adapters
     llm = LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, **TINY_ENGINE, **layout)
     if "speculative_config" in layout:
         llm.engine.spec_decoder.policy.should_verify = lambda num_seqs, drafts, *shapes: bool(drafts)
@@ -156,13 +137,13 @@ def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(adapter
         assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
 
 
-def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots(adapters):
+def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots(lora_adapters):
     """Several processes: the leader sends each adapter's weights with its slot (a LORA message); a follower that
     replays its messages (jaxpage.worker.step_broadcast) without reading any adapter ends with the leader's slots and
     KV pool, bit for bit."""
     from test_multihost import Recorder, Replayer, attach
 
-    directory, _, made = adapters
+    directory, _, made = lora_adapters
     leader, follower = (
         LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, tensor_parallel_size=2,
             **TINY_ENGINE)
@@ -182,3 +163,25 @@ def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots
     for mine, replayed in slots:
         assert np.array_equal(mine, replayed) and np.any(mine)
     assert np.array_equal(ours.kv_cache.k, theirs.kv_cache.k) and np.array_equal(ours.kv_cache.v, theirs.kv_cache.v)
+
+
+def test_host_memory_keeps_max_cpu_loras_adapters_and_reads_the_others_again(lora_adapters, monkeypatch):
+    from jaxpage.config import EngineConfig
+    from jaxpage.engine import lora_adapters as module
+    from jaxpage.models.hf_loader import read_hf_config
+
+    directory, _, made = lora_adapters
+    reads = []
+    read = module.read_lora_adapter
+    monkeypatch.setattr(module, "read_lora_adapter", lambda path, *args: reads.append(path) or read(path, *args))
+    adapters = module.LoRAAdapters(read_hf_config(directory), 16, True, max_cpu_loras=2)
+    requests = [made[name][0] for name in ADAPTERS]
+    digests = [adapters.get(r)[1] for r in requests]
+    assert adapters.num_read == 2 and len(reads) == 3
+    assert adapters.get(requests[2])[1] == digests[2] and len(reads) == 3  # still read
+    assert adapters.get(requests[0])[1] == digests[0] and len(reads) == 4  # dropped, read again: the same digest
+    assert adapters.fresh_id() == 4 and adapters.fresh_id() == 5  # ids no adapter had
+    adapters.forget(requests[0].lora_int_id)
+    assert adapters.num_read == 1
+    with pytest.raises(ValueError, match="engine argument max_cpu_loras 1 must be >= max_loras 2"):
+        EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1)

@@ -107,12 +107,14 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
         metavar="JSON",
     )
-    # LoRA adapters (vLLM's names; jaxpage.models.lora): requests may name an adapter (LoRARequest); max_loras of them
-    # sit in device slots at once (the others wait), each of rank at most max_lora_rank (zero-padded to it).
-    # (Python API for now: the server's and batch jobs' flags come with their way of naming adapters.)
-    enable_lora: bool = arg(False, "serve LoRA adapters chosen per request (default: off)", cli=None)
-    max_loras: int = arg(1, "LoRA adapters in one step at most: their device slots (default 1)", cli=None)
-    max_lora_rank: int = arg(16, "the largest LoRA rank served (default 16)", cli=None)
+    # LoRA adapters (vLLM's names; jaxpage.models.lora): requests may name an adapter (LoRARequest; the server's and
+    # batch jobs' `model` field); max_loras of them sit in device slots at once (the others wait), each of rank at most
+    # max_lora_rank (zero-padded to it); max_cpu_loras stay read in host memory (the others are read again when a
+    # request names them).
+    enable_lora: bool = arg(False, "serve LoRA adapters chosen per request (default: off)")
+    max_loras: int = arg(1, "LoRA adapters in one step at most: their device slots (default 1)")
+    max_lora_rank: int = arg(16, "the largest LoRA rank served (default 16)")
+    max_cpu_loras: int | None = arg(None, "LoRA adapters kept read in host memory (default: max_loras)")
     # Tensor parallelism (jaxpage.worker.parallel): the model split over this many devices, Megatron-style; 1: one
     # device.
     tensor_parallel_size: int = arg(1, "devices to split the model over, as Megatron (default 1)")
@@ -156,6 +158,19 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int, eos_token_ids: frozenset[int]) -> SchedulerConfig:
         """The scheduler's config, once the engine knows max_model_len (the pool may lower it) and EOS."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len, eos_token_ids)
+
+    def _check_lora(self) -> None:
+        """The LoRA arguments (see their fields), checked and made canonical."""
+        for field, maximum in (("max_loras", 1024), ("max_lora_rank", 1024), ("max_cpu_loras", None)):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, check_int(f"engine argument {field}", value, 1, maximum))
+        check_bool("engine argument enable_lora", self.enable_lora)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"engine argument max_cpu_loras {self.max_cpu_loras} must be >= max_loras {self.max_loras}: every "
+                "adapter in a device slot is kept in host memory too"
+            )
 
     def __post_init__(self):
         def arg(field: str) -> str:
@@ -204,9 +219,7 @@ class EngineConfig:
         put("kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
-        check_bool(arg("enable_lora"), self.enable_lora)
-        put("max_loras", check_int(arg("max_loras"), self.max_loras, 1, 1024))
-        put("max_lora_rank", check_int(arg("max_lora_rank"), self.max_lora_rank, 1, 1024))
+        self._check_lora()
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
         put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
         check_bool(arg("enable_expert_parallel"), self.enable_expert_parallel)

@@ -106,7 +106,7 @@ class LLMEngine:
         self._new_replicas()
         self.output_processor = OutputProcessor(self.tokenizer)
         vocab = self.model_config.vocab_size
-        lora = LoRAAdapters(self.model_config, config.max_lora_rank, config.enable_lora)
+        lora = LoRAAdapters.for_engine(self.model_config, config)
         self.input_processor = InputProcessor(
             self.tokenizer, vocab, self.max_model_len, self._num_pages, config, frozenset(eos), lora
         )

@@ -1,10 +1,11 @@
-"""The LoRA adapters requests have named, each read once and kept in host memory by its lora_int_id (vLLM's
-identity of an adapter); their device slots are jaxpage.engine.lora_slots'."""
+"""The LoRA adapters requests have named, each read when first named and kept in host memory by its lora_int_id
+(vLLM's identity of an adapter), max_cpu_loras of them at most; their device slots are jaxpage.engine.lora_slots'."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 
 from jaxpage.config import ModelConfig
 from jaxpage.lora_request import LoRARequest
@@ -22,12 +23,22 @@ def adapter_digest(adapter: LoRAAdapter) -> bytes:
 
 
 class LoRAAdapters:
-    def __init__(self, config: ModelConfig, max_lora_rank: int, enabled: bool):
+    def __init__(self, config: ModelConfig, max_lora_rank: int, enabled: bool, max_cpu_loras: int | None = None):
+        """The adapters of base model `config`; max_cpu_loras: how many stay read (None: all), the least recently
+        named dropped first (read again when a request names it; a request holds its own)."""
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.enabled = enabled
-        self._known: dict[int, tuple[LoRARequest, LoRAAdapter, bytes]] = {}
+        self.max_cpu_loras = max_cpu_loras
+        self._identities: dict[int, LoRARequest] = {}  # every id seen: an id names one adapter for good
+        self._read: OrderedDict[int, tuple[LoRAAdapter, bytes]] = OrderedDict()  # by id, least recently named first
+        self._last_id = 0  # the largest id seen or given out (fresh_id)
         self._lock = threading.Lock()  # requests are prepared on the callers' threads
+
+    @classmethod
+    def for_engine(cls, model: ModelConfig, config) -> LoRAAdapters:
+        """The adapters of an engine of EngineConfig `config` over `model` (its LoRA arguments)."""
+        return cls(model, config.max_lora_rank, config.enable_lora, config.max_cpu_loras or config.max_loras)
 
     def get(self, request: LoRARequest) -> tuple[LoRAAdapter, bytes]:
         """(the adapter, its digest) of a request's LoRARequest, read from its path the first time its id is seen.
@@ -41,17 +52,38 @@ class LoRAAdapters:
                 "enable_lora=True"
             )
         with self._lock:
-            known = self._known.get(request.lora_int_id)
-            if known is not None:
-                if (known[0].lora_name, known[0].lora_path) != (request.lora_name, request.lora_path):
-                    raise ValueError(
-                        f"lora_int_id {request.lora_int_id} is adapter {known[0].lora_name!r} ({known[0].lora_path}), "
-                        f"not {request.lora_name!r} ({request.lora_path}): each adapter needs an id of its own"
-                    )
-                return known[1], known[2]
+            lora_id = request.lora_int_id
+            known = self._identities.get(lora_id)
+            if known is not None and (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+                raise ValueError(
+                    f"lora_int_id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}), not "
+                    f"{request.lora_name!r} ({request.lora_path}): each adapter needs an id of its own"
+                )
+            if lora_id in self._read:
+                self._read.move_to_end(lora_id)
+                return self._read[lora_id]
             adapter = read_lora_adapter(request.lora_path, self.config, request.lora_name, self.max_lora_rank)
-            self._known[request.lora_int_id] = (request, adapter, adapter_digest(adapter))
-            return adapter, self._known[request.lora_int_id][2]
+            self._identities[lora_id] = request
+            self._read[lora_id] = adapter, adapter_digest(adapter)
+            while self.max_cpu_loras is not None and len(self._read) > self.max_cpu_loras:
+                self._read.popitem(last=False)
+            return self._read[lora_id]
+
+    def fresh_id(self) -> int:
+        """An id no adapter has had in this engine, for an adapter a server or batch job names."""
+        with self._lock:
+            self._last_id = max([self._last_id, *self._identities]) + 1
+            return self._last_id
+
+    def forget(self, lora_int_id: int) -> None:
+        """Drops an adapter's weights from host memory (its requests keep theirs); its id stays its own."""
+        with self._lock:
+            self._read.pop(lora_int_id, None)
+
+    @property
+    def num_read(self) -> int:
+        """Adapters held read in host memory."""
+        return len(self._read)
 
     def attach(self, seqs: list, request: LoRARequest | None) -> None:
         """Gives a prepared request's sequences their adapter (read here the first time its id comes: see get)."""
