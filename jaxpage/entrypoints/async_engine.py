@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.engine.output_processor import Request
+from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.validation import check_text
@@ -89,9 +90,16 @@ class AsyncEngine:
     # ----- callers (any event loop) -----
 
     async def generate(
-        self, request_id: str, prompt: str | dict, params: SamplingParams | None = None, *, fit_context: bool = False
+        self,
+        request_id: str,
+        prompt: str | dict,
+        params: SamplingParams | None = None,
+        *,
+        fit_context: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes progress, the last one finished. ValueError (nothing queued) for
+        """The request's outputs as the engine makes progress (through LoRA adapter `lora_request` if given), the last
+        one finished. ValueError (nothing queued) for
         an invalid request, and with fit_context for max_tokens beyond what the context leaves after the prompt (as
         OpenAI's API refuses it; otherwise generation stops there, finish_reason "length"); ServerBusyError when
         max_waiting_requests wait; EngineDeadError when the loop has stopped. Leaving the iteration early aborts it."""
@@ -111,7 +119,8 @@ class AsyncEngine:
         try:
             self._check_alive()  # again: a loop that died before the stream was listed did not tell it
             # In a worker thread: tokenizing a long prompt would hold up every other stream of this event loop.
-            request = await asyncio.to_thread(self.engine.prepare_request, engine_id, prompt, params)
+            prepare = self.engine.prepare_request
+            request = await asyncio.to_thread(prepare, engine_id, prompt, params, lora_request=lora_request)
             if fit_context:
                 _check_fits_context(request, self.max_model_len)
             self._send("add", request)

@@ -1,6 +1,6 @@
 """Batch jobs: a JSONL file of OpenAI batch requests in, one JSONL line per request out, resumable.
 
-    jaxpage batch INPUT.jsonl OUTPUT.jsonl [--model SRC] [engine options] [--quiet]
+    jaxpage batch INPUT.jsonl OUTPUT.jsonl [--model SRC] [engine options] [--lora-modules NAME=PATH ...] [--quiet]
     jaxpage.entrypoints.batch.run_batch(input_path, output_path, llm=None, **engine_args) -> BatchSummary
 
 Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
@@ -35,6 +35,7 @@ from jaxpage.entrypoints.openai_api import (
     split_prompts,
 )
 from jaxpage.entrypoints.openai_responses import response_body
+from jaxpage.entrypoints.served_models import LoRAModule, ModelNotFound, ServedModels
 
 PENDING_PER_SEQ = 2  # requests held in the engine per max_num_seqs: enough to keep every step full
 
@@ -71,8 +72,12 @@ class BatchSummary:
         return text
 
 
-def run_batch(input_path, output_path, llm=None, *, quiet: bool = False, **engine_args) -> BatchSummary:
-    """Runs (or resumes) a batch job; returns its summary. Raises BatchError when the job cannot run."""
+def run_batch(
+    input_path, output_path, llm=None, *, quiet: bool = False, lora_modules: list[LoRAModule] = (), **engine_args
+) -> BatchSummary:
+    """Runs (or resumes) a batch job; returns its summary. Raises BatchError when the job cannot run (a LoRA adapter
+    of `lora_modules` that cannot be served included). A line's body names the base model or an adapter in "model"
+    (absent: the base model); another name is that line's error (404)."""
     input_path, output_path = Path(input_path), Path(output_path)
     try:
         total = _count_requests(input_path)
@@ -83,7 +88,10 @@ def run_batch(input_path, output_path, llm=None, *, quiet: bool = False, **engin
         from jaxpage.entrypoints.llm import LLM
 
         llm = LLM(**engine_args)
-    job = _Job(llm, done, quiet)
+    try:
+        job = _Job(llm, done, quiet, lora_modules)
+    except ValueError as e:  # ModelLoadError too: a LoRA adapter that cannot be served
+        raise BatchError(str(e)) from None
     try:
         out = open(output_path, "a", encoding="utf-8")  # noqa: SIM115 (closed below, after the job)
     except OSError as e:
@@ -121,13 +129,15 @@ def _resume(output_path: Path) -> set[str]:
 
 
 class _Job:
-    def __init__(self, llm, done: set[str], quiet: bool):
+    def __init__(self, llm, done: set[str], quiet: bool, lora_modules: list[LoRAModule]):
         self.engine = llm.engine
         self.done = done
         self.quiet = quiet
         self.summary = BatchSummary()
-        self.model = str(self.engine.config.model or "SmolLM2-135M-Instruct")
-        self.pending: dict[str, tuple[str, ParsedRequest]] = {}  # engine request id -> (custom_id, request)
+        model = self.engine.config.model
+        self.models = ServedModels(str(model or "SmolLM2-135M-Instruct"), self.engine, lora_modules, model)
+        # engine request id -> (custom_id, request, the model's name its response gives)
+        self.pending: dict[str, tuple[str, ParsedRequest, str]] = {}
         self.seen: set[str] = set()  # custom_ids of this input so far
 
     def run(self, lines, out, total: int) -> None:
@@ -185,22 +195,26 @@ class _Job:
             if len(split_prompts(record.get("url"), record.get("body"))) > 1:
                 raise RequestError("prompt must be one prompt in a batch line (one line per prompt)")
             request = parse_request(record.get("url"), record.get("body"))
+            lora_request = self.models.lora_request(record["body"].get("model"))
             prompt = engine_prompt(request, self.engine.tokenizer)
             request_id = f"batch-{line_number}-{uuid.uuid4().hex[:8]}"
-            self.engine.add_request(request_id, prompt, request.params)
+            self.engine.add_request(request_id, prompt, request.params, lora_request=lora_request)
+        except ModelNotFound as e:
+            return self._error(custom_id, 404, "model_not_found", str(e))
         except ValueError as e:  # RequestError, and the engine's own checks (prompt too long, ...)
             return self._error(custom_id, 400, "invalid_request", str(e))
         except Exception as e:  # not the line's fault, as far as anyone knows: record it and go on
             return self._error(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}")
-        self.pending[request_id] = (custom_id, request)
+        model = self.models.base_name if lora_request is None else lora_request.lora_name
+        self.pending[request_id] = (custom_id, request, model)
         return None
 
     def _finish(self, output) -> None:
-        custom_id, request = self.pending.pop(output.request_id)
+        custom_id, request, model = self.pending.pop(output.request_id)
         if output.error is not None:  # failed at run time; the engine went on with the others
             return self._error(custom_id, 500, "internal_error", output.error)
         try:
-            body = response_body(request, output, self.model, self.engine.tokenizer)
+            body = response_body(request, output, model, self.engine.tokenizer)
         except Exception as e:
             return self._error(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}")
         self.summary.succeeded += 1
@@ -217,7 +231,7 @@ class _Job:
         if status is None:  # not a request: the record's error says why
             self._write(custom_id, None, {"code": code, "message": message})
         else:
-            kind = "invalid_request_error" if status == 400 else "server_error"
+            kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
             body = {"error": {"message": message, "type": kind, "code": code}}
             self._write(custom_id, {"status_code": status, "request_id": None, "body": body}, None)
 

@@ -131,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("input", help="JSONL of {custom_id, method, url, body} requests")
     batch.add_argument("output", help="JSONL of results (appended to; created if missing)")
     add_engine_arguments(batch)
+    _add_lora_modules_argument(batch)
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
 
     _add_serve_command(commands)
@@ -180,6 +181,32 @@ def _add_serve_command(commands) -> None:
         help="how the model writes tool calls: hermes (Qwen 2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
     add_engine_arguments(serve)
+    _add_lora_modules_argument(serve)
+
+
+def _add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
+    from jaxpage.entrypoints.served_models import parse_lora_module
+
+    def lora_module(value: str):
+        try:
+            return parse_lora_module(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help='LoRA adapters (PEFT directories) served under their names, which requests give as "model"; also '
+        'vLLM\'s JSON form \'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
+    )
+
+
+def _check_lora_modules(args) -> None:
+    if args.lora_modules and not args.enable_lora:
+        raise CommandError("--lora-modules needs --enable-lora")
 
 
 def _check_prompt(prompt: str) -> None:
@@ -317,8 +344,11 @@ def _batch(args) -> None:
         return
     from jaxpage.entrypoints.batch import BatchError, run_batch
 
+    _check_lora_modules(args)
     try:
-        summary = run_batch(args.input, args.output, quiet=args.quiet, **engine_args(args))
+        summary = run_batch(
+            args.input, args.output, quiet=args.quiet, lora_modules=args.lora_modules, **engine_args(args)
+        )
     except BatchError as e:
         raise CommandError(str(e)) from e
     print(f"jaxpage batch: {summary.describe()}", file=sys.stderr)
@@ -334,6 +364,7 @@ def _serve(args) -> None:
             raise CommandError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CommandError("--enable-auto-tool-choice needs --tool-call-parser")
+    _check_lora_modules(args)
     if _follows(args):
         return
     from jaxpage.entrypoints.server import serve
@@ -350,6 +381,7 @@ def _serve(args) -> None:
         log_requests=not args.disable_log_requests,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        lora_modules=args.lora_modules,
         **engine_args(args),
     )
 

@@ -4,6 +4,9 @@
                                                  batch`); `stream: true` sends server-sent events, `data: [DONE]` last
     GET  /v1/models, /health, /version, /metrics (Prometheus, vLLM's names under `jaxpage:`:
     jaxpage.entrypoints.metrics), /tokenizer_info   POST /tokenize, /detokenize
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters while serving (with an API key only); a
+                                                 request's `model` picks the base model or an adapter
+                                                 (jaxpage.entrypoints.served_models)
     GET  /   a chat page (jaxpage/entrypoints/static/chat.html: one file, script and style inline, no CDN)
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (the message names
@@ -54,6 +57,7 @@ from jaxpage.entrypoints.openai_api import (
     split_prompts,
 )
 from jaxpage.entrypoints.openai_responses import Stream, combine_bodies, response_body
+from jaxpage.entrypoints.served_models import LoRAModule, ModelNotFound, ServedModels
 from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from jaxpage.outputs import RequestOutput
 from jaxpage.validation import check_bool, check_text, describe, is_int
@@ -79,13 +83,16 @@ def create_app(
     log_requests: bool = True,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    lora_modules: list[LoRAModule] = (),
 ) -> FastAPI:
-    """The app serving `engine` (whose max_waiting_requests is the server's admission limit) as `model_name`.
+    """The app serving `engine` (whose max_waiting_requests is the server's admission limit) as `model_name`, and
+    the LoRA adapters of `lora_modules` (read now: ModelLoadError or ValueError naming a bad one) under their names.
     tool_call_parser (jaxpage.entrypoints.tool_calls.TOOL_CALL_PARSERS) and enable_auto_tool_choice: vLLM's
     --tool-call-parser and --enable-auto-tool-choice, which tool_choice "auto" needs."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     tools = dict(tool_parser=tool_call_parser, auto_tool_choice=enable_auto_tool_choice)
+    served = ServedModels(model_name, engine.engine, lora_modules, engine.engine.config.model)
     app = FastAPI(title="jaxpage", version=installed_version(), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
     engine.observers.append(metrics.observe)
@@ -107,13 +114,14 @@ def create_app(
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
 
-    _add_info_routes(app, engine, model_name, metrics, api_key is not None)
+    _add_info_routes(app, engine, served, metrics, api_key is not None)
     _add_tokenizer_routes(app, engine, max_body_bytes)
-    _add_openai_routes(app, engine, model_name, max_body_bytes, log_requests, tools)
+    _add_openai_routes(app, engine, served, max_body_bytes, log_requests, tools)
+    _add_lora_routes(app, served, api_key is not None)
     return app
 
 
-def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, keyed: bool):
+def _add_info_routes(app: FastAPI, engine: AsyncEngine, served: ServedModels, metrics: ServerMetrics, keyed: bool):
     """The chat page (told whether to ask for the API key), /health, /metrics, /version and /v1/models."""
     chat_page = (Path(__file__).parent / "static" / "chat.html").read_text()
     chat_page = chat_page.replace("const NEEDS_API_KEY = false;", f"const NEEDS_API_KEY = {str(keyed).lower()};")
@@ -137,13 +145,48 @@ def _add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, metrics
 
     @app.get("/v1/models")
     async def models():
-        model = {
-            "id": model_name,
-            "object": "model",
-            "owned_by": "jaxpage",
-            "max_model_len": engine.max_model_len,
-        }
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": served.cards(engine.max_model_len)}
+
+
+def _add_lora_routes(app: FastAPI, served: ServedModels, keyed: bool) -> None:
+    """vLLM's /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}: only on a
+    server with an API key (the middleware checks it), since a body may name any directory of this host."""
+
+    async def change(request: Request, fields: tuple[str, ...], act) -> Response:
+        if not keyed:
+            message = "loading and unloading LoRA adapters while serving needs a server started with --api-key"
+            return error_response(403, message, "permission_error")
+        body, error = await read_body(request, 64 * 1024)
+        if error is not None:
+            return error
+        missing, unknown = [f for f in fields if f not in body], sorted(set(body) - set(fields))
+        if missing or unknown:
+            problems = {"missing": missing, "unknown": unknown}
+            what = "; ".join(f"{problem} {', '.join(names)}" for problem, names in problems.items() if names)
+            return error_response(400, f"the body takes {', '.join(fields)}: {what}")
+        try:
+            message = await asyncio.to_thread(act, *(body[f] for f in fields))
+        except ModelNotFound as e:
+            return error_response(404, str(e), "not_found_error")
+        except ValueError as e:  # ModelLoadError too
+            return error_response(400, str(e))
+        return Response(message, media_type="text/plain")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        def load(name, path):
+            served.load(name, path)
+            return f"Success: LoRA adapter '{name}' added successfully."
+
+        return await change(request, ("lora_name", "lora_path"), load)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        def unload(name):
+            served.unload(name)
+            return f"Success: LoRA adapter '{name}' removed successfully."
+
+        return await change(request, ("lora_name",), unload)
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, max_body_bytes: int) -> None:
@@ -201,7 +244,7 @@ def _tokenize(tokenizer, body) -> list[int]:
 
 
 def _add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, model_name: str, max_body_bytes: int, log_requests: bool, tools: dict
+    app: FastAPI, engine: AsyncEngine, served: ServedModels, max_body_bytes: int, log_requests: bool, tools: dict
 ):
     """/v1/completions and /v1/chat/completions (tools: parse_request's tool options)."""
     request_ids = itertools.count()
@@ -214,17 +257,17 @@ def _add_openai_routes(
             return log.refused(error)
         try:
             parsed = [parse_request(url, one, allow_stream=True, **tools) for one in split_prompts(url, body)]
-            model = body.get("model")
-            if model is not None and model != model_name:
-                message = f"model {model!r} does not exist (this server has {model_name!r})"
-                return log.refused(error_response(404, message, "not_found_error"))
+            lora_request = served.lora_request(body.get("model"))
             # Templating and tokenizing in a worker thread: a long conversation would block every other client.
             prompts = await asyncio.to_thread(lambda: [engine_prompt(p, engine.tokenizer) for p in parsed])
+        except ModelNotFound as e:
+            return log.refused(error_response(404, str(e), "not_found_error"))
         except ValueError as e:  # RequestError, or a chat template that refuses the messages
             return log.refused(error_response(400, str(e)))
+        model_name = served.base_name if lora_request is None else lora_request.lora_name  # what the responses say
         ids = [request_id] if len(parsed) == 1 else [f"{request_id}-{i}" for i in range(len(parsed))]
         outputs = [
-            engine.generate(one_id, prompt, p.params, fit_context=True)
+            engine.generate(one_id, prompt, p.params, fit_context=True, lora_request=lora_request)
             for one_id, prompt, p in zip(ids, prompts, parsed, strict=True)
         ]
         # A refused request fails here, before any byte is sent; the other prompts' requests are then aborted.
@@ -435,6 +478,7 @@ def serve(
     log_requests: bool = True,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    lora_modules: list[LoRAModule] = (),
     warmup: bool = True,
     **engine_args,
 ) -> None:
@@ -455,6 +499,7 @@ def serve(
         log_requests=log_requests,
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
+        lora_modules=lora_modules,
     )
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then restores the handlers it found and raises the signal
