@@ -15,10 +15,14 @@ from conftest import LORA_ADAPTERS as ADAPTERS
 from hf_reference import hf_greedy_tokens
 from tiny_models import TINY_ENGINE
 
+from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.errors import ModelLoadError
 from jaxpage.lora_request import LoRARequest
+from jaxpage.models.lora import slots_device_bytes
 from jaxpage.sampling_params import SamplingParams
+from jaxpage.worker.parallel import device_bytes
+from jaxpage.worker.pool_sizing import kv_pool_pages
 
 PROMPTS = [[5, 9, 13, 2, 40, 9, 9, 31], [77, 3, 64, 12, 12, 50], list(range(10, 30)), [33, 44, 55]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -135,6 +139,29 @@ def test_speculation_replicas_and_async_steps_run_each_request_s_adapter(lora_ad
         assert output == hf_greedy_tokens(hf if name is None else made[name][1], [prompt], GREEDY.max_tokens)[0]
     if "speculative_config" in layout:
         assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+    if "tensor_parallel_size" in layout:  # what each device holds of the slots is what the pool's budget left them
+        runner = llm.engine.runner
+        held = set(device_bytes(runner.params["lora"]).values())
+        assert held == {slots_device_bytes(runner.config, 2, 16, 4, tensor_parallel_size=6)}
+
+
+def test_the_device_s_budget_pays_for_the_lora_slots_beside_the_pool():
+    cache = EngineConfig(page_size=16, gpu_memory_utilization=0.9, compilation_cache_dir=None).part(CacheConfig)
+    limit, weights, page_bytes, slots = 16 << 30, 3 << 30, 16 * 4096, 700 << 20
+    sizing = (cache, 4096, 4096, 1 << 20)
+    plain = kv_pool_pages(*sizing, device_memory=(limit, weights))
+    assert plain == (int(limit * 0.9) - weights) // page_bytes
+    assert (
+        kv_pool_pages(*sizing, device_memory=(limit, weights), unpooled_bytes=slots)
+        == (int(limit * 0.9) - weights - slots) // page_bytes
+    )
+    # kv_cache_memory_bytes is the KV budget itself: the slots come beside it
+    explicit = EngineConfig(page_size=16, kv_cache_memory_bytes=1 << 30, compilation_cache_dir=None).part(CacheConfig)
+    assert kv_pool_pages(explicit, *sizing[1:], device_memory=(limit, weights), unpooled_bytes=slots) == (1 << 30) // (
+        page_bytes
+    )
+    with pytest.raises(ValueError, match="and 734003200 bytes of LoRA slots does not fit"):
+        kv_pool_pages(explicit, *sizing[1:], device_memory=(limit, limit - (1 << 30)), unpooled_bytes=slots)
 
 
 def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots(lora_adapters):
@@ -166,7 +193,6 @@ def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots
 
 
 def test_host_memory_keeps_max_cpu_loras_adapters_and_reads_the_others_again(lora_adapters, monkeypatch):
-    from jaxpage.config import EngineConfig
     from jaxpage.engine import lora_adapters as module
     from jaxpage.models.hf_loader import read_hf_config
 

@@ -47,6 +47,19 @@ def empty_slots(config, num_slots: int, rank: int, dtype) -> dict:
     }
 
 
+def slots_device_bytes(config, num_slots: int, rank: int, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes one device holds of the slots' weights (empty_slots) of the model `config` as it runs: under tensor
+    parallelism B of q/k/v/gate/up and A of o/down split over the shards, the other factor whole on each."""
+    total = 0
+    for module in lora_modules(config):
+        features_in, features_out = module_features(config, module)
+        split_in = module in ("o_proj", "down_proj")
+        per_device_in = features_in // tensor_parallel_size if split_in else features_in
+        per_device_out = features_out if split_in else features_out // tensor_parallel_size
+        total += config.num_layers * num_slots * rank * (per_device_in + per_device_out)
+    return total * dtype_bytes
+
+
 def adapter_slot(adapter, config, rank: int, dtype) -> dict:
     """One adapter (jaxpage.models.lora_adapter.LoRAAdapter: a [L, in, r'], b [L, r', out] with its scaling in b) as
     one slot's weights {module: {"a": [L, in, rank], "b": [L, rank, out]}}, zero-padded to `rank`, for the model

@@ -11,6 +11,7 @@ import jax
 
 from jaxpage.attention import AttentionBackend
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
+from jaxpage.models.lora import slots_device_bytes
 from jaxpage.validation import INT32_MAX
 from jaxpage.worker.step_broadcast import StepBroadcast
 
@@ -24,11 +25,14 @@ def kv_pool_pages(
     max_model_len: int,
     device_memory: tuple[int, int] | None = None,
     reserved_bytes: int = 0,
+    unpooled_bytes: int = 0,
 ) -> int:
     """Pages in the pool (the null page included), from the cache's size arguments (see EngineConfig) and the
     bytes of K and V one token takes in the pool; never more than max_num_seqs sequences of max_model_len tokens
-    could use. Raises ValueError for a pool the memory cannot hold. reserved_bytes: what the budget pays for
-    beside these pages (a hybrid's window group: window_group_pages).
+    could use. Raises ValueError for a pool the memory cannot hold. reserved_bytes: what the KV budget pays for
+    beside these pages (a hybrid's window group: window_group_pages); unpooled_bytes: what the engine puts on the
+    device after the pool, not KV (LoRA slots), which the device's budget (gpu_memory_utilization) and memory pay
+    for.
 
     device_memory: (bytes the device has, bytes in use) of the device the pool is for: a target chip's when the
     engine is built for one (jaxpage.aot); None: this host's first device (on CPU, the host's memory)."""
@@ -52,7 +56,7 @@ def kv_pool_pages(
             if available is not None and available < 2 * budget:  # a small machine: half of what is left
                 budget = available // 2
         else:
-            budget = int(limit * cache.gpu_memory_utilization) - in_use
+            budget = int(limit * cache.gpu_memory_utilization) - in_use - unpooled_bytes
         budget -= reserved_bytes
         useful = max_num_seqs * math.ceil(max_model_len / cache.page_size) + 1  # more would never be used
         pages = min(budget // page_bytes, useful, INT32_MAX // cache.page_size)
@@ -61,12 +65,14 @@ def kv_pool_pages(
             if device_memory is not None and cache.kv_cache_memory_bytes is None:
                 why += (
                     f": {limit} bytes of device memory x gpu_memory_utilization {cache.gpu_memory_utilization}, less "
-                    f"{in_use} in use (the weights); raise gpu_memory_utilization or split the model over more devices "
-                    "(tensor_parallel_size)"
+                    f"{in_use} in use (the weights)"
+                    + (f" and {unpooled_bytes} for LoRA slots" if unpooled_bytes else "")
+                    + "; raise gpu_memory_utilization or split the model over more devices (tensor_parallel_size)"
                 )
             raise ValueError(why)
-    if available is not None and pages * page_bytes + reserved_bytes > available:
+    if available is not None and pages * page_bytes + reserved_bytes + unpooled_bytes > available:
         reserved = f" and {reserved_bytes} bytes of the window group's pages" if reserved_bytes else ""
+        reserved += f" and {unpooled_bytes} bytes of LoRA slots" if unpooled_bytes else ""
         raise ValueError(
             f"a KV pool of {pages} pages ({pages * page_bytes} bytes, {page_bytes} per page){reserved} does not fit "
             f"in the {available} bytes of memory available; lower num_pages or kv_cache_memory_bytes"
@@ -174,7 +180,8 @@ def engine_pool_pages(
     """The pages of an engine's KV pool (kv_pool_pages), agreed by every host (channel), logged: (pages, None), or
     for a hybrid model's grouped pool (full group's pages, window group's: window_group_pages). target_config: the
     model as it runs (KV heads copied for tensor parallelism); draft: a draft model's (config, params), whose pool
-    (on the full group's pages) the budget pays for too."""
+    (on the full group's pages) the budget pays for too; the device's budget pays for the LoRA slots (enable_lora)
+    too."""
     tp = config.tensor_parallel_size
     layout = dict(page_size=config.page_size, tensor_parallel_size=tp)
     token_bytes = backend.kv_bytes_per_token(target_config, dtype_bytes, **layout)
@@ -188,18 +195,22 @@ def engine_pool_pages(
     def budgeted(nbytes: int) -> int:
         return nbytes * config.data_parallel_size if cpu else nbytes // tp
 
+    slots = 0  # the LoRA slots on each device (on CPU, every simulated device's in the host's memory)
+    if config.enable_lora:
+        slots = slots_device_bytes(target_config, config.max_loras, config.max_lora_rank, dtype_bytes, tp)
+        slots *= config.data_parallel_size * tp if cpu else 1
     held = engine_window_pages(config, model_config, INT32_MAX)  # the most pages a window group can need
     num_pages = 0
     if held is not None:  # the window group's pages first, the full group's from the rest of the budget
         reserved = budgeted(held * config.page_size * window_token_bytes)
         try:
             num_pages = _agreed_pages(
-                config, budgeted(token_bytes - window_token_bytes), max_model_len, channel, reserved
+                config, budgeted(token_bytes - window_token_bytes), max_model_len, channel, reserved, slots
             )
         except ValueError:  # the budget holds fewer pages than the window group would take
             pass
     if held is None or num_pages < held:  # one group, or a small pool: both groups as large, as if one
-        num_pages = _agreed_pages(config, budgeted(token_bytes), max_model_len, channel)
+        num_pages = _agreed_pages(config, budgeted(token_bytes), max_model_len, channel, unpooled=slots)
     num_pages = addressable_pages(backend, target_config, num_pages, config.part(CacheConfig), tp)
     window_pages = engine_window_pages(config, model_config, num_pages)
     pool_bytes = num_pages * config.page_size * (token_bytes - window_token_bytes)
@@ -221,14 +232,16 @@ def engine_pool_pages(
     return num_pages, window_pages
 
 
-def _agreed_pages(config: EngineConfig, token_bytes: float, max_model_len: int, channel, reserved: int = 0) -> int:
+def _agreed_pages(
+    config: EngineConfig, token_bytes: float, max_model_len: int, channel, reserved: int = 0, unpooled: int = 0
+) -> int:
     """kv_pool_pages for pages of token_bytes per token (as the budget counts them), the same on every host."""
     sizing = (config.part(CacheConfig), config.max_num_seqs, int(token_bytes), max_model_len)
     if channel is None:
-        return kv_pool_pages(*sizing, reserved_bytes=reserved)
+        return kv_pool_pages(*sizing, reserved_bytes=reserved, unpooled_bytes=unpooled)
     # Each host measures its own memory: every process takes the smallest pool, or refuses with all.
     try:
-        num_pages, refused = kv_pool_pages(*sizing, reserved_bytes=reserved), None
+        num_pages, refused = kv_pool_pages(*sizing, reserved_bytes=reserved, unpooled_bytes=unpooled), None
     except ValueError as e:
         num_pages, refused = 0, e
     num_pages = channel.agree_min(num_pages)
