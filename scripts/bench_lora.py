@@ -1,12 +1,14 @@
 """LoRA adapters against the base model, in one run: output tokens/s of one batch of requests over several adapters.
 
     python scripts/bench_lora.py [--model SRC] [--requests 32] [--adapters 4] [--ranks 8,16] [--max-tokens 128]
-        [--max-loras 4] [--repeats 2] [--dtype D]
+        [--max-loras 4] [--repeats 2] [--dtype D] [--max-model-len 512]
+        [--skip-warmup]
 
 Adapters (every projection: q/k/v/o, gate/up/down; ranks cycling through --ranks) with random weights are written
 in PEFT's format into a temporary directory. Two engines of the same model and arguments serve in one process:
 `base` (no LoRA) and `lora` (enable_lora, --max-loras slots of the largest rank), the latter with request i on
-adapter i mod --adapters. Each is warmed up first (untimed). Both serve the same prompts at the same time, taking
+adapter i mod --adapters. Each is warmed up first (untimed; --skip-warmup: not, for checking the script, whose
+figures then count compiling). Both serve the same prompts at the same time, taking
 turns one engine.step() each, so that whatever slows this (noisy, shared) machine slows both alike; an engine's
 seconds are the sum of its own steps, its throughput output tokens / those seconds. Greedy, ignore_eos: every
 request makes --max-tokens tokens. The last line of stdout is one JSON object with every figure.
@@ -58,6 +60,8 @@ def main() -> None:
     parser.add_argument("--max-loras", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--skip-warmup", action="store_true", help="compile as shapes come (checks the script quickly)")
     args = parser.parse_args()
 
     from jaxpage.entrypoints.llm import LLM
@@ -65,7 +69,9 @@ def main() -> None:
     from jaxpage.sampling_params import SamplingParams
 
     ranks = [int(r) for r in args.ranks.split(",")]
-    engine_args = dict(max_num_seqs=args.requests, max_num_batched_tokens=512, max_model_len=512, dtype=args.dtype)
+    engine_args = dict(
+        max_num_seqs=args.requests, max_num_batched_tokens=512, max_model_len=args.max_model_len, dtype=args.dtype
+    )
     log("loading the base engine")
     base = LLM(args.model, **engine_args)
     log("loading the LoRA engine")
@@ -73,6 +79,8 @@ def main() -> None:
     engines = {"base": base, "lora": lora}
     compile_s = {}
     for name, llm in engines.items():
+        if args.skip_warmup:
+            break
         start = time.perf_counter()
         compiled = llm.engine.warmup()
         compile_s[name] = time.perf_counter() - start

@@ -125,6 +125,15 @@ def test_bench_parallel_tiny_mode_reports_each_layout():
     assert replicas["expert_bytes_per_device"] == one["expert_bytes_per_device"] == one["expert_bytes_total"]
 
 
+def test_bench_lora_runs_both_engines_over_the_adapters(full_vocab_dir):
+    command = [sys.executable, "scripts/bench_lora.py", "--model", full_vocab_dir, "--requests", "4", "--adapters", "2"]
+    command += ["--max-tokens", "4", "--repeats", "1", "--max-loras", "2", "--max-model-len", "128", "--skip-warmup"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert figures["tokens"] == {"base": 16, "lora": 16} and figures["lora_over_base"] > 0
+
+
 def test_kv_plot_writes_a_png(tmp_path):
     path = tmp_path / "kv.png"
     plot_kv_run(path, [0.5, 1.0, 1.5], [0.97, 0.98, 0.99], [2, 5, 3], [10, 30, 20], 40, contiguous_requests=2)
