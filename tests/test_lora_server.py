@@ -5,8 +5,10 @@ bodies and adapters refused by name. Each adapter's completion is transformers +
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
+import threading
 
 import httpx
 import openai
@@ -159,6 +161,37 @@ def test_adapters_are_loaded_and_unloaded_while_serving(model, llm, served, clie
     )
     assert completion.choices[0].text == greedy_text(llm, references["all-r8"], PROMPTS[1])
     assert llm.engine.input_processor.lora_adapters.num_read <= 2  # max_cpu_loras defaults to max_loras
+
+
+def test_an_adapter_loading_stalls_no_other_request(model, llm, served, client, monkeypatch):
+    """While an adapter is read (on a handler's thread), requests of the base model and of adapters already served
+    run and finish; the engine's loop never waits for the read."""
+    from jaxpage.engine import lora_adapters
+
+    _, paths, references = model
+    reading, release = threading.Event(), threading.Event()
+    read = lora_adapters.read_lora_adapter
+
+    def slow_read(path, *args):
+        if path == paths["mlp-r4-rslora"]:
+            reading.set()
+            assert release.wait(timeout=120)
+        return read(path, *args)
+
+    monkeypatch.setattr(lora_adapters, "read_lora_adapter", slow_read)
+    load = {"lora_name": "slow", "lora_path": paths["mlp-r4-rslora"]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        loaded = pool.submit(httpx.post, f"{served.url}/v1/load_lora_adapter", json=load, headers=KEY, timeout=180)
+        assert reading.wait(timeout=60)
+        for name in ("tiny", "attention-r16"):
+            completion = client.with_options(timeout=30).completions.create(
+                model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+            reference = references[None if name == "tiny" else name]
+            assert completion.choices[0].text == greedy_text(llm, reference, PROMPTS[0])
+        assert not loaded.done()  # the adapter is still being read
+        release.set()
+        assert loaded.result().status_code == 200
 
 
 def test_a_server_without_an_api_key_or_without_lora_refuses_to_load_adapters(model, llm):

@@ -51,23 +51,31 @@ class LoRAAdapters:
                 f"lora_request {request.lora_name!r}: the engine serves no LoRA adapters; start it with "
                 "enable_lora=True"
             )
+        lora_id = request.lora_int_id
         with self._lock:
-            lora_id = request.lora_int_id
-            known = self._identities.get(lora_id)
-            if known is not None and (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
-                raise ValueError(
-                    f"lora_int_id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}), not "
-                    f"{request.lora_name!r} ({request.lora_path}): each adapter needs an id of its own"
-                )
+            self._check_identity(request)
             if lora_id in self._read:
                 self._read.move_to_end(lora_id)
                 return self._read[lora_id]
-            adapter = read_lora_adapter(request.lora_path, self.config, request.lora_name, self.max_lora_rank)
+        # Read without the lock: requests naming adapters already read go on meanwhile.
+        adapter = read_lora_adapter(request.lora_path, self.config, request.lora_name, self.max_lora_rank)
+        digest = adapter_digest(adapter)
+        with self._lock:
+            self._check_identity(request)  # (another thread may have given the id to another adapter meanwhile)
             self._identities[lora_id] = request
-            self._read[lora_id] = adapter, adapter_digest(adapter)
+            self._read.setdefault(lora_id, (adapter, digest))
+            self._read.move_to_end(lora_id)
             while self.max_cpu_loras is not None and len(self._read) > self.max_cpu_loras:
                 self._read.popitem(last=False)
             return self._read[lora_id]
+
+    def _check_identity(self, request: LoRARequest) -> None:
+        known = self._identities.get(request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}), not "
+                f"{request.lora_name!r} ({request.lora_path}): each adapter needs an id of its own"
+            )
 
     def fresh_id(self) -> int:
         """An id no adapter has had in this engine, for an adapter a server or batch job names."""
