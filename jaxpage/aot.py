@@ -2,13 +2,14 @@
 
 `build(target, engine_config, model)` does what LLMEngine does at start -- the attention backend for the target's
 platform, the mesh over its (compile-only) devices, the model's parameters placed shard by shard, the KV pool sized
-from the chip's memory with the engine's own arithmetic (jaxpage.worker.pool_sizing), the runner(s) -- with
-ShapeDtypeStructs instead of arrays: no weights are read and nothing runs. `compile_all` then compiles every program
-the engine's warm-up compiles (ModelRunner.warmup_programs: the pool's fill, each forward step shape, each sampler
-or verification, the page copy, a draft model's forward passes and proposals), each with the chip's real compiler,
-and reports on each (`ProgramReport`): compiled or the compiler's error, seconds, memory, the compiler's cost
-analysis, collectives executed, and any copy of a KV pool; on a GPU target, each Pallas kernel of the programs that
-run the model's layers (KERNEL_KINDS) too: its launch, registers, stack frame, shared memory, blocks per SM and SASS
+from the chip's memory with the engine's own arithmetic (jaxpage.worker.pool_sizing), the runner(s), with the LoRA
+adapters' device slots where the engine arguments enable LoRA -- with ShapeDtypeStructs instead of arrays: no weights
+are read and nothing runs. `compile_all` then compiles every program the engine's warm-up compiles
+(ModelRunner.warmup_programs: the pool's fill, each forward step shape, each sampler or verification, the page copy,
+the LoRA slot fill, a draft model's forward passes and proposals), each with the chip's real compiler, and reports on
+each (`ProgramReport`): compiled or the compiler's error, seconds, memory, the compiler's cost analysis, collectives
+executed, and any copy of a KV pool; on a GPU target, each Pallas kernel of the programs that run the model's layers
+(KERNEL_KINDS) too: its launch, registers, stack frame, shared memory, blocks per SM and SASS
 (jaxpage.benchmarks.gpu_kernels, from a dump of that compile read with ptxas and cuobjdump).
 
 Estimates, not measurements: `decode_roofline` gives a decode step's time as max(bytes / HBM bandwidth, FLOPs /
@@ -35,6 +36,7 @@ from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_groups
 from jaxpage.models.llama import param_shapes
+from jaxpage.models.lora import slots_device_bytes
 from jaxpage.targets import Target
 from jaxpage.worker.executor import make_runners
 from jaxpage.worker.model_runner import ModelRunner
@@ -97,7 +99,7 @@ class ProgramReport:
 
     program: str  # "forward decode(T=4, S=4, R=8)", "sample rows=8", "pool (...)", ...
     # CompiledShape.program: "pool", "forward", "sample", "verify" (+masks, +penalties: with logits processors),
-    # "prompt_logprobs", "propose", "copy"
+    # "prompt_logprobs", "propose", "copy", "lora" (the LoRA slot fill)
     kind: str
     seconds: float  # lowering and compiling
     error: str | None = None  # the compiler's error; None: compiled
@@ -139,6 +141,7 @@ class TargetBuild:
     programs: list[ProgramReport] = dataclasses.field(default_factory=list)
     window_pages: int | None = None  # a hybrid's grouped pool: its window group's pages (jaxpage.kv_cache)
     window_token_bytes: int = 0  # ... and the bytes a token takes there, per device (out of kv_token_bytes)
+    lora_bytes: int = 0  # per device: the LoRA adapters' slots (enable_lora), read by every forward pass as weights
 
     @property
     def pool_bytes(self) -> int:
@@ -186,12 +189,16 @@ def build(
         config = with_expert_parallel(with_replicated_kv_heads(config, tp), tp, engine.enable_expert_parallel)
         placed.append((config, _placed_params(config, dtype, mesh, device)))
     weight_bytes = sum(placed_bytes(params) for _, params in placed)
+    lora_bytes = 0  # the LoRA slots the target model's runner keeps, paid by the device's budget as the engine pays
+    if engine.enable_lora:
+        lora_bytes = slots_device_bytes(placed[0][0], engine.max_loras, engine.max_lora_rank, dtype.itemsize, tp)
     layout = dict(page_size=engine.page_size, tensor_parallel_size=tp)
     token_bytes = sum(backend.kv_bytes_per_token(config, dtype.itemsize, **layout) for config, _ in placed) // tp
     max_model_len = engine.max_model_len or model.max_position_embeddings
     cache = engine.part(CacheConfig)
     memory = (target.hbm_bytes, weight_bytes)
-    num_pages = kv_pool_pages(cache, engine.max_num_seqs, token_bytes, max_model_len, device_memory=memory)
+    sizing = (cache, engine.max_num_seqs, token_bytes, max_model_len)
+    num_pages = kv_pool_pages(*sizing, device_memory=memory, unpooled_bytes=lora_bytes)
     num_pages = addressable_pages(backend, placed[0][0], num_pages, cache, tp)
     pool_tokens = (num_pages - 1) * engine.page_size
     max_model_len = fit_max_model_len(max_model_len, pool_tokens, engine.max_model_len is not None)
@@ -209,6 +216,7 @@ def build(
         *(target, placed[0][0], engine, dtype, backend, *sizes),
         window_pages=window_pages,
         window_token_bytes=window_token_bytes,
+        lora_bytes=lora_bytes,
     )
 
 
@@ -368,8 +376,8 @@ def decode_roofline(
 
 
 def build_roofline(build: TargetBuild, rows: int, context: int) -> Roofline:
-    """decode_roofline for the engine `build` describes."""
+    """decode_roofline for the engine `build` describes (its LoRA slots read as weights: every step multiplies by all
+    of them)."""
     tp = build.engine.tensor_parallel_size
-    return decode_roofline(
-        build.target, build.model, build.weight_bytes, build.kv_token_bytes, build.dtype, rows, context, tp
-    )
+    weights = build.weight_bytes + build.lora_bytes
+    return decode_roofline(build.target, build.model, weights, build.kv_token_bytes, build.dtype, rows, context, tp)

@@ -4,19 +4,20 @@
     python scripts/compile_for.py --target gpu-h200 --model llama3-8b --kv-cache-dtype int8
     python scripts/compile_for.py --target tpu-v6e:2x4 --model llama3-8b --tensor-parallel-size 8
     python scripts/compile_for.py --target gpu-h100 --model default --num-speculative-tokens 3 --draft-model default
+    python scripts/compile_for.py --target gpu-h200 --model llama3-8b --enable-lora --max-loras 4 --max-lora-rank 16
 
 Targets (jaxpage.targets): tpu-v5e, tpu-v6e, tpu-v5p (needs libtpu: pip install 'jaxpage[tpu]'), gpu-h100, gpu-h200
 (needs jax's CUDA plugin, and CUDA's ptxas and cuobjdump for the kernel report: pip install 'jaxpage[compile]');
 ":TOPOLOGY" picks the compile-only topology whose first devices are used (default: the smallest that holds the
 mesh). The model is a shape, not weights: "default" (the default model's config, read from its GGUF), "llama3-8b",
 or a model source's config. The KV pool is sized as the engine sizes it on that chip: gpu_memory_utilization of the
-chip's HBM less the weights a device holds.
+chip's HBM less the weights a device holds (and the LoRA adapters' slots, with --enable-lora).
 
-For each program (the pool's fill, each forward step shape, each sampler or verification, the page copy, a draft
-model's forward passes and proposals): compiled or the compiler's error, compile seconds, the compiler's memory
-analysis per device (arguments, outputs, temporaries, code), its cost analysis (FLOPs and bytes accessed; XLA's GPU
-compiler gives none), the collectives one run executes, and any copy of a KV pool or of a dynamic slice as large
-as one layer's smallest weight matrix in the optimized HLO.
+For each program (the pool's fill, each forward step shape, each sampler or verification, the page copy, the LoRA slot
+fill, a draft model's forward passes and proposals): compiled or the compiler's error, compile seconds, the compiler's
+memory analysis per device (arguments, outputs, temporaries, code), its cost analysis (FLOPs and bytes accessed; XLA's
+GPU compiler gives none), the collectives one run executes, and any copy of a KV pool or of a dynamic slice as large as
+one layer's smallest weight matrix in the optimized HLO.
 
 On a GPU, under each forward pass (and a draft model's proposals), a row for each of jaxpage's Pallas kernels in it
 (jaxpage.benchmarks.gpu_kernels: XLA's dump of that compile, the kernel's PTX assembled by ptxas and disassembled by
@@ -25,16 +26,16 @@ cuobjdump; no device): launches x name, grid, threads per block, registers per t
 counted once, not as often as it runs): products on the tensor cores (HMMA, HGMMA; IMMA, QGMMA of 8-bit data) and
 float32 FFMAs, local memory (LDL, STL), global loads by width in bits, cp.async (LDGSTS) and TMA (UTMALDG / UBLKCP).
 
-Then the checks: every program compiled; no KV pool copied; no layer's weights copied (XLA's GPU compiler copies
-each layer's weights out of a scan over stacked layers: the model unrolls its layers there); no temporary as large
-as a pool; the pool's compiled bytes within 2% of the engine's budget arithmetic; with tensor parallelism, the
-collectives Megatron needs (2 all-reduces per layer and 1 for the embedding in a forward pass, the logits'
-all-gather in a sampler); per-device memory (weights + pool + the largest temporary) within the chip's HBM; on a
-GPU, no kernel with a stack frame (spills or local arrays), and the kernels' products on the tensor cores for a
-model of 16-bit floats or an 8-bit pool (a float32 model with a float32 pool multiplies in float32 FFMAs by design:
-reported, not checked). And the decode step's roofline ESTIMATE at batch 1 and 64 (max(bytes / HBM bandwidth,
-FLOPs / peak), the chip's published figures; a compiler estimate, not a measurement). Exits 1 when a check fails.
---json writes the whole report.
+Then the checks: every program compiled; no KV pool copied; no layer's weights copied (XLA's GPU compiler copies each
+layer's weights out of a scan over stacked layers: the model unrolls its layers there); no temporary as large as a pool;
+the pool's compiled bytes within 2% of the engine's budget arithmetic; with tensor parallelism, the collectives Megatron
+needs (2 all-reduces per layer and 1 for the embedding in a forward pass, the logits' all-gather in a sampler, or an
+all-reduce of one row's); per-device memory (weights, LoRA slots, pool, the largest temporary) within the chip's HBM; on
+a GPU, no kernel with a stack frame (spills or local arrays), and the kernels' products on the tensor cores for a model
+of 16-bit floats or an 8-bit pool (a float32 model with a float32 pool multiplies in float32 FFMAs by design: reported,
+not checked). And the decode step's roofline ESTIMATE at batch 1 and 64 (max(bytes / HBM bandwidth, FLOPs / peak), the
+chip's published figures; a compiler estimate, not a measurement). Exits 1 when a check fails. --json writes the whole
+report.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def parse_args(argv=None):
     parser.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
     parser.add_argument("--num-speculative-tokens", type=int, default=0, help="adds the verify steps")
     parser.add_argument("--draft-model", default=None, help="a draft model's shape (with --num-speculative-tokens)")
+    parser.add_argument("--enable-lora", action="store_true", help="LoRA adapters' slots and their fill program")
+    parser.add_argument("--max-loras", type=int, default=EngineConfig.max_loras, help="LoRA slots (--enable-lora)")
+    parser.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank, help="their rank")
     parser.add_argument("--context", type=int, default=1024, help="tokens per sequence in the roofline estimate")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -102,6 +106,9 @@ def main(argv=None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
             compilation_cache_dir=None,
         )
         model = aot.model_shape(args.model)
@@ -142,8 +149,11 @@ def print_header(build, args, tools) -> None:
         f"vocab {m.vocab_size}; max_model_len {build.max_model_len}, max_num_seqs {e.max_num_seqs}, "
         f"max_num_batched_tokens {e.max_num_batched_tokens}"
     )
+    lora = ""
+    if e.enable_lora:
+        lora = f"; LoRA slots ({e.max_loras} of rank {e.max_lora_rank}) {build.lora_bytes / MIB:,.1f} MiB"
     print(
-        f"per device: weights {build.weight_bytes / MIB:,.0f} MiB; KV {build.kv_token_bytes} bytes/token, "
+        f"per device: weights {build.weight_bytes / MIB:,.0f} MiB{lora}; KV {build.kv_token_bytes} bytes/token, "
         f"{build.num_pages:,} pages of {e.page_size} = {build.pool_bytes / MIB:,.0f} MiB by the budget arithmetic "
         f"(HBM {build.target.hbm_bytes / MIB:,.0f} MiB x {e.gpu_memory_utilization})"
     )
@@ -224,7 +234,8 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
         ratio = compiled_pool / build.pool_bytes
         detail = f"{compiled_pool / MIB:,.1f} MiB compiled / {build.pool_bytes / MIB:,.1f} MiB arithmetic = {ratio:.4f}"
         checks.append(("pool bytes within 2% of the budget arithmetic", abs(ratio - 1) <= POOL_BYTES_TOLERANCE, detail))
-    peak = build.weight_bytes + (compiled_pool or build.pool_bytes) + max((p.temp_bytes for p in programs), default=0)
+    weights = build.weight_bytes + build.lora_bytes  # the LoRA slots too
+    peak = weights + (compiled_pool or build.pool_bytes) + max((p.temp_bytes for p in programs), default=0)
     detail = f"{peak / MIB:,.0f} MiB of {build.target.hbm_bytes / MIB:,.0f} MiB"
     checks.append(("weights + pool + largest temporary fit the chip", peak <= build.target.hbm_bytes, detail))
     if build.engine.tensor_parallel_size > 1:
@@ -282,7 +293,8 @@ def kernels_where(programs, bad) -> dict:
 
 def collectives_check(build) -> tuple[str, bool, str]:
     """Megatron's collectives: 2 all-reduces per layer + 1 for the embedding in every forward pass of the target
-    model, and an all-gather of the logits in every sampler (with logits processors or not) and prompt log-probs."""
+    model, and an all-gather of the logits in every sampler (with logits processors or not) and prompt log-probs (of
+    one row's logits XLA may make an all-reduce)."""
     layers = build.model.num_layers
     wrong = []
     for p in build.programs:
@@ -291,7 +303,7 @@ def collectives_check(build) -> tuple[str, bool, str]:
         if p.kind == "forward" and p.collectives.get("all-reduce") != 2 * layers + 1:
             wrong.append(f"{p.program}: {p.collectives}")
         logits = p.kind.split("+")[0] in ("sample", "verify", "prompt_logprobs")  # an LM head over the shards
-        if logits and p.collectives.get("all-gather", 0) < 1:
+        if logits and p.collectives.get("all-gather", 0) + p.collectives.get("all-reduce", 0) < 1:
             wrong.append(f"{p.program}: {p.collectives}")
     detail = "; ".join(wrong) or f"forward: {2 * layers + 1} all-reduces, samplers: the logits' all-gather"
     return ("tensor-parallel collectives as designed", not wrong, detail)
@@ -318,6 +330,7 @@ def write_json(path, build, checks, roofs, total_s, tools) -> None:
         "engine": {k: v for k, v in dataclasses.asdict(build.engine).items() if k != "speculative_config"},
         "model": dataclasses.asdict(build.model),
         "weight_bytes_per_device": build.weight_bytes,
+        "lora_bytes_per_device": build.lora_bytes,
         "kv_bytes_per_token_per_device": build.kv_token_bytes,
         "num_pages": build.num_pages,
         "pool_bytes_arithmetic": build.pool_bytes,

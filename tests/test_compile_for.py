@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 import types
 from pathlib import Path
 
+import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 from tiny_models import TINY_FAMILIES
 
 from jaxpage import aot
@@ -48,6 +51,10 @@ TINY_GQA = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")
 # small array into (a copy that is not a relayout), and than any step's temporaries.
 NUM_PAGES = 16384
 TINY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, num_pages=NUM_PAGES, compilation_cache_dir=None)
+# LoRA adapters (jaxpage.worker.lora_weights: their slots among the parameters, each token's slot in the steps) on the
+# fewest step shapes: a decode step and one mixed step of 16 tokens, with the slot fill program.
+LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+LORA_ENGINE = TINY_ENGINE | dict(max_num_seqs=1, max_num_batched_tokens=16) | LORA
 
 
 def test_targets_name_their_topologies_and_refuse_what_they_cannot_hold():
@@ -264,6 +271,45 @@ def test_expert_parallel_programs_compile_for_a_tpu_slice_with_no_new_collective
             assert p.collectives == {"all-reduce": 2 * build.model.num_layers + 1}, (p.program, p.collectives)
 
 
+@needs_tpu
+def test_tensor_parallel_lora_compiles_for_a_tpu_slice_with_no_new_collective(tiny_model_path):
+    # The adapters' slots split as their projections (jaxpage.worker.parallel.lora_shardings): a row-parallel
+    # projection's (o, down) partial LoRA products are summed by its all-reduce with the base projection's, the
+    # column-parallel ones' need none: Megatron's collectives, as without LoRA.
+    model = aot.model_shape(str(tiny_model_path(TINY_GQA)))
+    build = aot.build(TPU, EngineConfig(**LORA_ENGINE | dict(tensor_parallel_size=2)), model)
+    aot.compile_all(build, kinds={"pool", "forward", "lora"})
+    _checked(build)
+    assert [p.kind for p in build.programs] == ["pool", "forward", "forward", "lora"]
+    for p in build.programs:
+        if p.kind == "forward":  # 2 per layer (after the o and down projections) + 1 for the embedding
+            assert p.collectives == {"all-reduce": 2 * build.model.num_layers + 1}, (p.program, p.collectives)
+        if p.kind == "lora":  # each device writes its own shard of the slot
+            assert not p.collectives and p.alias_bytes >= build.lora_bytes, (p.collectives, p.alias_bytes)
+    slots = build.runners[0].params["lora"]
+    assert slots["o_proj"]["a"].sharding.spec == slots["down_proj"]["a"].sharding.spec == P(None, None, "model", None)
+    assert slots["q_proj"]["b"].sharding.spec == P(None, None, None, "model")
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(slots))
+    assert build.lora_bytes == aot.placed_bytes(slots) < whole
+
+
+@needs_gpu
+def test_the_lora_slots_come_out_of_the_devices_budget_as_the_engine_pays_for_them():
+    # An 8B model's pool on an H200, sized from its memory (nothing compiles): the slots of 4 adapters of rank 16 come
+    # off the gpu_memory_utilization budget beside the weights (kv_pool_pages' unpooled_bytes, as LLMEngine sizes it):
+    # 32 layers x 4 slots x rank 16 x 2 bytes x (the projections' input features, 38912, and output features, 43008)
+    # = 320 MiB, 160 pages of 2 MiB fewer.
+    engine = dict(max_num_seqs=256, compilation_cache_dir=None)  # 256 sequences of 8192 tokens: more than fits
+    plain = aot.build(GPU, EngineConfig(**engine), aot.LLAMA3_8B)
+    build = aot.build(GPU, EngineConfig(**engine, enable_lora=True, max_loras=4, max_lora_rank=16), aot.LLAMA3_8B)
+    assert build.lora_bytes == aot.placed_bytes(build.runners[0].params["lora"]) == 320 << 20
+    assert (plain.lora_bytes, build.weight_bytes) == (0, plain.weight_bytes)
+    page_bytes = build.engine.page_size * build.kv_token_bytes
+    budget = int(GPU.hbm_bytes * build.engine.gpu_memory_utilization) - build.weight_bytes
+    assert [plain.num_pages, build.num_pages] == [budget // page_bytes, (budget - build.lora_bytes) // page_bytes]
+    assert plain.num_pages - build.num_pages == 160
+
+
 def _compile_for_script():
     path = Path(__file__).parents[1] / "scripts" / "compile_for.py"
     spec = importlib.util.spec_from_file_location("compile_for", path)
@@ -359,6 +405,47 @@ def test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores(shape, k
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param(TPU, marks=needs_tpu, id="tpu-v5e"),
+        pytest.param(GPU, marks=[needs_gpu, needs_kernel_tools], id="gpu-h200"),
+    ],
+)
+def test_lora_programs_compile_for_the_chips_and_leave_the_gpu_kernels_as_they_are(target):
+    # The adapters' slots among the parameters, each token's slot in the steps, and the slot fill program. Their
+    # products are XLA's dots around the attention, outside the Pallas kernels: on the GPU the forward passes launch the
+    # same kernels, none with a stack frame and each multiplying on the tensor cores (the default model's shape, 2
+    # layers, as test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores: the tiny model's head_dim of 16
+    # makes kernels of their own). On the GPU the kernel report reads the same compiles: one build serves both checks.
+    model = dataclasses.replace(aot.model_shape("default"), num_layers=2)
+    build = aot.build(target, EngineConfig(**LORA_ENGINE), model)
+    build.runners[0].compiler_options = XLA_OPTIMIZATION if target is GPU else None
+    aot.compile_all(build, kinds={"pool", "forward", "lora"})
+    assert [p.kind for p in build.programs] == ["pool", "forward", "forward", "lora"]  # decode, mixed T = 16; the fill
+    _checked(build)
+    slots = build.runners[0].params["lora"]  # shapes on the target's (compile-only) device, as the runner keeps them
+    assert {frozenset(x.sharding.device_set) for x in jax.tree.leaves(slots)} == {frozenset(target.devices(1))}
+    assert build.lora_bytes == aot.placed_bytes(slots) > 0
+    fill = build.programs[-1]
+    assert fill.alias_bytes >= build.lora_bytes and not fill.collectives  # the slots written in place (donated)
+    if target is not GPU:
+        return
+    forward = [p for p in build.programs if p.kind == "forward"]
+    assert [[(k.name, k.count) for k in p.kernels] for p in forward] == [
+        [("jaxpage_gpu_decode_attention", model.num_layers)],
+        [("jaxpage_gpu_ragged_attention", model.num_layers)],
+    ]
+    bad = [
+        f"{p.program}: {k.name}: {k.stack_bytes} B stack, {k.spill_store_bytes}/{k.spill_load_bytes} B spill "
+        f"stores/loads, {k.registers} registers, {k.tensor_core_mma} tensor-core MMA"
+        for p in forward
+        for k in p.kernels
+        if k.stack_bytes or not k.tensor_core_mma
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_a_dump_directory_joins_a_runners_compiler_options_while_it_compiles():
     runner = types.SimpleNamespace(compiler_options=XLA_OPTIMIZATION)
     with aot.dumped(runner, True) as directory:
@@ -372,6 +459,10 @@ def test_compile_for_refuses_bad_arguments_in_one_line(capsys):
     assert _compile_for_script().main(["--target", "tpu-v4", "--model", "llama3-8b"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("compile_for.py: error: unknown target 'tpu-v4'") and err.count("\n") == 1
+    argv = ["--target", "gpu-h200", "--model", "llama3-8b", "--enable-lora", "--max-loras", "0"]
+    assert _compile_for_script().main(argv) == 2  # the engine arguments' own check, before anything is built
+    err = capsys.readouterr().err
+    assert err.startswith("compile_for.py: error: engine argument max_loras must be") and err.count("\n") == 1
 
 
 def test_collectives_are_counted_through_a_loop_whose_bound_is_in_its_condition():
