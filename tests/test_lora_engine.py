@@ -171,9 +171,10 @@ def test_a_follower_process_replaying_the_leader_s_messages_fills_the_same_slots
     from test_multihost import Recorder, Replayer, attach
 
     directory, _, made = lora_adapters
+    few_shapes = TINY_ENGINE | dict(max_num_seqs=4, max_num_batched_tokens=32)  # both warm up: every shape compiles
     leader, follower = (
         LLM(str(directory), skip_tokenizer_init=True, enable_lora=True, max_loras=2, tensor_parallel_size=2,
-            **TINY_ENGINE)
+            **few_shapes)
         for _ in range(2)
     )  # fmt: skip
     recorder = Recorder()
