@@ -64,6 +64,7 @@ def platform_tuning(platform: str) -> dict:
         "all_pairs",
         "last_row_tile",
         "tiles_in_query_dtype",
+        "fixed_order",
     ),
 )
 def xla_ragged_attention(
@@ -87,6 +88,7 @@ def xla_ragged_attention(
     all_pairs: bool | None = None,
     last_row_tile: int = LAST_ROW_TILE,
     tiles_in_query_dtype: bool = False,
+    fixed_order: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
     """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
 
@@ -94,14 +96,31 @@ def xla_ragged_attention(
     `max_q_len`, every live sequence must have q_len <= max_q_len (rows of longer sequences before their last
     max_q_len come out as 0). The tuning is an argument so that tests can shrink
     the tiles to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
+
+    fixed_order (batch invariance): every query row computed in the same order whatever else the call holds: the
+    products per kv head (all_pairs picks its form by the batch), and each kv tile's sum of probabilities taken by
+    the probabilities-times-values product itself (a ones column beside the values) rather than a reduction, whose
+    order XLA picks by the number of rows. Tiles past a row's own keys change nothing (alpha 1, p 0), and the
+    batched products give a row the same bits whatever their batch (measured on CPU, and checked by the tests).
     """
     num_tokens, num_heads, head_dim = q.shape
+    if fixed_order and max_q_len != 1 and num_tokens:
+        # Every query row as a sequence of its own (its sequence's pages, its position + 1 keys: the causal mask),
+        # all in the decode form: one row's work is one shape, whether it is a decode, a chunk's last row or a row
+        # inside a prefill chunk (the prefill loop's query tiles would give it other bits).
+        options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_tile=kv_tile)
+        options |= dict(last_row_tile=last_row_tile, tiles_in_query_dtype=tiles_in_query_dtype, fixed_order=True)
+        return xla_ragged_attention(
+            q, k_pages, v_pages, *_rows_as_sequences(kv_lens, block_tables, cu_q_lens, num_seqs, num_tokens), layer,
+            k_scales, v_scales, max_q_len=1, **options,
+        )  # fmt: skip
     page_size, num_kv_heads = k_pages.shape[-3:-1]
     num_seq_rows, pages_per_seq = block_tables.shape
     group = num_heads // num_kv_heads
     tile_dtype = q.dtype if tiles_in_query_dtype else jnp.float32
     if all_pairs is None:
         all_pairs = num_kv_heads <= ALL_PAIRS_MAX_KV_HEADS
+    all_pairs = all_pairs and not fixed_order
     if num_tokens == 0 or num_seq_rows == 0 or pages_per_seq == 0:
         return jnp.zeros_like(q)
 
@@ -185,8 +204,13 @@ def xla_ragged_attention(
             new_max = jnp.maximum(row_max, s.max(axis=-1))
             alpha = jnp.exp(row_max - new_max)
             p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
-            pv = weighted_values(p.reshape(n, num_kv_heads, rows * group, kv_tile), values)
-            return new_max, alpha * row_sum + p.sum(axis=-1), alpha[..., None] * acc + pv.reshape(acc.shape)
+            p = p.reshape(n, num_kv_heads, rows * group, kv_tile)
+            if fixed_order:  # the tile's sum of p as one more column of the product
+                pv = weighted_values(p, jnp.concatenate([values, jnp.ones_like(values[..., :1])], axis=-1))
+                tile_sum, pv = pv[..., -1].reshape(row_sum.shape), pv[..., :-1]
+            else:
+                tile_sum, pv = p.sum(axis=-1).reshape(row_sum.shape), weighted_values(p, values)
+            return new_max, alpha * row_sum + tile_sum, alpha[..., None] * acc + pv.reshape(acc.shape)
 
         row_max = jnp.full((n, num_kv_heads, rows, group), MASK_VALUE, jnp.float32)
         init = (row_max, jnp.zeros_like(row_max), jnp.zeros((*row_max.shape, head_dim), jnp.float32))
@@ -261,3 +285,15 @@ def xla_ragged_attention(
     rows_of_seq = jnp.where(own_rows, rows_of_seq, num_tokens + extra_rows)
     out = out.at[rows_of_seq.reshape(-1)].set(out_last.reshape(-1, num_heads, head_dim), mode="drop")
     return out[:num_tokens].astype(q.dtype)
+
+
+def _rows_as_sequences(kv_lens, block_tables, cu_q_lens, num_seqs, num_tokens: int) -> tuple:
+    """(kv_lens, block_tables, cu_q_lens, num_seqs) of the T query rows, each a sequence of one row: its sequence's
+    block table, and its position + 1 keys (rows past the live sequences': none)."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], rows, side="right"), 0, block_tables.shape[0] - 1)
+    live = rows < cu_q_lens[num_seqs]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    position = kv_lens[seq] - q_lens[seq] + (rows - cu_q_lens[seq])
+    row_kv_lens = jnp.where(live, position + 1, 0).astype(jnp.int32)
+    return row_kv_lens, block_tables[seq], jnp.arange(num_tokens + 1, dtype=jnp.int32), jnp.int32(num_tokens)

@@ -7,7 +7,7 @@ from jaxpage.attention.backend import (
     PagedAttention,
     PagedBatch,
 )
-from jaxpage.attention.factory import BACKENDS, resolve_backend
+from jaxpage.attention.factory import BACKENDS, engine_backend, resolve_backend
 from jaxpage.attention.pallas_gpu import PallasGpuAttention
 from jaxpage.attention.pallas_tpu import PallasTpuAttention
 from jaxpage.attention.xla import XlaAttention
@@ -21,5 +21,6 @@ __all__ = [
     "PallasGpuAttention",
     "PallasTpuAttention",
     "XlaAttention",
+    "engine_backend",
     "resolve_backend",
 ]

@@ -35,14 +35,22 @@ assert set(EngineConfig.ATTENTION_IMPLS) == {"auto", "pallas", *BACKENDS}, "the 
 
 
 def resolve_backend(
-    attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None
+    attention_impl: str = "auto", kv_cache_dtype: str = "auto", platform: str | None = None, batch_invariant=False
 ) -> AttentionBackend:
     """The backend for the engine arguments, for programs built for `platform` (default: jax's default backend);
-    ValueError where it cannot run there."""
+    ValueError where it cannot run there. batch_invariant: the XLA attention in its batch-invariant form, on every
+    platform (EngineConfig refuses a Pallas attention_impl with it)."""
     platform = platform or jax.default_backend()
     kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
+    if batch_invariant:
+        return XlaAttention(kv_cache_dtype, platform, batch_invariant=True)
     cls, options = BACKENDS[backend_name(attention_impl, platform)]
     return cls(kv_cache_dtype, platform, **options)
+
+
+def engine_backend(config: EngineConfig, platform: str | None = None) -> AttentionBackend:
+    """resolve_backend for an engine's arguments (attention_impl, kv_cache_dtype, batch_invariant)."""
+    return resolve_backend(config.attention_impl, config.kv_cache_dtype, platform, config.batch_invariant)
 
 
 def backend_name(attention_impl: str, platform: str) -> str:
@@ -67,4 +75,4 @@ def backend_name(attention_impl: str, platform: str) -> str:
     return attention_impl
 
 
-__all__ = ["resolve_backend", "backend_name", "BACKENDS"]
+__all__ = ["resolve_backend", "engine_backend", "backend_name", "BACKENDS"]

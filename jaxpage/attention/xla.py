@@ -14,6 +14,10 @@ from pallas_kernels.xla_ragged_attention import platform_tuning, xla_ragged_atte
 
 @dataclasses.dataclass(frozen=True)
 class XlaAttention(AttentionBackend):
+    # Every query row's products and sums in one order whatever else the step holds (engine argument batch_invariant:
+    # xla_ragged_attention's fixed_order).
+    batch_invariant: bool = False
+
     @property
     def name(self) -> str:
         return "xla"
@@ -24,7 +28,7 @@ class XlaAttention(AttentionBackend):
         pools = (kv_cache.k, kv_cache.v)
         scales = dict(k_scales=kv_cache.k_scales, v_scales=kv_cache.v_scales)
         options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len)
-        options |= platform_tuning(self.platform)
+        options |= platform_tuning(self.platform) | dict(fixed_order=self.batch_invariant)
         if max_q_len == 1:  # one query token per row: sequence s's is token s (the decode form, no prefill loop)
             assert q.shape[0] == batch.kv_lens.shape[0], (q.shape, batch.kv_lens.shape)
             rows = q.shape[0]

@@ -127,6 +127,11 @@ class EngineConfig:
     enable_expert_parallel: bool = arg(
         False, "split a mixture of experts' experts over the tensor-parallel devices, whole (default: off)"
     )
+    # Batch invariance (jaxpage.models.batch_invariant): a request's tokens and log-probs bit for bit the same whatever
+    # runs beside it (batch size and place, chunked prefill, prefix-cache hits, preemption), at some cost in speed.
+    batch_invariant: bool = arg(
+        False, "a request's tokens and log-probs bit for bit the same whatever runs beside it (default: off)"
+    )
     # Asynchronous scheduling (LLMEngine.step): the host schedules and prepares step n + 1 while the device runs step
     # n, which feeds its sampled tokens to step n + 1 on the device; the same tokens as synchronous scheduling.
     # None: on for GPU and TPU, off on CPU; not with speculative decoding or several hosts.
@@ -170,6 +175,22 @@ class EngineConfig:
             raise ValueError(
                 f"engine argument max_cpu_loras {self.max_cpu_loras} must be >= max_loras {self.max_loras}: every "
                 "adapter in a device slot is kept in host memory too"
+            )
+
+    def _check_batch_invariant(self) -> None:
+        """batch_invariant, and what it cannot run with (each refused by name)."""
+        check_bool("engine argument batch_invariant", self.batch_invariant)
+        if not self.batch_invariant:
+            return
+        if self.quantization is not None:
+            raise ValueError(
+                f"engine argument batch_invariant: quantization {self.quantization!r} is not batch-invariant yet (its "
+                "products are not in fixed row tiles); leave quantization unset"
+            )
+        if self.attention_impl not in ("auto", "xla"):
+            raise ValueError(
+                f"engine argument batch_invariant: attention_impl {self.attention_impl!r}: the Pallas kernels split "
+                "their work by the batch; use 'auto' or 'xla' (the XLA attention, on every platform)"
             )
 
     def __post_init__(self):
@@ -220,6 +241,7 @@ class EngineConfig:
         check_bool(arg("skip_tokenizer_init"), self.skip_tokenizer_init)
         put("speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         self._check_lora()
+        self._check_batch_invariant()
         put("tensor_parallel_size", check_int(arg("tensor_parallel_size"), self.tensor_parallel_size, 1))
         put("data_parallel_size", check_int(arg("data_parallel_size"), self.data_parallel_size, 1))
         check_bool(arg("enable_expert_parallel"), self.enable_expert_parallel)

@@ -85,6 +85,9 @@ class ModelConfig:
     # How the model runs, not what it is: with expert parallelism (EngineConfig.enable_expert_parallel), the routed
     # experts split over this many tensor-parallel shards (jaxpage.worker.parallel); 1: every shard has every expert.
     expert_parallel_size: int = 1
+    # How the model runs: batch-invariant (EngineConfig.batch_invariant; jaxpage.models.batch_invariant): every row's
+    # products and reductions computed in shapes that do not depend on the other rows of its step.
+    batch_invariant: bool = False
     # Gemma 2 and 3 (jaxpage.models.llama): a GELU MLP, RMSNorm scaling by (1 + weight), the embedding multiplied by
     # sqrt(hidden_size), attention scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, logits of the
     # attention and of the LM head soft-capped (cap * tanh(x / cap)), norms after the attention and MLP outputs

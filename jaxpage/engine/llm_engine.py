@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 
 import jax
 
-from jaxpage.attention import resolve_backend
+from jaxpage.attention import engine_backend
 from jaxpage.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig
 from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.input_processor import InputProcessor
@@ -55,8 +56,22 @@ def load_models(config: EngineConfig, mesh) -> tuple[ModelConfig, tuple, tuple |
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(spec.model, load.dtype, model_config, sharding=placement)
-        draft = parallel.as_run(*draft, mesh)
-    return model_config, parallel.as_run(model_config, params, mesh, expert_parallel), draft
+        draft = as_run(config, *draft, mesh)
+    return model_config, as_run(config, model_config, params, mesh, expert_parallel), draft
+
+
+def as_run(config: EngineConfig, model_config: ModelConfig, params, mesh, expert_parallel: bool = False) -> tuple:
+    """(config, params) of a model as the engine runs it: on the mesh (jaxpage.worker.parallel.as_run), and
+    batch-invariant with the engine argument (a mixture of experts refused: its products group tokens by expert)."""
+    model_config, params = parallel.as_run(model_config, params, mesh, expert_parallel)
+    if config.batch_invariant:
+        if model_config.is_moe:
+            raise ValueError(
+                "engine argument batch_invariant: a mixture of experts multiplies each expert's tokens together "
+                "(shapes that depend on the batch); not supported"
+            )
+        model_config = dataclasses.replace(model_config, batch_invariant=True)
+    return model_config, params
 
 
 def _request_ids(request_id) -> list[str]:
@@ -83,7 +98,7 @@ class LLMEngine:
         self.is_leader = process_group.is_leader()
         self._stopped = False
         self.config = config
-        self.attention_backend = resolve_backend(config.attention_impl, config.kv_cache_dtype)
+        self.attention_backend = engine_backend(config)
         self.compilation_cache = None
         if config.compilation_cache_dir is not None:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)

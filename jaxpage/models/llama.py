@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import Attention, DenseAttention, DenseBatch
+from jaxpage.models.batch_invariant import invariant_dot_general, invariant_matmul, rowwise
 from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
 from jaxpage.models.lora import LayerLoRA, LoRAInputs, add_lora, lora_of
 from jaxpage.models.moe import MoEBlock, expert_method
@@ -44,7 +45,8 @@ def linear(config: ModelConfig, features, use_bias: bool, dtype, name: str, axis
     multiplied by `int8_method` (jaxpage.models.int8.int8_matmul)."""
     if config.quantization == "int8":
         return Int8DenseGeneral(features, axis, use_bias, dtype, int8_method, name=name)
-    return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+    options = dict(dot_general=invariant_dot_general) if config.batch_invariant else {}
+    return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name, **options)
 
 
 class RMSNorm(nn.Module):
@@ -53,20 +55,26 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
     offset: float = 0.0
+    batch_invariant: bool = False  # the mean of squares per row in fixed row tiles (jaxpage.models.batch_invariant)
 
     @nn.compact
     def __call__(self, x):
         init = nn.initializers.zeros if self.offset else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
-        return scale * normed.astype(x.dtype)  # cast before scaling, as transformers does
+
+        def norm(x):
+            x32 = x.astype(jnp.float32)
+            normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            if self.offset:
+                return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
+            return scale * normed.astype(x.dtype)  # cast before scaling, as transformers does
+
+        # Batch-invariant: each row's in one shape, its sum and its rsqrt (jaxpage.models.batch_invariant.rowwise).
+        return rowwise(norm, x) if self.batch_invariant else norm(x)
 
 
 def rms_norm(config: ModelConfig, dtype, name: str | None = None) -> RMSNorm:
-    return RMSNorm(config.rms_norm_eps, dtype, config.norm_weight_offset, name=name)
+    return RMSNorm(config.rms_norm_eps, dtype, config.norm_weight_offset, config.batch_invariant, name=name)
 
 
 def soft_cap(x, cap: float | None):
@@ -190,7 +198,7 @@ class DecoderLayer(nn.Module):
         jaxpage.models.lora.slot_mask (None without LoRA)."""
         x, kv_cache = carry
         layer, lora_weights = layer_inputs
-        lora = None if lora_weights is None else (lora_weights, lora_mask)
+        lora = None if lora_weights is None else (lora_weights, lora_mask, self.config.batch_invariant)
         c = self.config
         h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, name="attn")(
             rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer, lora
@@ -270,7 +278,10 @@ class Llama(nn.Module):
 
     def logits(self, hidden):
         """float32 logits [..., vocab_size] for hidden states [..., hidden_size]."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.config.batch_invariant:
+            embedding = self.embed_tokens.embedding.astype(self.dtype)
+            logits = invariant_matmul(hidden.astype(self.dtype), embedding.T).astype(jnp.float32)
+        elif self.config.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden).astype(jnp.float32)
         else:
             logits = self.lm_head(hidden).astype(jnp.float32)

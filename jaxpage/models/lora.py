@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.models.batch_invariant import invariant_matmul
 from jaxpage.models.lora_adapter import LORA_TARGETS, module_features
 
 
@@ -119,20 +120,25 @@ class LoRAInputs:
         return slot_mask(self.slots, num_slots, rank, dtype)
 
 
-# Inside a layer: (this layer's {module: {"a": [S, in, r], "b": [S, r, out]}}, the tokens' slot mask), or None.
-LayerLoRA = tuple[dict, jax.Array] | None
+# Inside a layer: (this layer's {module: {"a": [S, in, r], "b": [S, r, out]}}, the tokens' slot mask, whether the
+# model is batch-invariant), or None.
+LayerLoRA = tuple[dict, jax.Array, bool] | None
 
 
 def lora_of(lora: LayerLoRA, module: str) -> tuple:
-    """(weights, mask) of one projection for add_lora: (None, None) when no adapter can target it."""
+    """(weights, mask, batch_invariant) of one projection for add_lora: (None, None, False) when no adapter can target
+    it."""
     if lora is None or module not in lora[0]:
-        return None, None
-    return lora[0][module], lora[1]
+        return None, None, False
+    return lora[0][module], lora[1], lora[2]
 
 
-def add_lora(y: jax.Array, x: jax.Array, weights: dict | None, mask: jax.Array | None) -> jax.Array:
+def add_lora(
+    y: jax.Array, x: jax.Array, weights: dict | None, mask: jax.Array | None, batch_invariant: bool = False
+) -> jax.Array:
     """y (a projection's output [..., *out]) plus the tokens' adapters' products of its input x [..., *in]; weights:
-    this layer's {"a": [S, in, r], "b": [S, r, out]} of the projection, or None (no adapter targets it, or no LoRA)."""
+    this layer's {"a": [S, in, r], "b": [S, r, out]} of the projection, or None (no adapter targets it, or no LoRA);
+    batch_invariant: the products in fixed row tiles (jaxpage.models.batch_invariant)."""
     if weights is None or mask is None:
         return y
     a, b = weights["a"], weights["b"]
@@ -141,7 +147,8 @@ def add_lora(y: jax.Array, x: jax.Array, weights: dict | None, mask: jax.Array |
     x = x.reshape(*tokens, features_in)
     a = a.transpose(1, 0, 2).reshape(features_in, num_slots * rank).astype(x.dtype)
     b = b.reshape(num_slots * rank, b.shape[-1]).astype(x.dtype)
-    delta = ((x @ a) * mask.astype(x.dtype)) @ b
+    matmul = invariant_matmul if batch_invariant else jnp.matmul
+    delta = matmul(matmul(x, a) * mask.astype(x.dtype), b)
     return y + delta.reshape(y.shape).astype(y.dtype)
 
 

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpage.attention import AttentionBackend, PagedAttention
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
+from jaxpage.models.batch_invariant import in_row_tiles
 from jaxpage.models.llama import Llama, build, params_dtype
 from jaxpage.models.lora import split_lora
 from jaxpage.sample.logits_processors import apply_logits_processors
@@ -81,11 +82,14 @@ class StepOutput:
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
-def sample_rows(logits: jax.Array, inputs: SampleInput) -> tuple:
+def sample_rows(logits: jax.Array, inputs: SampleInput, batch_invariant: bool = False) -> tuple:
     """The sampler's work on the LM head's logits [R * (k + 1), V] float32: logits processors, then sampling (k = 0)
     or the verification of each row's k drafts, then the log-probs when some row asks (see
-    ModelRunner._sample_on_shard for what it returns)."""
+    ModelRunner._sample_on_shard for what it returns). batch_invariant: every row in one shape, a tile of rows at a
+    time (jaxpage.models.batch_invariant.in_row_tiles)."""
     rows, k = inputs.draft_tokens.shape
+    if batch_invariant:
+        return in_row_tiles(sample_rows, rows, logits, inputs)
     # Grammar masks, biases and penalties change what is sampled; log-probs stay the model's (vLLM's default).
     processed = logits if inputs.logits is None else apply_logits_processors(logits, inputs.logits)
     if k == 0:
@@ -276,7 +280,7 @@ class ModelRunner:
         drafts are verified (jaxpage.sample.rejection_sampler). The full logits never leave this function; the log-probs
         are computed only when some row asks for them."""
         logits = self.models[0].apply({"params": params}, hidden, method=Llama.logits)  # [R * (k + 1), V] float32
-        token_ids, num_accepted, logprobs = sample_rows(logits, inputs)
+        token_ids, num_accepted, logprobs = sample_rows(logits, inputs, self.config.batch_invariant)
         return token_ids, num_accepted, logprobs, last_tokens(token_ids, num_accepted, self.inputs.max_sample_rows)
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
