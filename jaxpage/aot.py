@@ -1,16 +1,17 @@
 """The engine's programs built ahead of time for a chip this host does not have (jaxpage.targets).
 
 `build(target, engine_config, model)` does what LLMEngine does at start -- the attention backend for the target's
-platform, the mesh over its (compile-only) devices, the model's parameters placed shard by shard, the KV pool sized
-from the chip's memory with the engine's own arithmetic (jaxpage.worker.pool_sizing), the runner(s), with the LoRA
-adapters' device slots where the engine arguments enable LoRA -- with ShapeDtypeStructs instead of arrays: no weights
-are read and nothing runs. `compile_all` then compiles every program the engine's warm-up compiles
-(ModelRunner.warmup_programs: the pool's fill, each forward step shape, each sampler or verification, the page copy,
-the LoRA slot fill, a draft model's forward passes and proposals), each with the chip's real compiler, and reports on
-each (`ProgramReport`): compiled or the compiler's error, seconds, memory, the compiler's cost analysis, collectives
-executed, and any copy of a KV pool; on a GPU target, each Pallas kernel of the programs that run the model's layers
-(KERNEL_KINDS) too: its launch, registers, stack frame, shared memory, blocks per SM and SASS
-(jaxpage.benchmarks.gpu_kernels, from a dump of that compile read with ptxas and cuobjdump).
+platform, the mesh over its (compile-only) devices, the model's config as it runs (batch-invariant with the engine
+argument), the model's parameters placed shard by shard, the KV pool sized from the chip's memory with the engine's own
+arithmetic (jaxpage.worker.pool_sizing), the runner(s), with the LoRA adapters' device slots where the engine arguments
+enable LoRA -- with ShapeDtypeStructs instead of arrays: no weights are read and nothing runs. `compile_all` then
+compiles every program the engine's warm-up compiles (ModelRunner.warmup_programs: the pool's fill, each forward step
+shape, each sampler or verification, the page copy, the LoRA slot fill, a draft model's forward passes and proposals),
+each with the chip's real compiler, and reports on each (`ProgramReport`): compiled or the compiler's error, seconds,
+memory, the compiler's cost analysis, collectives executed, and any copy of a KV pool; on a GPU target, each Pallas
+kernel of the programs that run the model's layers (KERNEL_KINDS) too: its launch, registers, stack frame, shared
+memory, blocks per SM and SASS (jaxpage.benchmarks.gpu_kernels, from a dump of that compile read with ptxas and
+cuobjdump).
 
 Estimates, not measurements: `decode_roofline` gives a decode step's time as max(bytes / HBM bandwidth, FLOPs /
 peak) of the chip's published figures.
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jaxpage.attention import AttentionBackend, resolve_backend
+from jaxpage.attention import AttentionBackend, engine_backend
 from jaxpage.benchmarks import gpu_kernels
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
@@ -178,13 +179,16 @@ def build(
     does not fit)."""
     tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
     dtype = jnp.dtype(engine.dtype or ("float32" if target.platform == "cpu" else "bfloat16"))
-    backend = resolve_backend(engine.attention_impl, engine.kv_cache_dtype, platform=target.platform)
+    backend = engine_backend(engine, target.platform)
     mesh = make_mesh(tp, dp, devices=target.devices(tp * dp)) if tp * dp > 1 else None
     device = None if mesh is not None else target.devices(1)[0]
     models = [model] + ([draft] if draft is not None else [])
     placed = []
     for config in models:
-        config = dataclasses.replace(config, quantization=engine.quantization)
+        # As LLMEngine runs it (jaxpage.engine.llm_engine.as_run): batch_invariant is the model config's, which picks
+        # the row-tiled products, norms and sampler: without it the programs would not be the mode's.
+        _refuse_moe_if_batch_invariant(engine, config)
+        config = dataclasses.replace(config, quantization=engine.quantization, batch_invariant=engine.batch_invariant)
         check_divisible(config, tp, splits_experts(config, tp, engine.enable_expert_parallel))
         config = with_expert_parallel(with_replicated_kv_heads(config, tp), tp, engine.enable_expert_parallel)
         placed.append((config, _placed_params(config, dtype, mesh, device)))
@@ -218,6 +222,16 @@ def build(
         window_token_bytes=window_token_bytes,
         lora_bytes=lora_bytes,
     )
+
+
+def _refuse_moe_if_batch_invariant(engine: EngineConfig, config: ModelConfig) -> None:
+    """ValueError for a mixture of experts with batch_invariant, as the engine refuses it at load (its products group
+    tokens by expert, in shapes that depend on the batch)."""
+    if engine.batch_invariant and config.is_moe:
+        raise ValueError(
+            "engine argument batch_invariant: a mixture of experts multiplies each expert's tokens together "
+            "(shapes that depend on the batch); not supported"
+        )
 
 
 def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:

@@ -5,6 +5,7 @@
     python scripts/compile_for.py --target tpu-v6e:2x4 --model llama3-8b --tensor-parallel-size 8
     python scripts/compile_for.py --target gpu-h100 --model default --num-speculative-tokens 3 --draft-model default
     python scripts/compile_for.py --target gpu-h200 --model llama3-8b --enable-lora --max-loras 4 --max-lora-rank 16
+    python scripts/compile_for.py --target tpu-v5e --model default --batch-invariant
 
 Targets (jaxpage.targets): tpu-v5e, tpu-v6e, tpu-v5p (needs libtpu: pip install 'jaxpage[tpu]'), gpu-h100, gpu-h200
 (needs jax's CUDA plugin, and CUDA's ptxas and cuobjdump for the kernel report: pip install 'jaxpage[compile]');
@@ -76,6 +77,9 @@ def parse_args(argv=None):
     parser.add_argument("--enable-lora", action="store_true", help="LoRA adapters' slots and their fill program")
     parser.add_argument("--max-loras", type=int, default=EngineConfig.max_loras, help="LoRA slots (--enable-lora)")
     parser.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank, help="their rank")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="the batch-invariant mode: row-tiled products, XLA attention"
+    )
     parser.add_argument("--context", type=int, default=1024, help="tokens per sequence in the roofline estimate")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -109,6 +113,7 @@ def main(argv=None) -> int:
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            batch_invariant=args.batch_invariant,
             compilation_cache_dir=None,
         )
         model = aot.model_shape(args.model)
@@ -142,7 +147,7 @@ def print_header(build, args, tools) -> None:
         f"target {build.target.name} ({build.runners[0].mesh.devices.size if build.runners[0].mesh else 1} device(s) "
         f"of {build.target.devices(1)[0].device_kind}), {build.backend.name} attention, {build.dtype.name} weights"
         f"{' int8' if e.quantization else ''}, KV {e.kv_cache_dtype}, TP {e.tensor_parallel_size} x DP "
-        f"{e.data_parallel_size}"
+        f"{e.data_parallel_size}{', batch-invariant' if e.batch_invariant else ''}"
     )
     print(
         f"model {args.model}: {m.num_layers} layers, {m.num_heads} heads / {m.num_kv_heads} KV heads x {m.head_dim}, "

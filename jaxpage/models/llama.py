@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jaxpage.config import ModelConfig
 from jaxpage.models.attention import Attention, DenseAttention, DenseBatch
-from jaxpage.models.batch_invariant import invariant_dot_general, invariant_matmul, rowwise
+from jaxpage.models.batch_invariant import invariant_dot_general, rowwise
 from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
 from jaxpage.models.lora import LayerLoRA, LoRAInputs, add_lora, lora_of
 from jaxpage.models.moe import MoEBlock, expert_method
@@ -279,8 +279,9 @@ class Llama(nn.Module):
     def logits(self, hidden):
         """float32 logits [..., vocab_size] for hidden states [..., hidden_size]."""
         if self.config.tie_word_embeddings and self.config.batch_invariant:
-            embedding = self.embed_tokens.embedding.astype(self.dtype)
-            logits = invariant_matmul(hidden.astype(self.dtype), embedding.T).astype(jnp.float32)
+            embedding = self.embed_tokens.embedding.astype(self.dtype)  # [V, D], contracted on D where it lies
+            numbers = (((hidden.ndim - 1,), (1,)), ((), ()))
+            logits = invariant_dot_general(hidden.astype(self.dtype), embedding, numbers).astype(jnp.float32)
         elif self.config.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden).astype(jnp.float32)
         else:
