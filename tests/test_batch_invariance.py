@@ -108,13 +108,21 @@ ENGINES = {
     "two-replicas": dict(max_num_batched_tokens=64, data_parallel_size=2),
 }
 TARGET = [int(t) for t in np.random.default_rng(5).integers(3, 90, 37)]
-EXAMPLES = int(os.environ.get("JAXPAGE_INVARIANCE_EXAMPLES", "24"))  # scripts/check_batch_invariance.py: 200 and more
+# More cases, or the default model: JAXPAGE_INVARIANCE_EXAMPLES=200, JAXPAGE_INVARIANCE_MODEL=default (README).
+EXAMPLES = int(os.environ.get("JAXPAGE_INVARIANCE_EXAMPLES", "50"))
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_path):
-    directory = str(tiny_model_path(FAMILY))
-    return {name: LLM(directory, **COMMON, **options) for name, options in ENGINES.items()}
+def model_source(request) -> str:
+    """The tiny model, or with JAXPAGE_INVARIANCE_MODEL=default the default model."""
+    if os.environ.get("JAXPAGE_INVARIANCE_MODEL") == "default":
+        return str(request.getfixturevalue("smollm2_path"))
+    return str(request.getfixturevalue("tiny_model_path")(FAMILY))
+
+
+@pytest.fixture(scope="module")
+def engines(model_source):
+    return {name: LLM(model_source, **COMMON, **options) for name, options in ENGINES.items()}
 
 
 def target_params(seeded: bool, n: int) -> SamplingParams:
@@ -162,9 +170,9 @@ def test_the_cases_above_preempted_the_target_and_hit_its_cached_prefix(engines)
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_model_path):
+def alone(model_source):
     """The target served alone, on an engine of its own (one step shape per phase, nothing cached)."""
-    llm = LLM(str(tiny_model_path(FAMILY)), **COMMON, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(model_source, **COMMON, max_num_batched_tokens=64, enable_prefix_caching=False)
     return {(seeded, n): served(llm, target_params(seeded, n), [], 0) for seeded in (False, True) for n in (1, 2)}
 
 
