@@ -20,7 +20,7 @@ import statistics
 import time
 
 from jaxpage.benchmarks.progress import log
-from jaxpage.benchmarks.turns import serve_in_turns
+from jaxpage.benchmarks.turns import serve_in_turns, warm_up
 
 
 def main() -> None:
@@ -43,14 +43,7 @@ def main() -> None:
     for name, invariant in (("default", False), ("invariant", True)):
         log(f"loading the {name} engine")
         engines[name] = LLM(args.model, batch_invariant=invariant, **engine_args)
-    compile_s = {}
-    for name, llm in engines.items():
-        if args.skip_warmup:
-            break
-        start = time.perf_counter()
-        compiled = llm.engine.warmup()
-        compile_s[name] = time.perf_counter() - start
-        log(f"{name}: warmed up, {len(compiled)} programs in {compile_s[name]:.1f}s")
+    compile_s = {} if args.skip_warmup else warm_up(engines)
 
     vocab = engines["default"].engine.model_config.vocab_size
     prompts = [

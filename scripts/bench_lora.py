@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
 from jaxpage.benchmarks.progress import log
-from jaxpage.benchmarks.turns import serve_in_turns
+from jaxpage.benchmarks.turns import serve_in_turns, warm_up
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -77,14 +76,7 @@ def main() -> None:
     log("loading the LoRA engine")
     lora = LLM(args.model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=max(ranks), **engine_args)
     engines = {"base": base, "lora": lora}
-    compile_s = {}
-    for name, llm in engines.items():
-        if args.skip_warmup:
-            break
-        start = time.perf_counter()
-        compiled = llm.engine.warmup()
-        compile_s[name] = time.perf_counter() - start
-        log(f"{name}: warmed up, {len(compiled)} programs in {compile_s[name]:.1f}s")
+    compile_s = {} if args.skip_warmup else warm_up(engines)
 
     with tempfile.TemporaryDirectory() as tmp:
         config = base.engine.model_config

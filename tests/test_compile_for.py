@@ -407,13 +407,14 @@ def test_the_gpu_kernels_spill_nothing_and_multiply_on_the_tensor_cores(shape, k
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        pytest.param(TPU, marks=needs_tpu, id="tpu-v5e"),
-        pytest.param(GPU, marks=[needs_gpu, needs_kernel_tools], id="gpu-h200"),
-    ],
-)
+# The TPU v5e and the H200, the latter with the kernel report's tools.
+BOTH_CHIPS_WITH_KERNEL_TOOLS = [
+    pytest.param(TPU, marks=needs_tpu, id="tpu-v5e"),
+    pytest.param(GPU, marks=[needs_gpu, needs_kernel_tools], id="gpu-h200"),
+]
+
+
+@pytest.mark.parametrize("target", BOTH_CHIPS_WITH_KERNEL_TOOLS)
 def test_lora_programs_compile_for_the_chips_and_leave_the_gpu_kernels_as_they_are(target):
     # The adapters' slots among the parameters, each token's slot in the steps, and the slot fill program. Their
     # products are XLA's dots around the attention, outside the Pallas kernels: on the GPU the forward passes launch the
@@ -465,13 +466,7 @@ def row_tiled_scopes(hlo: str) -> set[str]:
     return scopes
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        pytest.param(TPU, marks=needs_tpu, id="tpu-v5e"),
-        pytest.param(GPU, marks=[needs_gpu, needs_kernel_tools], id="gpu-h200"),
-    ],
-)
+@pytest.mark.parametrize("target", BOTH_CHIPS_WITH_KERNEL_TOOLS)
 def test_batch_invariant_programs_compile_for_the_chips_with_row_tiles_and_no_pallas_kernel(target):
     # The mode (jaxpage.models.batch_invariant) on both chips: the model's config as the engine runs it (aot.build sets
     # batch_invariant on it, as LLMEngine's as_run does), the XLA attention in its fixed order (no Pallas kernel in

@@ -5,6 +5,19 @@ from __future__ import annotations
 
 import time
 
+from jaxpage.benchmarks.progress import log
+
+
+def warm_up(engines: dict) -> dict:
+    """Every engine (name -> LLM) warmed up (LLMEngine.warmup), logged: {name: seconds}."""
+    seconds = {}
+    for name, llm in engines.items():
+        start = time.perf_counter()
+        compiled = llm.engine.warmup()
+        seconds[name] = time.perf_counter() - start
+        log(f"{name}: warmed up, {len(compiled)} programs in {seconds[name]:.1f}s")
+    return seconds
+
 
 def serve_in_turns(
     engines: dict, prompts: list, params, tag: str, lora_requests: dict | None = None
