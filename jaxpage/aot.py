@@ -36,6 +36,7 @@ from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_groups
+from jaxpage.models.batch_invariant import batch_invariant_config
 from jaxpage.models.llama import param_shapes
 from jaxpage.models.lora import slots_device_bytes
 from jaxpage.targets import Target
@@ -187,8 +188,9 @@ def build(
     for config in models:
         # As LLMEngine runs it (jaxpage.engine.llm_engine.as_run): batch_invariant is the model config's, which picks
         # the row-tiled products, norms and sampler: without it the programs would not be the mode's.
-        _refuse_moe_if_batch_invariant(engine, config)
-        config = dataclasses.replace(config, quantization=engine.quantization, batch_invariant=engine.batch_invariant)
+        config = batch_invariant_config(
+            dataclasses.replace(config, quantization=engine.quantization), engine.batch_invariant
+        )
         check_divisible(config, tp, splits_experts(config, tp, engine.enable_expert_parallel))
         config = with_expert_parallel(with_replicated_kv_heads(config, tp), tp, engine.enable_expert_parallel)
         placed.append((config, _placed_params(config, dtype, mesh, device)))
@@ -222,16 +224,6 @@ def build(
         window_token_bytes=window_token_bytes,
         lora_bytes=lora_bytes,
     )
-
-
-def _refuse_moe_if_batch_invariant(engine: EngineConfig, config: ModelConfig) -> None:
-    """ValueError for a mixture of experts with batch_invariant, as the engine refuses it at load (its products group
-    tokens by expert, in shapes that depend on the batch)."""
-    if engine.batch_invariant and config.is_moe:
-        raise ValueError(
-            "engine argument batch_invariant: a mixture of experts multiplies each expert's tokens together "
-            "(shapes that depend on the batch); not supported"
-        )
 
 
 def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:

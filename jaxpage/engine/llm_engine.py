@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from jaxpage.engine.spec_decoder import SpeculativeDecoder
 from jaxpage.engine.step_pipeline import InFlightStep, StepPipeline, use_async_scheduling
 from jaxpage.engine.step_stats import StepStats
 from jaxpage.lora_request import LoRARequest
+from jaxpage.models.batch_invariant import batch_invariant_config
 from jaxpage.models.llama import params_dtype
 from jaxpage.models.loader import load_model
 from jaxpage.outputs import RequestOutput
@@ -64,14 +64,7 @@ def as_run(config: EngineConfig, model_config: ModelConfig, params, mesh, expert
     """(config, params) of a model as the engine runs it: on the mesh (jaxpage.worker.parallel.as_run), and
     batch-invariant with the engine argument (a mixture of experts refused: its products group tokens by expert)."""
     model_config, params = parallel.as_run(model_config, params, mesh, expert_parallel)
-    if config.batch_invariant:
-        if model_config.is_moe:
-            raise ValueError(
-                "engine argument batch_invariant: a mixture of experts multiplies each expert's tokens together "
-                "(shapes that depend on the batch); not supported"
-            )
-        model_config = dataclasses.replace(model_config, batch_invariant=True)
-    return model_config, params
+    return batch_invariant_config(model_config, config.batch_invariant), params
 
 
 def _request_ids(request_id) -> list[str]:

@@ -205,8 +205,7 @@ class _Job:
             return self._error(custom_id, 400, "invalid_request", str(e))
         except Exception as e:  # not the line's fault, as far as anyone knows: record it and go on
             return self._error(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}")
-        model = self.models.base_name if lora_request is None else lora_request.lora_name
-        self.pending[request_id] = (custom_id, request, model)
+        self.pending[request_id] = (custom_id, request, self.models.name_of(lora_request))
         return None
 
     def _finish(self, output) -> None:

@@ -80,6 +80,10 @@ class ServedModels:
                 raise ModelNotFound(f"model {describe(model)} does not exist (this server has {names})")
             return served[0]
 
+    def name_of(self, lora_request: LoRARequest | None) -> str:
+        """The model name a response gives for a request through `lora_request` (None: the base model's)."""
+        return self.base_name if lora_request is None else lora_request.lora_name
+
     def load(self, name, path, base_model_name: str | None = None) -> LoRARequest:
         """Serves the PEFT adapter in directory `path` as `name` (read and checked now, on the caller's thread).
         ValueError when LoRA is off, the name is taken (the base model's, or an adapter's), or the adapter cannot be

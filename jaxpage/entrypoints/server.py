@@ -264,7 +264,7 @@ def _add_openai_routes(
             return log.refused(error_response(404, str(e), "not_found_error"))
         except ValueError as e:  # RequestError, or a chat template that refuses the messages
             return log.refused(error_response(400, str(e)))
-        model_name = served.base_name if lora_request is None else lora_request.lora_name  # what the responses say
+        model_name = served.name_of(lora_request)  # what the responses say
         ids = [request_id] if len(parsed) == 1 else [f"{request_id}-{i}" for i in range(len(parsed))]
         outputs = [
             engine.generate(one_id, prompt, p.params, fit_context=True, lora_request=lora_request)

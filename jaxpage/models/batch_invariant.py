@@ -11,6 +11,7 @@ step goes through the one product of shape [ROW_TILE, K] @ [K, N], so its bits d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -22,8 +23,8 @@ ROW_TILE = 16  # rows per product: a batch-32 decode step is two products (as fa
 
 def invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """lax.dot_general for products whose contracting dimensions are lhs's last ones and that have no batch
-    dimensions (the model's projections, as nn.DenseGeneral calls it), ROW_TILE rows of lhs at a time; lhs's other
-    dimensions flattened into rows. The same result as lax.dot_general up to the order of each row's sum."""
+    dimensions (the model's projections, as nn.DenseGeneral calls it), ROW_TILE rows of lhs at a time (in_row_tiles);
+    lhs's other dimensions flattened into rows. The same result as lax.dot_general up to the order of each row's sum."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     lhs_contract = tuple(d % lhs.ndim for d in lhs_contract)
     num_free = lhs.ndim - len(lhs_contract)
@@ -31,37 +32,32 @@ def invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred
         raise ValueError(f"invariant_dot_general: unsupported dimension numbers {dimension_numbers}")
     free_shape, contract_shape = lhs.shape[:num_free], lhs.shape[num_free:]
     rows = math.prod(free_shape)
-    tiles = -(-rows // ROW_TILE)
-    x = lhs.reshape(rows, *contract_shape)
-    x = jnp.pad(x, ((0, tiles * ROW_TILE - rows),) + ((0, 0),) * len(contract_shape))
-    x = x.reshape(tiles, ROW_TILE, *contract_shape)
     tile_numbers = ((tuple(range(1, 1 + len(contract_shape))), tuple(rhs_contract)), ((), ()))
 
-    def product(tile):
+    def product(tile):  # [ROW_TILE, *contract_shape] -> [ROW_TILE, *rhs's free dimensions]
         return lax.dot_general(tile, rhs, tile_numbers, precision, preferred_element_type=preferred_element_type)
 
-    y = lax.map(product, x)  # [tiles, ROW_TILE, *rhs's free dimensions]
-    return y.reshape(tiles * ROW_TILE, *y.shape[2:])[:rows].reshape(*free_shape, *y.shape[2:])
+    y = in_row_tiles(product, rows, lhs.reshape(rows, *contract_shape))
+    return y.reshape(*free_shape, *y.shape[1:])
 
 
 def rowwise(fn, x: jax.Array) -> jax.Array:
     """fn (a function of rows: [n, D] -> [n, ...], each row's result its own) of x [..., D], ROW_TILE rows at a time
-    (as invariant_dot_general): a reduction along the rows, whose order XLA picks by their number (measured on CPU: a
+    (in_row_tiles): a reduction along the rows, whose order XLA picks by their number (measured on CPU: a
     row's mean of squares differs from T >= 8 rows on), is then the same for every row of every step."""
     free_shape, width = x.shape[:-1], x.shape[-1]
     rows = math.prod(free_shape)
-    tiles = -(-rows // ROW_TILE)
-    padded = jnp.pad(x.reshape(rows, width), ((0, tiles * ROW_TILE - rows), (0, 0)))
-    y = lax.map(fn, padded.reshape(tiles, ROW_TILE, width))
-    return y.reshape(tiles * ROW_TILE, *y.shape[2:])[:rows].reshape(*free_shape, *y.shape[2:])
+    y = in_row_tiles(fn, rows, x.reshape(rows, width))
+    return y.reshape(*free_shape, *y.shape[1:])
 
 
 def in_row_tiles(fn, num_rows: int, *args):
-    """fn(*args) ROW_TILE rows at a time (as invariant_dot_general), for a function of rows whose every result is per
-    row (a sampler: its sums, softmaxes and cumulative sums along each row are then done in one shape). Each array of
-    args whose leading dimension is num_rows * m (m positions per row) is cut after every ROW_TILE rows, the last tile
-    padded with zeros; the others (scalars) reach every tile whole. fn's results, of ROW_TILE * m' rows each, are put
-    back together and cut to num_rows * m'."""
+    """fn(*args) ROW_TILE rows at a time, in a loop over tiles of one shape (the module docstring): the mode's one
+    tiling, for a function of rows whose every result is per row (a projection's product, a norm, a sampler: their
+    sums, softmaxes and cumulative sums along each row are then done in one shape). Each array of args whose leading
+    dimension is num_rows * m (m positions per row) is cut after every ROW_TILE rows, the last tile padded with zeros;
+    the others (scalars) reach every tile whole. fn's results, of ROW_TILE * m' rows each, are put back together and
+    cut to num_rows * m'."""
     tiles = -(-num_rows // ROW_TILE)
     leaves, treedef = jax.tree.flatten(args)
     split = [x.ndim > 0 and x.shape[0] % num_rows == 0 for x in leaves]
@@ -88,3 +84,17 @@ def in_row_tiles(fn, num_rows: int, *args):
 def invariant_matmul(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
     """x [..., K] @ w [K, N] by invariant_dot_general."""
     return invariant_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=preferred_element_type)
+
+
+def batch_invariant_config(config, enabled: bool):
+    """ModelConfig `config` as the engine runs it with the engine argument batch_invariant `enabled` (its
+    batch_invariant set); ValueError for a mixture of experts, whose products group tokens by expert in shapes that
+    depend on the batch."""
+    if not enabled:
+        return config
+    if config.is_moe:
+        raise ValueError(
+            "engine argument batch_invariant: a mixture of experts multiplies each expert's tokens together "
+            "(shapes that depend on the batch); not supported"
+        )
+    return dataclasses.replace(config, batch_invariant=True)
