@@ -30,6 +30,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED_DEVICES} {FAST_COMPILE}"
 ).strip()
 
+# The compile tests (tests/test_compile_for.py and the others .ci/run gives the chips' compilers) run in several
+# processes (-n): libtpu's lock file would let only the first of them build for a TPU, though none holds a chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 # On a GPU, float32 matrix products in float32: jax's default precision makes them TF32 there (10-bit mantissas),
 # and the tests compare float32 programs with their references at float32 tolerances. The engine asks for it itself
 # (ModelRunner: a float32 model's programs); this covers the programs the tests build directly, here and in the
