@@ -65,6 +65,7 @@ def platform_tuning(platform: str) -> dict:
         "last_row_tile",
         "tiles_in_query_dtype",
         "fixed_order",
+        "tpu_layout",
     ),
 )
 def xla_ragged_attention(
@@ -89,6 +90,7 @@ def xla_ragged_attention(
     last_row_tile: int = LAST_ROW_TILE,
     tiles_in_query_dtype: bool = False,
     fixed_order: bool = False,
+    tpu_layout: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim] in q's dtype
     """The attention of `ragged_paged_attention`; arguments are checked there (and by `paged_attention`).
 
@@ -96,6 +98,10 @@ def xla_ragged_attention(
     `max_q_len`, every live sequence must have q_len <= max_q_len (rows of longer sequences before their last
     max_q_len come out as 0). The tuning is an argument so that tests can shrink
     the tiles to cross tile boundaries, and pick either product form (`all_pairs`; None: by the number of kv heads).
+
+    tpu_layout: the pool in the TPU layout (`jaxpage.attention.tpu_pool`: each token's kv heads side by side in one
+    row, [..., page_size, num_kv_heads * head_dim], q's head_dim the pool's padded one; 8-bit scales one [rows, 128]
+    block per page): each kv tile is gathered whole, then rearranged.
 
     fixed_order (batch invariance): every query row computed in the same order whatever else the call holds: the
     products per kv head (all_pairs picks its form by the batch), and each kv tile's sum of probabilities taken by
@@ -110,11 +116,13 @@ def xla_ragged_attention(
         # inside a prefill chunk (the prefill loop's query tiles would give it other bits).
         options = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, kv_tile=kv_tile)
         options |= dict(last_row_tile=last_row_tile, tiles_in_query_dtype=tiles_in_query_dtype, fixed_order=True)
+        options |= dict(tpu_layout=tpu_layout)
         return xla_ragged_attention(
             q, k_pages, v_pages, *_rows_as_sequences(kv_lens, block_tables, cu_q_lens, num_seqs, num_tokens), layer,
             k_scales, v_scales, max_q_len=1, **options,
         )  # fmt: skip
-    page_size, num_kv_heads = k_pages.shape[-3:-1]
+    page_size = k_pages.shape[-2 if tpu_layout else -3]
+    num_kv_heads = k_pages.shape[-1] // head_dim if tpu_layout else k_pages.shape[-2]
     num_seq_rows, pages_per_seq = block_tables.shape
     group = num_heads // num_kv_heads
     tile_dtype = q.dtype if tiles_in_query_dtype else jnp.float32
@@ -177,12 +185,18 @@ def xla_ragged_attention(
             return jnp.where(same_head, pv, 0.0).sum(axis=3)
 
         def load(pages, scales, page_ids, in_cache):  # -> [n, kv_tile, kv_heads, head_dim], zero where not in_cache
-            def gather(x):
-                x = x[page_ids] if layer is None else x[layer, page_ids]
-                return x.reshape(n, kv_tile, *x.shape[3:])
+            def gather(x):  # the tile's pages [n, pages_per_kv_tile, ...]
+                return x[page_ids] if layer is None else x[layer, page_ids]
+
+            def tile_scales(x):  # -> [n, kv_tile, kv_heads]
+                if tpu_layout:  # a page's [rows, 128] block holds its kv_heads x page_size scales, head-major
+                    x = x.reshape(n, pages_per_kv_tile, -1)[..., : num_kv_heads * page_size]
+                    x = x.reshape(n, pages_per_kv_tile, num_kv_heads, page_size).swapaxes(2, 3)
+                return x.reshape(n, kv_tile, num_kv_heads)
 
             # 8-bit pages: the gathered tile is dequantized, never the pool.
-            x = dequantize(gather(pages), None if scales is None else gather(scales), tile_dtype)
+            values = gather(pages).reshape(n, kv_tile, num_kv_heads, head_dim)
+            x = dequantize(values, None if scales is None else tile_scales(gather(scales)), tile_dtype)
             # jnp.where, not a mask on the logits alone: NaN garbage times a zero probability is still NaN.
             return jnp.where(in_cache[:, :, None, None], x, jnp.zeros((), tile_dtype))
 

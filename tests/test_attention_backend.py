@@ -15,7 +15,7 @@ from test_ragged_paged_attention import CASES, GQA, make_batch
 from jaxpage.attention import AttentionBackend, PagedAttention, PagedBatch, resolve_backend
 from jaxpage.attention.pallas_gpu import PallasGpuAttention
 from jaxpage.attention.pallas_tpu import PallasTpuAttention
-from jaxpage.attention.xla import XlaAttention
+from jaxpage.attention.xla import XlaAttention, XlaTpuAttention
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
 from pallas_kernels.impl import LANES, pad_head_dim, tpu_pool_operands
@@ -59,9 +59,27 @@ def test_auto_is_xla_on_cpu_and_names_are_checked():
         backend = resolve_backend(name)
         assert type(backend) is cls and getattr(backend, "interpret", None) == interpret and backend.name == name
     assert resolve_backend("pallas_tpu", platform="tpu") == PallasTpuAttention(platform="tpu")
+    # Built for a TPU, the XLA backend keeps the pool in the TPU layout too (batch invariance's attention included).
+    for options in ({}, {"batch_invariant": True}):
+        backend = resolve_backend("xla", platform="tpu", **options)
+        assert type(backend) is XlaTpuAttention and backend.tpu_layout and backend.name == "xla"
+        assert isinstance(backend, XlaAttention) and backend.batch_invariant == bool(options)
+    assert type(resolve_backend("xla", platform="gpu", batch_invariant=True)) is XlaAttention
     assert resolve_backend("xla", "fp8") == resolve_backend("xla", "fp8_e4m3")  # vLLM's fp8
     with pytest.raises(ValueError, match="attention_impl must be"):
         resolve_backend("reference")
+
+
+# The backends compared with the XLA backend in its own layout: the kernels (in Pallas' interpreter), and the XLA
+# backend as it is built for a TPU (XlaTpuAttention: the pool in the TPU layout; built here, it runs on this host),
+# also in its batch-invariant form.
+COMPARED = ["pallas_tpu_interpret", "pallas_gpu_interpret", "xla_built_for_tpu", "xla_batch_invariant_built_for_tpu"]
+
+
+def compared_backend(name: str, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    if name.endswith("_built_for_tpu"):
+        return resolve_backend("xla", kv_cache_dtype, platform="tpu", batch_invariant="batch_invariant" in name)
+    return resolve_backend(name, kv_cache_dtype)
 
 
 def backend_pool(backend: AttentionBackend, kv_cache: KVCache) -> KVCache:
@@ -120,7 +138,7 @@ def test_the_backend_owns_the_pool_layout():
     assert config.kv_bytes_per_token(4) == 2 * 3 * 2 * 16 * 4  # the model's own formula: no padding
 
 
-@pytest.mark.parametrize("name", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("name", COMPARED)
 @pytest.mark.parametrize(
     ("seqs", "max_q_len"), [(DECODES, 1), (VERIFIES, 5), (MIXED, None)], ids=["decode-only", "verify", "mixed"]
 )
@@ -134,7 +152,7 @@ def test_kernels_match_the_xla_backend(name, seqs, max_q_len):
     if max_q_len == 1:
         q, k, v, batch = one_token_per_row(q, k, v, batch)
     want, want_cache = attention(resolve_backend("xla"), q, k, v, batch, kv_cache)
-    backend = resolve_backend(name)
+    backend = compared_backend(name)
     head_dim = backend.pool_head_dim(GQA.head_dim)  # 128 for the TPU kernels: the engine allocates the pool padded
     padded = KVCache(k=pad_head_dim(kv_cache.k, head_dim), v=pad_head_dim(kv_cache.v, head_dim))
     got, got_cache = attention(backend, q, k, v, batch, backend_pool(backend, padded))
@@ -219,7 +237,7 @@ def test_8_bit_pool_writes_quantized_tokens_and_attends_as_the_dequantized_pool(
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+@pytest.mark.parametrize("name", COMPARED)
 @pytest.mark.parametrize(("seqs", "max_q_len"), [(DECODES, 1), (MIXED, None)], ids=["decode-only", "mixed"])
 def test_kernels_match_the_xla_backend_on_an_8_bit_pool(name, seqs, max_q_len):
     q, k, v, batch, kv_cache = step(seqs)
@@ -231,7 +249,7 @@ def test_kernels_match_the_xla_backend_on_an_8_bit_pool(name, seqs, max_q_len):
     want, want_pool = attention(
         resolve_backend("xla", "int8"), q, k, v, batch, quantized(kv_cache, "int8", GQA.head_dim)
     )
-    backend = resolve_backend(name, "int8")
+    backend = compared_backend(name, "int8")
     head_dim = backend.pool_head_dim(GQA.head_dim)
     got, got_pool = attention(backend, q, k, v, batch, backend_pool(backend, quantized(kv_cache, "int8", head_dim)))
     got_pool = xla_pool(got_pool, GQA.num_kv_heads) if backend.tpu_layout else got_pool

@@ -2,7 +2,8 @@
 
     "auto"                  the kernels of the platform the programs are compiled for (TPU, GPU), else "xla"
     "pallas"                the platform's kernels, refused where there are none
-    "xla"                   XlaAttention: the XLA implementation (pure JAX), any platform
+    "xla"                   XlaAttention: the XLA implementation (pure JAX), any platform (on a TPU, XlaTpuAttention:
+                            the pool in the TPU layout)
     "pallas_tpu"            PallasTpuAttention: the Mosaic kernels (TPU)
     "pallas_gpu"            PallasGpuAttention: the Triton kernels (GPU)
     "pallas_tpu_interpret"  the TPU kernels in Pallas' interpreter, on any platform (slow: for tests)
@@ -19,7 +20,7 @@ import jax
 from jaxpage.attention.backend import AttentionBackend
 from jaxpage.attention.pallas_gpu import PallasGpuAttention
 from jaxpage.attention.pallas_tpu import PallasTpuAttention
-from jaxpage.attention.xla import XlaAttention
+from jaxpage.attention.xla import XlaAttention, xla_backend_class
 from jaxpage.config import EngineConfig, canonical_kv_cache_dtype
 
 # attention_impl -> (class, its options) of the named backends
@@ -43,8 +44,9 @@ def resolve_backend(
     platform = platform or jax.default_backend()
     kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
     if batch_invariant:
-        return XlaAttention(kv_cache_dtype, platform, batch_invariant=True)
+        return xla_backend_class(platform)(kv_cache_dtype, platform, batch_invariant=True)
     cls, options = BACKENDS[backend_name(attention_impl, platform)]
+    cls = xla_backend_class(platform) if cls is XlaAttention else cls
     return cls(kv_cache_dtype, platform, **options)
 
 
