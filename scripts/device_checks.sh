@@ -19,7 +19,8 @@
 #   e2e_hf          bench_device.py --parts hf: the same with transformers'         80 s   45 s
 #                   continuous batching (torch alone on the GPU)
 #   kernel_tests    the kernel tests natively (not the TPU kernel's, which only    what is left, at most 120 s
-#                   its interpreter runs here), 8 workers
+#                   its interpreter runs here), 8 workers; the batch-invariance
+#                   test's bitwise comparisons on the GPU
 #   table           device_table.py over the logs: each figure, what it is measured against, its target (table.log)
 #
 # The estimates: the first H200 run (README, "On an NVIDIA H200") compiled the 8B shape's mixed step (T=512) in
@@ -79,9 +80,12 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false stage e2e_hf 80 "$python" scripts/bench_devi
 if [ "${TINY:-0}" != 1 ]; then
     # The tests' processes share the GPU: each takes memory as it needs it instead of 75% at start. (The engine tests
     # with a tokenizer need the default model, which a machine without network cannot fetch: not here.)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false stage kernel_tests 120 "$python" -m pytest -q -p no:cacheprovider -n 8 -rfE \
-        --durations=5 -k "not tpu" tests/test_ragged_paged_attention.py tests/test_paged_attention.py \
-        tests/test_attention_backend.py tests/test_quantized_kv_attention.py
+    # With them, the batch-invariance test (issue 45) on the GPU: a request's tokens and log-probs the same bits
+    # whatever runs beside it, 20 cases (its engines' tests on one worker: --dist loadgroup).
+    JAXPAGE_INVARIANCE_EXAMPLES=20 XLA_PYTHON_CLIENT_PREALLOCATE=false stage kernel_tests 120 \
+        "$python" -m pytest -q -p no:cacheprovider -n 8 -rfE --dist loadgroup --durations=5 -k "not tpu" \
+        tests/test_ragged_paged_attention.py tests/test_paged_attention.py tests/test_attention_backend.py \
+        tests/test_quantized_kv_attention.py tests/test_batch_invariance.py
 fi
 echo "== table $(date +%T), ${SECONDS}s in"
 "$python" scripts/device_table.py "$out"/*.log 2>&1 | tee "$out/table.log"

@@ -105,8 +105,12 @@ ENGINES = {
     "one-chunk": dict(max_num_batched_tokens=64),
     # chunks of 16 tokens, asynchronous steps, and a pool of 17 pages of 8 tokens: companions preempt the target
     "chunked-async-preempting": dict(max_num_batched_tokens=16, async_scheduling=True, num_pages=17),
-    "two-replicas": dict(max_num_batched_tokens=64, data_parallel_size=2),
 }
+if len(jax.devices()) >= 2:  # the suite's simulated CPU devices; not on the device check's one GPU
+    ENGINES["two-replicas"] = dict(max_num_batched_tokens=64, data_parallel_size=2)
+# The test after the hypothesis test reads what that test did on these engines: with pytest-xdist, both on one worker
+# (--dist loadfile, the suite's, or --dist loadgroup, the device check's).
+pytestmark = pytest.mark.xdist_group("batch_invariance_engines")
 TARGET = [int(t) for t in np.random.default_rng(5).integers(3, 90, 37)]
 # More cases, or the default model: JAXPAGE_INVARIANCE_EXAMPLES=200, JAXPAGE_INVARIANCE_MODEL=default (README).
 EXAMPLES = int(os.environ.get("JAXPAGE_INVARIANCE_EXAMPLES", "50"))
