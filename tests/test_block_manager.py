@@ -337,6 +337,45 @@ def test_kv_utilization_worked_example():
     assert bm.kv_utilization() == (4 + 1) / 8
 
 
+def test_evicted_pages_go_to_the_host_tier_and_come_back_on_a_hit():
+    bm = BlockManager(num_pages=4, page_size=2, host_pages=3)  # 3 usable device pages
+    first = make_seq(0, [1, 2, 3, 4, 5])
+    assert run_chunk(bm, first, 5)
+    full_pages = first.block_table[:2]
+    bm.free(first)  # its 2 full pages cached on the device
+    other = make_seq(1, [9, 9, 9, 9, 9])
+    assert run_chunk(bm, other, 5)  # takes the free page and evicts both cached ones: copied to the host
+    [(kind0, page0, slot0), (kind1, page1, slot1)] = [(t.kind, t.page, t.slot) for t in bm.host.take_transfers()]
+    assert (kind0, kind1) == ("offload", "offload") and {page0, page1} == set(full_pages)
+    bm.free(other)
+    again = make_seq(2, [1, 2, 3, 4, 5])
+    assert bm.cached_prefix_tokens(again.token_ids) == 4
+    assert bm.match_prefix(again) == 4 and again.num_computed_tokens == 4
+    loads = bm.host.take_transfers()
+    # the first load takes the free page; the second evicts one of other's cached pages (offloaded first)
+    assert [t.kind for t in loads] == ["load", "offload", "load"]
+    slot_of = {page0: slot0, page1: slot1}  # the tail page was evicted first (freed first: least recently used)
+    assert [t.slot for t in loads if t.kind == "load"] == [slot_of[page] for page in full_pages]
+    assert [t.page for t in loads if t.kind == "load"] == again.block_table
+    assert (bm.host.num_offloaded_pages, bm.host.num_loaded_pages) == (3, 2)
+    bm.check_invariants()
+
+
+def test_a_host_hit_takes_no_more_pages_than_are_free():
+    bm = BlockManager(num_pages=3, page_size=1, host_pages=4)  # 2 usable device pages
+    first = make_seq(0, [1, 2, 3])
+    assert run_chunk(bm, first, 3) is False  # 3 tokens need 3 pages
+    assert run_chunk(bm, first, 2)
+    bm.free(first)
+    blocker = make_seq(1, [5, 6])
+    assert run_chunk(bm, blocker, 2)  # both cached pages go to the host; no device page is free now
+    again = make_seq(2, [1, 2, 3])
+    assert bm.cached_prefix_tokens(again.token_ids) == 0 and bm.match_prefix(again) == 0
+    bm.free(blocker)  # 2 pages cached (evictable): room for both of the host's
+    assert bm.cached_prefix_tokens(again.token_ids) == 2
+    bm.check_invariants()
+
+
 def test_prefix_caching_off():
     bm = BlockManager(num_pages=8, page_size=2, enable_prefix_caching=False)
     a = make_seq(0, [1, 2, 3, 4, 5])
@@ -396,6 +435,14 @@ MAX_LIVE = 6
 pick = st.integers(0, 1 << 16)
 
 
+def chain_key(tokens: tuple[int, ...], page_size: int) -> bytes:
+    """The prefix-cache key of the page that tokens (whole pages) end with."""
+    key = None
+    for i in range(0, len(tokens), page_size):
+        key = block_manager.hash_page(key, tokens[i : i + page_size])
+    return key
+
+
 def kv_of(seq: Sequence, pos: int) -> tuple[int, ...]:
     """What the K/V of token `pos` depends on: every token up to it (equal tokens after other prefixes differ)."""
     return tuple(seq.token_ids[: pos + 1])
@@ -409,7 +456,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     live sequence's computed tokens must be intact in the pages its table names (catches a missing or chained
     copy-on-write, a page handed out while referenced, a stale or unchained prefix-cache entry). With a sliding
     window, each step gives back the pages outside it (free_outside_window): the tokens inside every window must
-    still be intact, and a given-back entry must lie wholly before it."""
+    still be intact, and a given-back entry must lie wholly before it. With a host tier (host_pages), `host` shadows
+    its slots: evicted pages are copied there and hits copied back (the transfers, in their order, before the
+    copy-on-write copies): a hit must read exactly its prefix's K/V, and each host slot hold what its key says."""
 
     @initialize(
         num_pages=st.integers(2, 14),
@@ -417,11 +466,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         prefix_caching=st.booleans(),
         first=st.lists(st.integers(0, 2), max_size=9),
         window=st.none() | st.integers(1, 9),
+        host_pages=st.sampled_from([0, 1, 3, 8]),
     )
-    def setup(self, num_pages, page_size, prefix_caching, first, window):
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=prefix_caching, sliding_window=window)
+    def setup(self, num_pages, page_size, prefix_caching, first, window, host_pages):
+        self.bm = BlockManager(num_pages, page_size, prefix_caching, window, host_pages=host_pages)
         self.pool = [[None] * page_size for _ in range(num_pages)]
+        self.host = [None] * host_pages
         self.seqs: dict[int, Sequence] = {}
+        self.finished: list[list[int]] = []  # token ids of freed sequences
         self.batch: dict[int, int] = {}  # seq_id -> tokens the next run_step computes (their slots are allocated)
         self.next_id = 0
         if first:  # a computed sequence to fork from at once
@@ -434,11 +486,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return candidates[index % len(candidates)]
 
     def _device_view(self):
-        """The pool as the step's attention will see it: after the copies not yet taken."""
-        view = list(self.pool)
+        """The pool as the step's attention will see it: after the transfers and copies not yet taken."""
+        view, _ = self._apply_transfers(list(self.pool), list(self.host), self.bm.host and self.bm.host._transfers)
+        after_transfers = list(view)
         for dst, src in self.bm._copies.items():
-            view[dst] = self.pool[src]
+            view[dst] = after_transfers[src]
         return view
+
+    @staticmethod
+    def _apply_transfers(pool, host, transfers):
+        for t in transfers or ():
+            if t.kind == "offload":
+                assert pool[t.page] is not None, f"offload of page {t.page}, never written"
+                host[t.slot] = list(pool[t.page])
+            else:
+                assert t.kind == "load" and host[t.slot] is not None, f"load of slot {t.slot}, never written"
+                pool[t.page] = list(host[t.slot])
+        return pool, host
 
     def _admit(self, seq):
         bm, ps = self.bm, self.bm.page_size
@@ -487,10 +551,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(seq.block_table) * ps >= seq.num_computed_tokens + n
         self.batch[seq.seq_id] = n
 
-    @precondition(lambda self: self.batch or self.bm._copies)
+    @precondition(lambda self: self.batch or self.bm._copies or (self.bm.host and self.bm.host._transfers))
     @rule()
     def run_step(self):
         bm, ps = self.bm, self.bm.page_size
+        if bm.host is not None:
+            self._apply_transfers(self.pool, self.host, bm.host.take_transfers())
         copies = bm.take_copies()
         assert len({dst for _, dst in copies}) == len(copies)
         sources = [list(self.pool[src]) for src, _ in copies]  # all at once: every source read first
@@ -543,6 +609,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(seq)
         assert (seq.block_table, seq.num_computed_tokens) == ([], 0)
         self._forget(seq)
+        self.finished.append(seq.token_ids)
+
+    @precondition(lambda self: len(self.seqs) < MAX_LIVE and self.finished)
+    @rule(index=pick, suffix=st.lists(st.integers(0, 2), max_size=3))
+    def return_turn(self, index, suffix):
+        # A finished conversation comes back with its next turn: its pages may be cached, on the host, or gone.
+        seq = make_seq(self.next_id, self.finished[index % len(self.finished)] + suffix)
+        self.next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self._admit(seq)
 
     @precondition(lambda self: self.seqs)
     @rule(index=pick)
@@ -574,6 +650,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if bm.sliding_window is not None:  # nothing wholly outside the window is held
                 assert all(page == NULL_PAGE for page in seq.block_table[: window_start // ps])
         assert 0.0 < bm.kv_utilization() <= 1.0
+        if bm.host is not None:  # every host slot holds its key's page: the K/V of the prefix the key chains
+            _, host = self._apply_transfers(list(self.pool), list(self.host), bm.host._transfers)
+            for key, slot in bm.host._slots.items():
+                prefix = host[slot][-1]
+                assert host[slot] == [prefix[: len(prefix) - ps + 1 + j] for j in range(ps)]
+                assert key == chain_key(prefix, ps) and bm.host._slot_key[slot] == (key, prefix[-ps:])
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -585,6 +667,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_pages == self.bm.num_pages - 1
         assert self.bm.kv_utilization() == 1.0
         assert self.bm.take_copies() == []
+        if self.bm.host is not None:
+            self.bm.host.check_invariants()
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -17,6 +17,9 @@ With a sliding window (a model whose every layer attends to the last `sliding_wi
 sequence that lie wholly before the first key any of its later tokens can read are given back while it runs
 (free_outside_window): their block-table entries become the null page, which no kernel reads for a token inside
 the window (a kernel's key tile that straddles the window's start may load it, masked).
+
+With a host tier (host_pages, jaxpage.engine.host_page_cache), an evicted cached page is copied to host memory
+instead of dropped, and a prefix chain continues there: match_prefix gives such a page a device page and a copy back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import collections
 import hashlib
 import operator
 
+from jaxpage.engine.host_page_cache import HostPageCache
 from jaxpage.sequence import Sequence
 
 NULL_PAGE = 0
@@ -53,6 +57,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         table: str = "block_table",  # the Sequence attribute that holds its pages here (kv_cache_groups)
+        host_pages: int = 0,  # slots of the prefix cache's host tier (jaxpage.engine.host_page_cache); 0: none
     ):
         _check_sizes(num_pages, page_size, sliding_window)
         self.num_pages = num_pages
@@ -73,6 +78,7 @@ class BlockManager:
         self._seqs: dict[int, Sequence] = {}  # seq_id -> live sequence that holds (or may hold) pages
         self._seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
         self._copies: dict[int, int] = {}  # copy-on-write not yet taken: dst page -> src page
+        self.host = HostPageCache(host_pages) if host_pages and enable_prefix_caching else None
 
     @property
     def num_free_pages(self) -> int:
@@ -104,8 +110,7 @@ class BlockManager:
         self._register(seq)
         hashes = self._seq_hashes[seq.seq_id]
         limit = seq.num_prompt_tokens - 1 if max_tokens is None else min(max_tokens, seq.num_prompt_tokens - 1)
-        for key, page in self._cached_chain(seq.token_ids[:limit], seq.prefix_root):
-            self._add_ref(page)
+        for key, page in _take_chain(self, _cached_chain(self, seq.token_ids[:limit], seq.prefix_root)):
             self._set_filled(page, self.page_size)
             self._table(seq).append(page)
             hashes.append(key)
@@ -117,19 +122,7 @@ class BlockManager:
         """Tokens of a prompt (of root `prefix_root`) that match_prefix would find in the prefix cache now."""
         if not self.enable_prefix_caching:
             return 0
-        return sum(1 for _ in self._cached_chain(token_ids[: len(token_ids) - 1], root)) * self.page_size
-
-    def _cached_chain(self, token_ids: list[int], root: bytes | None):
-        """(key, page) of token_ids' full pages in the prefix cache, from the first while they chain (from `root`)."""
-        ps, parent = self.page_size, root
-        for i in range(len(token_ids) // ps):
-            tokens = tuple(token_ids[i * ps : (i + 1) * ps])
-            key = hash_page(parent, tokens)
-            page = self._hash_to_page.get(key)
-            if page is None or self._page_key[page][1] != tokens:
-                return
-            yield key, page
-            parent = key
+        return len(_cached_chain(self, token_ids[: len(token_ids) - 1], root)) * self.page_size
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make seq's block table cover token positions [0, seq.num_computed_tokens + num_new_tokens).
@@ -313,6 +306,8 @@ class BlockManager:
             page = self._free_pages.popleft()
         else:
             page, _ = self._cached_pages.popitem(last=False)
+            if self.host is not None:
+                self.host.offload(page, *self._page_key[page])
             self._unregister(page)
         self._ref_counts[page] = 1
         self._num_referenced += 1
@@ -343,6 +338,48 @@ class BlockManager:
         if slots > self._filled_slots[page]:
             self._num_filled_slots += slots - self._filled_slots[page]
             self._filled_slots[page] = slots
+
+
+def _cached_chain(bm: BlockManager, token_ids: list[int], root: bytes | None) -> list[tuple]:
+    """(key, tokens, device page, None) or, on the host tier only, (key, tokens, None, host slot) of token_ids' full
+    pages in bm's prefix cache, from the first while they chain (from `root`), and while the free pages can take the
+    host's (a cached device page of the chain is no longer free once hit)."""
+    ps, parent, chain, pages_taken = bm.page_size, root, [], 0
+    for i in range(len(token_ids) // ps):
+        tokens = tuple(token_ids[i * ps : (i + 1) * ps])
+        key = hash_page(parent, tokens)
+        page = bm._hash_to_page.get(key)
+        slot = None if page is not None or bm.host is None else bm.host.find(key, tokens)
+        if (page is None or bm._page_key[page][1] != tokens) and slot is None:
+            break
+        pages_taken += slot is not None or bm._ref_counts[page] == 0
+        if pages_taken > bm.num_free_pages:
+            break
+        chain.append((key, tokens, None if slot is not None else page, slot))
+        parent = key
+    return chain
+
+
+def _take_chain(bm: BlockManager, chain: list[tuple]) -> list[tuple[bytes, int]]:
+    """(key, device page) of a prefix hit's `chain` (_cached_chain), each page referenced: the device's pages first
+    (none is then evicted by the loads), then a device page for each of the host tier's, its copy back recorded and
+    the page registered. The host slots the chain reads are pinned meanwhile: a page evicted to make room is not
+    offloaded into one of them before it is read."""
+    for _, _, page, _ in chain:
+        if page is not None:
+            bm._add_ref(page)
+    if bm.host is not None:
+        bm.host.pinned = {slot for *_, slot in chain if slot is not None}
+    taken = []
+    for key, tokens, page, slot in chain:
+        if page is None:  # on the host tier only
+            page = bm._take_page()
+            bm.host.load(slot, page)
+            bm._hash_to_page[key], bm._page_key[page] = page, (key, tokens)
+        taken.append((key, page))
+    if bm.host is not None:
+        bm.host.pinned = set()
+    return taken
 
 
 def _check_sizes(num_pages: int, page_size: int, sliding_window: int | None) -> None:
@@ -389,3 +426,5 @@ def _check_invariants(bm: BlockManager) -> None:
     assert all(bm._filled_slots[p] == 0 for p in free | cached) and bm._filled_slots[NULL_PAGE] == 0
     assert sum(bm._filled_slots) == bm._num_filled_slots
     assert all(bm._ref_counts[dst] > 0 and src != NULL_PAGE for dst, src in bm._copies.items())
+    if bm.host is not None:
+        bm.host.check_invariants()
