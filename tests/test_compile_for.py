@@ -29,6 +29,7 @@ from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies, sliced_copi
 from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.kv_cache import HybridKVCache
 from jaxpage.targets import TARGETS, available, get_target
+from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK, HostKVPool
 from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages
 
 TPU, GPU = TARGETS["tpu-v5e"], TARGETS["gpu-h200"]
@@ -488,6 +489,28 @@ def test_batch_invariant_programs_compile_for_the_chips_with_row_tiles_and_no_pa
     if target is GPU:
         assert [p.kernels for p in build.programs if p.kind == "forward"] == [(), ()]
     _checked(build)
+
+
+@needs_tpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_host_tier_s_copies_compile_for_a_tpu_and_move_only_their_pages(kv_cache_dtype):
+    # Issue 46: the offload and load programs (jaxpage.worker.host_kv_pool) between the pool, in the TPU layout (kv
+    # heads in rows, 8-bit scales in blocks), and host slots in pinned host memory. Neither copies the pool or the host
+    # slots whole: each moves its 8 pages (temporaries of a few pages; the scale blocks pad them). Not for the H200:
+    # the deviceless GPU client's devices have no memories (no host memory kind to build for).
+    model = dataclasses.replace(aot.model_shape("default"), num_layers=2)
+    build = aot.build(TPU, EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE), model)
+    pool = build.runners[0].pool
+    slots = 64
+    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], slots + 1, *x.shape[2:]), x.dtype), pool.layout)
+    host = HostKVPool(layout, pool.shardings(), lambda name, args, compile: compile(), build.runners[0]._abstract)
+    page_bytes = host.page_bytes()
+    for kind in ("offload", "load"):
+        compiled = host.program(kind, pool.shapes())
+        memory = compiled.memory_analysis()
+        assert memory.temp_size_in_bytes <= 4 * TRANSFER_CHUNK * page_bytes, (kind, memory.temp_size_in_bytes)
+        assert not large_copies(compiled.as_text(), min(build.pool_array_bytes, page_bytes * slots // 2)), kind
+    assert all(s.memory_kind == "pinned_host" for s in jax.tree.leaves(host.shardings))
 
 
 @needs_tpu

@@ -100,10 +100,8 @@ class HostKVPool:
         runner's (see jaxpage.worker.kv_pool.KVPool)."""
         self.layout = layout
         if shardings is None:
-            single = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY)
-            self.shardings = jax.tree.map(lambda _: single, layout)
-        else:
-            self.shardings = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), layout)
+        self.shardings = jax.tree.map(lambda s: _named(s).with_memory_kind(HOST_MEMORY), shardings)
         self.num_slots = layout.num_pages - 1
         self.scratch_slot = self.num_slots
         self.load_or_compile = load_or_compile
@@ -164,6 +162,15 @@ class HostKVPool:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.layout, self.shardings
         )
+
+
+def _named(sharding: jax.sharding.Sharding) -> jax.sharding.NamedSharding:
+    """The sharding as a NamedSharding (one device: a mesh of it): jit gives an argument's memory kind to the traced
+    array only from a NamedSharding, and a page moved between memories must meet its destination's kind."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    [device] = sharding.device_set
+    return jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray([device]), ("page",)), jax.sharding.PartitionSpec())
 
 
 def _shardings_of(pool: KVCache):
