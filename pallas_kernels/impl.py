@@ -119,6 +119,13 @@ def tpu_scale_positions(offsets: jax.Array, num_kv_heads: int, page_size: int) -
     return entry // LANES, entry % LANES
 
 
+def tpu_block_scales(blocks: jax.Array, num_kv_heads: int, page_size: int) -> jax.Array:
+    """The scales [..., page_size, num_kv_heads] of pages' [..., rows, 128] scale blocks in the TPU pool layout (read
+    as tpu_scale_positions places them: head-major, row after row)."""
+    entries = blocks.reshape(*blocks.shape[:-2], -1)[..., : num_kv_heads * page_size]
+    return entries.reshape(*blocks.shape[:-2], num_kv_heads, page_size).swapaxes(-1, -2)
+
+
 def tpu_write_scales(
     scales: jax.Array, layer, pages: jax.Array, offsets: jax.Array, values: jax.Array, page_size: int
 ) -> jax.Array:

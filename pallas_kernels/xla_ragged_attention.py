@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.impl import MASK_VALUE
+from pallas_kernels.impl import MASK_VALUE, tpu_block_scales
 from pallas_kernels.kv_quantization import dequantize
 
 Q_TILE = 64  # query rows per step of the prefill loop
@@ -189,9 +189,8 @@ def xla_ragged_attention(
                 return x[page_ids] if layer is None else x[layer, page_ids]
 
             def tile_scales(x):  # -> [n, kv_tile, kv_heads]
-                if tpu_layout:  # a page's [rows, 128] block holds its kv_heads x page_size scales, head-major
-                    x = x.reshape(n, pages_per_kv_tile, -1)[..., : num_kv_heads * page_size]
-                    x = x.reshape(n, pages_per_kv_tile, num_kv_heads, page_size).swapaxes(2, 3)
+                if tpu_layout:  # a page's scales in its [rows, 128] block
+                    x = tpu_block_scales(x, num_kv_heads, page_size)
                 return x.reshape(n, kv_tile, num_kv_heads)
 
             # 8-bit pages: the gathered tile is dequantized, never the pool.

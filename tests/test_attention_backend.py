@@ -18,7 +18,7 @@ from jaxpage.attention.pallas_tpu import PallasTpuAttention
 from jaxpage.attention.xla import XlaAttention, XlaTpuAttention
 from jaxpage.config import ModelConfig
 from jaxpage.kv_cache import KVCache
-from pallas_kernels.impl import LANES, pad_head_dim, tpu_pool_operands
+from pallas_kernels.impl import LANES, pad_head_dim, tpu_block_scales, tpu_pool_operands
 from pallas_kernels.kv_quantization import dequantize, quantize
 
 DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 100)]
@@ -99,11 +99,8 @@ def xla_pool(kv_cache: KVCache, num_kv_heads: int) -> KVCache:
         x.reshape(layers, num_pages, page_size, num_kv_heads, width // num_kv_heads) for x in (kv_cache.k, kv_cache.v)
     )
 
-    def scales(x):  # [L, pages, rows, 128] -> [L, pages, page_size, kv_heads]
-        x = x.reshape(layers, num_pages, -1)[..., : num_kv_heads * page_size]
-        return x.reshape(layers, num_pages, num_kv_heads, page_size).transpose(0, 1, 3, 2)
-
-    return KVCache(*pages, *(None if x is None else scales(x) for x in (kv_cache.k_scales, kv_cache.v_scales)))
+    scales = (kv_cache.k_scales, kv_cache.v_scales)  # [L, pages, rows, 128] -> [L, pages, page_size, kv_heads]
+    return KVCache(*pages, *(None if x is None else tpu_block_scales(x, num_kv_heads, page_size) for x in scales))
 
 
 def test_the_backend_owns_the_pool_layout():

@@ -132,8 +132,9 @@ class HostKVPool:
                 self.cache = program(pool, self.cache, sources, destinations)
             else:
                 pool = program(pool, self.cache, sources, destinations)
+        page_bytes = self.page_bytes()
         for t in transfers:
-            self.bytes_moved[t.kind] += self.page_bytes()
+            self.bytes_moved[t.kind] += page_bytes
         return pool
 
     def program(self, kind: str, pool: KVCache) -> jax.stages.Compiled:
