@@ -29,7 +29,7 @@ from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies, sliced_copi
 from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.kv_cache import HybridKVCache
 from jaxpage.targets import TARGETS, available, get_target
-from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK, HostKVPool
+from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK
 from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages
 
 TPU, GPU = TARGETS["tpu-v5e"], TARGETS["gpu-h200"]
@@ -502,15 +502,14 @@ def test_the_host_tier_s_copies_compile_for_a_tpu_and_move_only_their_pages(kv_c
     build = aot.build(TPU, EngineConfig(kv_cache_dtype=kv_cache_dtype, **TINY_ENGINE), model)
     pool = build.runners[0].pool
     slots = 64
-    layout = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], slots + 1, *x.shape[2:]), x.dtype), pool.layout)
-    host = HostKVPool(layout, pool.shardings(), lambda name, args, compile: compile(), build.runners[0]._abstract)
-    page_bytes = host.page_bytes()
+    pool.add_host_tier((slots,))
+    page_bytes = pool.host.page_bytes[0]
     for kind in ("offload", "load"):
-        compiled = host.program(kind, pool.shapes())
+        compiled = pool.host.program(kind, 0, pool.shapes())
         memory = compiled.memory_analysis()
         assert memory.temp_size_in_bytes <= 4 * TRANSFER_CHUNK * page_bytes, (kind, memory.temp_size_in_bytes)
         assert not large_copies(compiled.as_text(), min(build.pool_array_bytes, page_bytes * slots // 2)), kind
-    assert all(s.memory_kind == "pinned_host" for s in jax.tree.leaves(host.shardings))
+    assert all(s.memory_kind == "pinned_host" for s in jax.tree.leaves(pool.host.shardings(0)))
 
 
 @needs_tpu

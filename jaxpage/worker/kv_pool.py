@@ -1,9 +1,10 @@
-"""The KV page pool on the device (vLLM's cache engine): its arrays, made zeroed by a compiled program, and the
-copy-on-write page copies. The layout is the attention backend's (jaxpage.attention); the pool is sized by
-jaxpage.worker.pool_sizing."""
+"""The KV page pool on the device (vLLM's cache engine): its arrays, made zeroed by a compiled program, the
+copy-on-write page copies, and the prefix cache's host tier (jaxpage.worker.host_kv_pool) where there is one. The
+layout is the attention backend's (jaxpage.attention); the pool is sized by jaxpage.worker.pool_sizing."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -14,6 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpage.kv_cache import HybridKVCache, KVCache, copy_pool_pages, pool_groups
 from jaxpage.worker.compilation_cache import CompiledShape
+from jaxpage.worker.host_kv_pool import KINDS, TRANSFER_CHUNK, HostKVPool
+from jaxpage.worker.step_broadcast import Message
 
 logger = logging.getLogger("jaxpage")
 
@@ -85,6 +88,29 @@ class KVPool:
         self._copy_jit = jax.jit(copy_pool_pages, donate_argnums=(0,))
         self._copy_chunk = None  # the copy of COPY_CHUNK pages, compiled at its first use
         self.cache: KVCache | None = None  # the arrays: allocate()'s, or (compile-only) shapes()
+        self.host: HostKVPool | None = None  # the host tier's slots (add_host_tier)
+
+    def add_host_tier(self, num_slots: tuple[int, ...]) -> None:
+        """Slots in host memory for the prefix cache's host tier: num_slots per replica, per group of layers."""
+        device = jax.devices()[0] if self.replicated is None else next(iter(self.replicated.device_set))
+        self.host = HostKVPool(
+            self.layout, self.specs, num_slots, self.mesh, device, self.load_or_compile, self.abstract
+        )
+
+    def run(self, kind: Message, key: int, payload) -> None:
+        """A message that changes the pool (jaxpage.worker.step_broadcast): RESET (a zeroed pool, after a failed step;
+        the host slots are made anew at their next use), COPY (copy-on-write copies: sources, destinations), OFFLOAD
+        and LOAD (a call of host_kv_pool.transfer_calls in the pool's group of layers `key`)."""
+        if kind is Message.RESET:
+            self.cache = self.allocate()
+            if self.host is not None:
+                self.host.cache = None
+        elif kind is Message.COPY:
+            self.copy(*payload)
+        else:
+            groups = list(pool_groups(self.cache))
+            groups[key] = self.host.transfer(groups[key], key, kind.name.lower(), *payload)
+            self.cache = HybridKVCache(*groups) if isinstance(self.cache, HybridKVCache) else groups[0]
 
     def allocate(self) -> KVCache:
         """A zeroed pool, made on the device by a program that the compilation cache keeps like the step's (got
@@ -167,6 +193,20 @@ class KVPool:
                 CompiledShape("copy", COPY_CHUNK), args, lambda: self._copy_jit.lower(*args).compile()
             )
         return self._copy_chunk
+
+    def host_programs(self) -> list[tuple[CompiledShape, Callable[[], jax.stages.Compiled]]]:
+        """The host tier's programs (warm-up's): each group's offload and load; none without a host tier."""
+        if self.host is None:
+            return []
+        programs = []
+        for group in range(len(self.host.num_slots)):
+            for kind in KINDS:
+                get = functools.partial(self._host_program, kind, group)
+                programs.append((CompiledShape(kind, (group, TRANSFER_CHUNK)), get))
+        return programs
+
+    def _host_program(self, kind: str, group: int) -> jax.stages.Compiled:
+        return self.host.program(kind, group, pool_groups(self.cache)[group])
 
 
 def _is_spec(x) -> bool:

@@ -343,7 +343,7 @@ class ModelRunner:
         """Every program warm-up compiles, as (what it is, a function that returns it compiled: at its first call
         compiled or loaded, later the same program), in warm-up's order: the pool's fill (compiled when the runner
         is built, unless compile_only), the forward pass of each step shape with its samplers (each sampler shape
-        once, in each variant of logits processors), the page copy."""
+        once, in each variant of logits processors), the page copy, the host tier's copies."""
         programs = [self._pool_warmup()]
         samplers = set()
         for shape in self.shapes:
@@ -356,6 +356,7 @@ class ModelRunner:
                     programs.append((sampler_name(rows, k, level), program))
         programs.append((CompiledShape("prompt_logprobs", PROMPT_LOGPROB_TOKENS), self.compile_prompt_logprobs))
         programs.append((CompiledShape("copy", COPY_CHUNK), self.pool.copy_program))
+        programs += self.pool.host_programs()
         programs += [(CompiledShape("lora", self.lora.shape), self.lora.fill_program)] if self.lora else []
         return programs
 
@@ -394,10 +395,8 @@ class ModelRunner:
         `payload`: a STEP returns the sampler's device arrays (see _sample_on_shard); others return None. flag
         (STEP, see step_flag): the sampler's level of logits processors, and whether it takes `draft_probs`, a draft
         model's distributions, already on the device."""
-        if kind is Message.RESET:
-            self.pool.cache = self.pool.allocate()
-        elif kind is Message.COPY:
-            self.pool.copy(*payload)
+        if kind in (Message.RESET, Message.COPY, Message.OFFLOAD, Message.LOAD):
+            self.pool.run(kind, key, payload)
         elif kind is Message.FORWARD:
             _, _, self.kv_cache = self._forward_program(self.shapes[key])(self.params, self.kv_cache, payload)
         elif kind is Message.STEP:

@@ -41,6 +41,8 @@ class Message(enum.IntEnum):
     STOP = 8  # the leader's engine shut down
     PROMPT_LOGPROBS = 9  # prompt log-probs from the latest step's hidden rows; payload: the prompt tokens asked about
     LORA = 10  # a LoRA adapter's weights into its device slot; key: the slot
+    OFFLOAD = 11  # the host tier's copies of device pages into host slots; key: the pool's group of layers
+    LOAD = 12  # the host tier's copies of host slots into device pages; key: the pool's group of layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_para
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput, prompt_logprob_rows
 from jaxpage.structured.bitmask import fill_grammar_bitmasks
+from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK
 from jaxpage.worker.kv_pool import COPY_CHUNK
 from jaxpage.worker.step_broadcast import Header, Message, unpack
 from jaxpage.worker.step_shapes import StepShape
@@ -248,6 +249,8 @@ class StepInputs:
         None for a message without any."""
         if header.kind is Message.COPY:
             return unpack(data, (np.zeros((self.num_pool_groups, header.key), np.int32),) * 2)
+        if header.kind in (Message.OFFLOAD, Message.LOAD):  # each replica's ids
+            return unpack(data, (np.zeros((self.data_parallel_size, TRANSFER_CHUNK), np.int32),) * 2)
         if header.kind is Message.FORWARD:
             return unpack(data, self.template(self.shapes[header.key])[0])
         if header.kind is Message.STEP:  # flag: see step_flag
@@ -260,13 +263,15 @@ class StepInputs:
 
     def payload_sizes(self) -> set[int]:
         """The bytes of the arrays of every message a runner can send (jaxpage.worker.step_broadcast): page copies,
-        forward passes, steps (with each level of logits processors), prompt log-probs, a LoRA slot's weights."""
+        the host tier's transfers, forward passes, steps (with each level of logits processors), prompt log-probs, a
+        LoRA slot's weights."""
 
         def size(tree) -> int:
             return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
         sizes = {
             2 * self.num_pool_groups * COPY_CHUNK * np.dtype(np.int32).itemsize,
+            2 * self.data_parallel_size * TRANSFER_CHUNK * np.dtype(np.int32).itemsize,
             size(self.prompt_targets_template()),
             size(self.lora_slot),
         }
