@@ -148,6 +148,9 @@ class SchedulerOutput:
     window_page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # the window group's
     # (slot, adapter) of the LoRA adapters to copy into their device slots before the step (LoRASlots.acquire)
     lora_loads: list[tuple[int, object]] = dataclasses.field(default_factory=list)
+    # The host tier's page copies (jaxpage.engine.host_page_cache.PageTransfer), a list per group of the pool's layers,
+    # to apply in order before the step's copy-on-write copies: evicted pages into host slots, host slots into pages.
+    page_transfers: tuple[list, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

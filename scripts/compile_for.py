@@ -80,6 +80,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--batch-invariant", action="store_true", help="the batch-invariant mode: row-tiled products, XLA attention"
     )
+    parser.add_argument(
+        "--kv-offload-gib", type=float, default=None, help="the prefix cache's host tier: adds its offload and load"
+    )
     parser.add_argument("--context", type=int, default=1024, help="tokens per sequence in the roofline estimate")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -114,6 +117,7 @@ def main(argv=None) -> int:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             batch_invariant=args.batch_invariant,
+            kv_offload_bytes=None if args.kv_offload_gib is None else int(args.kv_offload_gib * 2**30),
             compilation_cache_dir=None,
         )
         model = aot.model_shape(args.model)

@@ -20,7 +20,7 @@
 #                   continuous batching (torch alone on the GPU)
 #   kernel_tests    the kernel tests natively (not the TPU kernel's, which only    what is left, at most 120 s
 #                   its interpreter runs here), 8 workers; the batch-invariance
-#                   test's bitwise comparisons on the GPU
+#                   test's bitwise comparisons on the GPU; the host tier's copies
 #   table           device_table.py over the logs: each figure, what it is measured against, its target (table.log)
 #
 # The estimates: the first H200 run (README, "On an NVIDIA H200") compiled the 8B shape's mixed step (T=512) in
@@ -81,11 +81,14 @@ if [ "${TINY:-0}" != 1 ]; then
     # The tests' processes share the GPU: each takes memory as it needs it instead of 75% at start. (The engine tests
     # with a tokenizer need the default model, which a machine without network cannot fetch: not here.)
     # With them, the batch-invariance test (issue 45) on the GPU: a request's tokens and log-probs the same bits
-    # whatever runs beside it, 20 cases (its engines' tests on one worker: --dist loadgroup).
+    # whatever runs beside it, 20 cases (its engines' tests on one worker: --dist loadgroup). And the prefix cache's
+    # host tier (issue 46): its copies between the GPU's pool and pinned host memory, built and run on the GPU (the
+    # deviceless GPU client has no host memory to build them for), and the engine's tokens with and without it.
     JAXPAGE_INVARIANCE_EXAMPLES=20 XLA_PYTHON_CLIENT_PREALLOCATE=false stage kernel_tests 120 \
         "$python" -m pytest -q -p no:cacheprovider -n 8 -rfE --dist loadgroup --durations=5 -k "not tpu" \
         tests/test_ragged_paged_attention.py tests/test_paged_attention.py tests/test_attention_backend.py \
-        tests/test_quantized_kv_attention.py tests/test_batch_invariance.py
+        tests/test_quantized_kv_attention.py tests/test_batch_invariance.py tests/test_host_kv_pool.py \
+        tests/test_host_tier.py
 fi
 echo "== table $(date +%T), ${SECONDS}s in"
 "$python" scripts/device_table.py "$out"/*.log 2>&1 | tee "$out/table.log"

@@ -115,7 +115,9 @@ def attach(engine, channel) -> None:
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, {"speculative_config": "DRAFT"}, {"tensor_parallel_size": 2}], ids=["one-device", "draft", "tp2"]
+    "extra",
+    [{}, {"speculative_config": "DRAFT"}, {"tensor_parallel_size": 2}, {"kv_offload_bytes": 1 << 20, "num_pages": 18}],
+    ids=["one-device", "draft", "tp2", "host-tier"],
 )
 def test_a_follower_replaying_the_leaders_messages_ends_with_its_pool(tiny_dir, extra):
     if extra.get("speculative_config") == "DRAFT":
@@ -137,11 +139,17 @@ def test_a_follower_replaying_the_leaders_messages_ends_with_its_pool(tiny_dir, 
     # Parallel samples share their prompt's last page: copy-on-write copies; seeds, logprobs: sampler inputs.
     leader.generate(prompts[:2], SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=10, logprobs=2))
     leader.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=6))
+    if "kv_offload_bytes" in extra:  # other prompts evict these to host memory, from where they come back
+        others = [{"prompt_token_ids": [t + 1 for t in p["prompt_token_ids"]]} for p in prompts]
+        for batch in (others, prompts):
+            leader.generate(batch, SamplingParams(temperature=0, max_tokens=6))
     leader.engine.shutdown()
     kinds = [Message(int(words[0])) for words in recorder.sent if len(words) == 8 and words[0]]
     assert {Message.WARMUP, Message.COPY, Message.STEP, Message.RESET, Message.STOP} <= set(kinds)
     if "speculative_config" in extra:
         assert {Message.PROPOSE, Message.FORWARD} <= set(kinds)
+    if "kv_offload_bytes" in extra:  # the host tier's copies: pages evicted to host slots, and loaded back
+        assert {Message.OFFLOAD, Message.LOAD} <= set(kinds)
     attach(follower.engine, Replayer(recorder.sent))
     follower.engine.follow()
     for name in ("runner", "draft_runner"):
@@ -150,6 +158,9 @@ def test_a_follower_replaying_the_leaders_messages_ends_with_its_pool(tiny_dir, 
             assert np.array_equal(ours.kv_cache.k, theirs.kv_cache.k)
             assert np.array_equal(ours.kv_cache.v, theirs.kv_cache.v)
             assert {str(c.shape) for c in ours.compile_log} == {str(c.shape) for c in theirs.compile_log}
+    if "kv_offload_bytes" in extra:
+        ours, theirs = (llm.engine.runner.pool.host.cache[0] for llm in (leader, follower))
+        assert np.array_equal(ours.k, theirs.k) and np.array_equal(ours.v, theirs.v)
 
 
 def test_pack_and_unpack():

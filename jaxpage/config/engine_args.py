@@ -24,12 +24,14 @@ def canonical_kv_cache_dtype(name: str) -> str:
     return KV_CACHE_DTYPE_ALIASES.get(name, name)
 
 
-def arg(default, help: str, *, choices: tuple | None = None, metavar: str | None = None, cli="engine", off=None):
+def arg(
+    default, help: str, *, choices: tuple | None = None, metavar: str | None = None, cli="engine", off=None, gib=False
+):
     """An engine argument: its default, and what the CLI makes of it (jaxpage.entrypoints.cli generates every flag from
     these). cli: the group of commands that take it as a flag ("model": every command that loads a model; "engine":
     those that run an engine; "hosts": those, in the several-hosts group; None: no flag); off: (flag, help) of a second
-    flag that sets it to None."""
-    metadata = dict(help=help, choices=choices, metavar=metavar, cli=cli, off=off)
+    flag that sets it to None; gib: a size in bytes that the flag takes in GiB (--name-gib for name_bytes)."""
+    metadata = dict(help=help, choices=choices, metavar=metavar, cli=cli, off=off, gib=gib)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -77,6 +79,15 @@ class EngineConfig:
     max_num_seqs: int = arg(64, "sequences per step (default 64)")  # 1 to MAX_NUM_SEQS
     max_num_batched_tokens: int = arg(512, "tokens per step (default 512)")  # 1 to MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = arg(True, "requests that share a prompt prefix share its pages (default: on)")
+    # The prefix cache's host tier (jaxpage.engine.host_page_cache; vLLM's KV offloading to CPU): this many bytes of
+    # host memory, over every replica and shard, keep the full pages evicted from the device's prefix cache, which a
+    # later prompt with their prefix copies back instead of recomputing them. None (or 0): no host tier.
+    kv_offload_bytes: int | None = arg(
+        None,
+        "host memory that keeps KV pages evicted from the device's prefix cache, copied back when a prompt reuses "
+        "them, in GiB (default: none)",
+        gib=True,
+    )
     seed: int = arg(0, "seeds the requests that bring none; >= 0 (default 0)")
     # The attention backend (jaxpage.attention): "auto" (the Pallas kernels on TPU and GPU, the XLA
     # implementation elsewhere), "xla", "pallas" (this platform's kernels), "pallas_tpu", "pallas_gpu", or
@@ -177,6 +188,17 @@ class EngineConfig:
                 "adapter in a device slot is kept in host memory too"
             )
 
+    def _check_kv_offload(self) -> None:
+        """kv_offload_bytes: bytes >= 0 (0: None), and only with the prefix cache whose pages it keeps."""
+        if self.kv_offload_bytes is not None:
+            offload = check_int("engine argument kv_offload_bytes", self.kv_offload_bytes, 0) or None
+            object.__setattr__(self, "kv_offload_bytes", offload)
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "engine argument kv_offload_bytes: the host tier keeps the prefix cache's pages; it needs "
+                "enable_prefix_caching"
+            )
+
     def _check_batch_invariant(self) -> None:
         """batch_invariant, and what it cannot run with (each refused by name)."""
         check_bool("engine argument batch_invariant", self.batch_invariant)
@@ -229,6 +251,7 @@ class EngineConfig:
             check_number(arg("gpu_memory_utilization"), self.gpu_memory_utilization, "in (0, 1]", lambda u: 0 < u <= 1),
         )
         check_bool(arg("enable_prefix_caching"), self.enable_prefix_caching)
+        self._check_kv_offload()
         put("seed", check_int(arg("seed"), self.seed, 0))
         choose("attention_impl", self.ATTENTION_IMPLS)
         if self.compilation_cache_dir not in (None, "auto"):

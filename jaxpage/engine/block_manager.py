@@ -268,6 +268,10 @@ class BlockManager:
         """A grouped pool's window group's copies (jaxpage.engine.kv_cache_groups): none, here."""
         return []
 
+    def take_transfers(self) -> tuple[list, ...]:
+        """The host tier's copies recorded since the last call (HostPageCache.take_transfers), as one group's."""
+        return (self.host.take_transfers() if self.host is not None else [],)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src_page, dst_page) copy-on-write copies recorded since the last call; clears them. The device
         applies them all at once (every src read before any dst is written), before the step writes new K/V.

@@ -38,6 +38,11 @@ class HostPageCache:
         self.num_offloaded_pages = 0  # copies made, each way
         self.num_loaded_pages = 0
 
+    @property
+    def num_used_slots(self) -> int:
+        """Slots that hold a page."""
+        return len(self._slots)
+
     def find(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
         """The slot that holds the page of `key` (whose token ids must be `tokens`), or None. Does not count as use."""
         slot = self._slots.get(key)

@@ -18,10 +18,17 @@ from jaxpage.sequence import Sequence
 
 class KVCacheGroups:
     def __init__(
-        self, num_pages: int, window_pages: int, page_size: int, enable_prefix_caching: bool, sliding_window: int
+        self,
+        num_pages: int,
+        window_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int,
+        host_pages: tuple[int, int] = (0, 0),  # each group's slots in the prefix cache's host tier
     ):
-        self.full = BlockManager(num_pages, page_size, enable_prefix_caching)
-        self.window = BlockManager(window_pages, page_size, enable_prefix_caching, sliding_window, "window_block_table")
+        self.full = BlockManager(num_pages, page_size, enable_prefix_caching, host_pages=host_pages[0])
+        window = (sliding_window, "window_block_table", host_pages[1])
+        self.window = BlockManager(window_pages, page_size, enable_prefix_caching, *window)
         self.groups = (self.full, self.window)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -84,6 +91,10 @@ class KVCacheGroups:
 
     def take_window_copies(self) -> list[tuple[int, int]]:
         return self.window.take_copies()
+
+    def take_transfers(self) -> tuple[list, list]:
+        """Each group's host tier copies (BlockManager.take_transfers)."""
+        return self.full.take_transfers() + self.window.take_transfers()
 
     def kv_utilization(self) -> float:
         """Token slots holding tokens / slots of referenced pages, over both groups (a slot of either counts once)."""

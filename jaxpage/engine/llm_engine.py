@@ -101,8 +101,7 @@ class LLMEngine:
         spec = config.speculative_config
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
-            # A follower never sees a request: it needs no tokenizer.
-            wanted = self.is_leader and not config.skip_tokenizer_init
+            wanted = self.is_leader and not config.skip_tokenizer_init  # a follower never sees a request
             tokenizer = background.submit(load_tokenizer, config.model) if wanted else None
             self._start(config, target, draft)
             self.tokenizer = tokenizer.result() if tokenizer else None
@@ -127,8 +126,7 @@ class LLMEngine:
             atexit.register(self.channel.stop)
 
     def _start(self, config: EngineConfig, target: tuple, draft: tuple | None = None) -> None:
-        """Sizes and allocates the KV pool (and a draft model's), builds the runner(s). `target` and `draft`:
-        (config, params) as they run (jaxpage.worker.parallel.as_run)."""
+        """Sizes the KV pools and builds the runners; target, draft: (config, params) as they run (parallel.as_run)."""
         target_config, params = target
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or model_max
@@ -341,7 +339,9 @@ class LLMEngine:
         """Every replica's bookkeeping afresh (at start, and after a failed step), in the same list."""
         c, readers = self.config, [runner.config for runner in self.executor.runners]  # the models reading the pages
         lora_slots = LoRASlots(c.max_loras) if c.enable_lora else None  # (after a failed step: each refilled anew)
-        pages = (self._num_pages, c.part(CacheConfig), self._scheduler_config, readers, self._window_pages, lora_slots)
+        host = self.runner.pool.host  # the prefix cache's host tier: its slots per group of layers
+        sizes = (self._num_pages, c.part(CacheConfig), self._scheduler_config, readers, self._window_pages)
+        pages = (*sizes, lora_slots, host.num_slots if host else (0, 0))
         self.replicas[:] = [Replica.new(*pages) for _ in range(c.data_parallel_size)]
 
     @property

@@ -31,16 +31,19 @@ class Replica:
         models=(),
         window_pages: int | None = None,
         lora_slots: LoRASlots | None = None,
+        host_pages: tuple[int, ...] = (0, 0),
     ) -> Replica:
         """A replica of `num_pages` pages for the models that share its block tables (the target, and a draft; none
         given: pages kept until a request ends); window_pages: the window group's pages of a hybrid target's grouped
-        pool (jaxpage.engine.kv_cache_groups); lora_slots: the LoRA adapters' slots, which every replica shares."""
+        pool (jaxpage.engine.kv_cache_groups); lora_slots: the LoRA adapters' slots, which every replica shares;
+        host_pages: the slots of the prefix cache's host tier, per group of layers (0: none)."""
+        caching = (cache.page_size, cache.enable_prefix_caching)
         if window_pages is not None:
             window = models[0].sliding_window
-            block_manager = KVCacheGroups(num_pages, window_pages, cache.page_size, cache.enable_prefix_caching, window)
+            block_manager = KVCacheGroups(num_pages, window_pages, *caching, window, host_pages)
         else:
             window = window_to_free(models)
-            block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, window)
+            block_manager = BlockManager(num_pages, *caching, window, host_pages=host_pages[0])
         return cls(block_manager, Scheduler(config, block_manager, lora_slots))
 
     @property
@@ -82,6 +85,32 @@ class Replicas(list):
             sum(r.scheduler.num_prefix_query_tokens for r in self),
             sum(r.scheduler.num_prefix_hit_tokens for r in self),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTierCounts:
+    """The prefix cache's host tier over every replica and group of layers (jaxpage.engine.host_page_cache)."""
+
+    offloaded_pages: int  # device pages copied to host slots
+    loaded_pages: int  # host slots copied back to device pages: the host tier's prefix hits
+    hit_tokens: int  # prompt tokens whose K/V came back from host memory (a grouped pool's full group's)
+    used_slots: int
+    slots: int
+
+
+def host_tier_counts(replicas: list[Replica]) -> HostTierCounts | None:
+    """The host tier's counts (None without one)."""
+    tiers = [group.host for r in replicas for group in getattr(r.block_manager, "groups", (r.block_manager,))]
+    if tiers[0] is None:
+        return None
+    first = [getattr(r.block_manager, "full", r.block_manager) for r in replicas]  # a grouped pool's full group
+    return HostTierCounts(
+        sum(t.num_offloaded_pages for t in tiers),
+        sum(t.num_loaded_pages for t in tiers),
+        sum(bm.host.num_loaded_pages * bm.page_size for bm in first),
+        sum(t.num_used_slots for t in tiers),
+        sum(t.num_slots for t in tiers),
+    )
 
 
 def choose_replica(replicas: list[Replica], prompt_token_ids: list[int], prefix_root: bytes | None = None) -> int:

@@ -140,7 +140,8 @@ class Scheduler:
         if not preempted and not drafts:
             scheduled += self._admit(budget)
         manager = self.block_manager
-        return SchedulerOutput(scheduled, manager.take_copies(), manager.take_window_copies(), self._lora_loads)
+        copies = (manager.take_copies(), manager.take_window_copies())
+        return SchedulerOutput(scheduled, *copies, self._lora_loads, manager.take_transfers())
 
     def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""

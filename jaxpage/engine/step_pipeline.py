@@ -97,6 +97,7 @@ class StepPipeline:
         # Speculative decoding runs without data parallelism: on the one replica.
         drafts = self.spec_decoder.propose(self.replicas[0].scheduler) if self.spec_decoder is not None else None
         steps = [r.scheduler.schedule(drafts if i == 0 else None) for i, r in enumerate(self.replicas)]
+        self.executor.transfer_pages(steps)  # the host tier's copies, made even where nothing is scheduled
         if not any(o.scheduled for o in steps):
             return None
         scheduled = time.perf_counter()

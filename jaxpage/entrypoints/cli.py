@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -68,6 +69,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, groups=("model", "engi
         elif kind in ("int", "float"):
             options["type"] = int if kind == "int" else float
         flag = "--" + field.name.replace("_", "-")
+        if meta["gib"]:  # bytes, given in GiB
+            flag, options["type"], options["metavar"] = flag.replace("-bytes", "-gib"), _gib_bytes, "GIB"
+            options["dest"] = field.name
         if meta["off"] is None:
             target.add_argument(flag, **options)
             continue
@@ -76,6 +80,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, groups=("model", "engi
         off_flag, off_help = meta["off"]
         either.add_argument(off_flag, dest=field.name, action="store_const", const=None, help=off_help)
     parser.set_defaults(engine_arguments=tuple(names))
+
+
+def _gib_bytes(value: str) -> int:
+    """A flag's size in GiB (a number >= 0), as bytes."""
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib < 0:
+        raise argparse.ArgumentTypeError(f"expected a size in GiB (a number >= 0), got {value!r}")
+    return int(gib * 2**30)
 
 
 def engine_args(args: argparse.Namespace) -> dict:

@@ -5,7 +5,8 @@ runs as n sequences there too), and the KV cache's used share. Counters and hist
 (`observe`, with every RequestOutput it hands over): prompt and generation tokens, finished requests by reason, time
 to first token, inter-token latency (between a request's outputs, one observation per output: a step that gives a
 sequence several tokens, by speculative decoding, is one observation) and end-to-end latency; prefix-cache queries
-and hits, and the speculative decoding counters, are the engine's own counts; so is the speculation policy's state:
+and hits, the prefix cache's host tier (hit tokens, pages and bytes copied each way, the share of its slots in use),
+and the speculative decoding counters, are the engine's own counts; so is the speculation policy's state:
 whether it speculates now (a gauge, 1 or 0), its turns on and off, its probes of the arm not taken, and the estimates
 of its latest decision (seconds per token of a verify step and of a decode step, the drafts' acceptance rate).
 """
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.engine.replica import host_tier_counts
 from jaxpage.outputs import RequestOutput
 
 PREFIX = "jaxpage:"
@@ -35,6 +37,7 @@ class EngineCounts:
         queries, hits = self.engine.prefix_cache_counts()
         yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+        yield from self._host_tier()
         stats = self.engine.spec_decoding_stats
         if stats is not None:
             yield _counter("spec_decode_num_drafts", "Drafts verified", stats.num_drafts)
@@ -67,6 +70,30 @@ class EngineCounts:
             for name, documentation, value in estimates:
                 if value is not None:
                     yield _gauge("spec_decode_" + name, documentation, value)
+
+    def _host_tier(self):
+        """The prefix cache's host tier (engine argument kv_offload_bytes): nothing without one."""
+        counts = host_tier_counts(self.engine.replicas)
+        if counts is None:
+            return
+        yield _counter(
+            "kv_offload_hit_tokens", "Prompt tokens whose KV pages came back from host memory", counts.hit_tokens
+        )
+        pages = CounterMetricFamily(
+            PREFIX + "kv_offload_pages", "KV pages copied between the device and host memory", labels=["direction"]
+        )
+        moved = CounterMetricFamily(
+            PREFIX + "kv_offload_bytes", "Bytes copied between the device and host memory", labels=["direction"]
+        )
+        bytes_moved = self.engine.runner.pool.host.bytes_moved
+        for direction, count in (("offload", counts.offloaded_pages), ("load", counts.loaded_pages)):
+            pages.add_metric([direction], count)
+            moved.add_metric([direction], bytes_moved[direction])
+        yield pages
+        yield moved
+        yield _gauge(
+            "kv_offload_usage", "The share of the host tier's page slots in use", counts.used_slots / counts.slots
+        )
 
 
 def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:

@@ -26,7 +26,9 @@ from jaxpage.config import EngineConfig
 from jaxpage.sequence import SchedulerOutput, prompt_logprob_rows
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
 from jaxpage.worker.draft_runner import DraftModelRunner
+from jaxpage.worker.host_kv_pool import transfer_calls
 from jaxpage.worker.model_runner import ModelRunner, StepOutput, fetch
+from jaxpage.worker.pool_sizing import host_tier_slots
 from jaxpage.worker.step_broadcast import Message, StepBroadcast
 from jaxpage.worker.step_inputs import step_flag
 from jaxpage.worker.step_shapes import StepShape
@@ -64,7 +66,7 @@ def make_runners(
     runs, jaxpage.worker.parallel.as_run), with the engine's step shapes (verify steps where num_speculative_tokens).
     compile_only: for a chip this host lacks (jaxpage.aot). window_pages: the target's pool is grouped (a hybrid
     model's: jaxpage.kv_cache.HybridKVCache), with these pages for its window group; a draft model's pool reads the
-    full group's pages."""
+    full group's pages. With kv_offload_bytes, the target's pool gets its slots of the prefix cache's host tier."""
     args = dict(
         num_pages=num_pages,
         page_size=config.page_size,
@@ -83,6 +85,9 @@ def make_runners(
     ]
     if draft is not None:
         runners.append(DraftModelRunner(*draft, backend, **args))
+    if config.kv_offload_bytes:  # the prefix cache's host tier, for the target's pool (a draft model recomputes a hit)
+        pool = runners[0].pool
+        pool.add_host_tier(host_tier_slots(config.kv_offload_bytes, pool.layout, config.data_parallel_size))
     return runners
 
 
@@ -98,6 +103,17 @@ class Executor:
         if self.channel is not None:
             self.channel.send(kind, runner, key, flag, payload)
         return self.runners[runner].run(kind, key, payload, flag, draft_probs)
+
+    def transfer_pages(self, outputs: list[SchedulerOutput]) -> None:
+        """The host tier's copies of every replica's step (SchedulerOutput.page_transfers, an output each, in order),
+        launched into the target's pool: before anything of the step reads its pages, and whether or not the step
+        has anything to run. (A draft model's pool recomputes what a prefix hit gives the target:
+        DraftModelRunner.catch_up from Sequence.num_draft_computed_tokens.)"""
+        host = self.runners[0].pool.host
+        for group, slots in enumerate(host.num_slots if host is not None else ()):
+            transfers = [o.page_transfers[group] if o.page_transfers else [] for o in outputs]
+            for kind, sources, destinations in transfer_calls(transfers, scratch_slot=slots):
+                self.launch(0, Message[kind.upper()], group, (sources, destinations))
 
     def launch_step(
         self,

@@ -11,8 +11,10 @@ import jax
 
 from jaxpage.attention import AttentionBackend
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
+from jaxpage.kv_cache import pool_groups
 from jaxpage.models.lora import slots_device_bytes
 from jaxpage.validation import INT32_MAX
+from jaxpage.worker.host_kv_pool import group_page_bytes
 from jaxpage.worker.step_broadcast import StepBroadcast
 
 logger = logging.getLogger("jaxpage")
@@ -268,3 +270,28 @@ def _log_pool(config, backend, model_config, target_config, dtype_bytes, token_b
         config.page_size,
         pool_bytes / 2**30,
     )
+
+
+def host_tier_slots(offload_bytes: int, layout, replicas: int) -> tuple[int, ...]:
+    """Each replica's slots in the prefix cache's host tier, per group of the pool's layers (layout: the target's
+    pool's), for kv_offload_bytes of host memory (the whole engine's, over every replica and tensor-parallel shard, as
+    vLLM's kv_offloading_size counts it). The groups share the bytes as their device pages do. ValueError naming
+    kv_offload_bytes where a group would get no slot, or where the host's memory cannot hold them."""
+    page_bytes = group_page_bytes(layout)
+    pages = [g.k.shape[1] // replicas for g in pool_groups(layout)]
+    device_bytes = sum(n * b for n, b in zip(pages, page_bytes, strict=True))
+    slots = tuple(offload_bytes * n // (device_bytes * replicas) for n in pages)
+    if min(slots) < 1:
+        need = max(-(-device_bytes * replicas // n) for n in pages)
+        raise ValueError(
+            f"engine argument kv_offload_bytes {offload_bytes} holds no page of the host tier: one page of every layer "
+            f"takes {sum(page_bytes)} bytes ({replicas} replica(s)); give at least {need} bytes (--kv-offload-gib "
+            f"{need / 2**30:.4f}), or leave it unset"
+        )
+    available = available_memory_bytes()
+    if available is not None and offload_bytes > available:
+        raise ValueError(
+            f"engine argument kv_offload_bytes {offload_bytes} exceeds the host's available memory ({available} "
+            "bytes); give less"
+        )
+    return slots
