@@ -512,6 +512,15 @@ def test_the_host_tier_s_copies_compile_for_a_tpu_and_move_only_their_pages(kv_c
     assert all(s.memory_kind == "pinned_host" for s in jax.tree.leaves(pool.host.shardings(0)))
 
 
+@needs_gpu
+def test_a_gpu_built_for_without_one_refuses_the_host_tier_by_name():
+    # The deviceless GPU client's devices list no memories (no pinned host memory to place the host slots in): the
+    # host tier's copies build for a GPU only on one (scripts/device_checks.sh runs them there).
+    model = dataclasses.replace(aot.model_shape("default"), num_layers=2)
+    with pytest.raises(ValueError, match="kv_offload_bytes: the gpu devices here offer no pinned host memory"):
+        aot.build(GPU, EngineConfig(kv_offload_bytes=1 << 30, **TINY_ENGINE), model)
+
+
 @needs_tpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_the_xla_attention_reads_a_tpu_pool_in_place(kv_cache_dtype):

@@ -58,7 +58,8 @@ def _groups(block_manager):
 
 
 def test_returning_turns_load_their_prefixes_from_host_memory_and_sample_the_same_tokens(tiny_model_path):
-    without, with_tier = engines(tiny_model_path(GQA), **SMALL_POOL)
+    # Scheduled asynchronously: a step's copies are launched while the step before it runs on the device.
+    without, with_tier = engines(tiny_model_path(GQA), async_scheduling=True, **SMALL_POOL)
     workload = turns()
     greedy = [run_turns(llm, workload, GREEDY, per_call=4) for llm in (without, with_tier)]
     assert greedy[0] == greedy[1]
@@ -67,6 +68,7 @@ def test_returning_turns_load_their_prefixes_from_host_memory_and_sample_the_sam
     samples = [run_turns(llm, workload[1:], sampled, per_call=3) for llm in (without, with_tier)]
     assert samples[0] == samples[1]
     engine, bm = with_tier.engine, with_tier.engine.block_manager
+    assert engine.async_scheduling
     assert without.engine.block_manager.host is None and bm.host.num_slots == HOST_BYTES // bm_page_bytes(with_tier)
     assert engine.scheduler.num_preemptions > 0 and without.engine.scheduler.num_preemptions > 0
     # Without the tier a returning turn finds (nearly) nothing: its prefix was evicted by the five others.
@@ -115,9 +117,12 @@ def test_the_host_tier_is_checked_where_it_is_given(tiny_model_path):
             _parser().parse_args(["serve", "--kv-offload-gib", bad])
 
 
-@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs 2 devices (the suite simulates 8)")
-def test_data_parallel_replicas_each_keep_their_own_host_slots(tiny_model_path):
-    without, with_tier = engines(tiny_model_path(GQA), data_parallel_size=2, **SMALL_POOL)
+@pytest.mark.skipif(len(__import__("jax").devices()) < 4, reason="needs 4 devices (the suite simulates 8)")
+def test_data_parallel_replicas_and_tensor_parallel_shards_each_keep_their_own_host_slots(tiny_model_path):
+    # 2 replicas x 2 shards: each replica's pages in its own slots, each shard's KV head in its own (the copies run on
+    # each device's shard: tests/test_host_kv_pool.py).
+    parallel = dict(data_parallel_size=2, tensor_parallel_size=2)
+    without, with_tier = engines(tiny_model_path(GQA), **parallel, **SMALL_POOL)
     workload = turns(num_prefixes=12, num_turns=2)
     assert run_turns(without, workload, GREEDY, 4) == run_turns(with_tier, workload, GREEDY, 4)
     assert all(r.block_manager.host.num_loaded_pages > 0 for r in with_tier.engine.replicas)

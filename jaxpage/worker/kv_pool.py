@@ -93,6 +93,14 @@ class KVPool:
     def add_host_tier(self, num_slots: tuple[int, ...]) -> None:
         """Slots in host memory for the prefix cache's host tier: num_slots per replica, per group of layers."""
         device = jax.devices()[0] if self.replicated is None else next(iter(self.replicated.device_set))
+        device = device if self.mesh is None else self.mesh.devices.flat[0]
+        kinds = [memory.kind for memory in device.addressable_memories()]
+        if "pinned_host" not in kinds:  # a deviceless GPU client's devices list no memories
+            raise ValueError(
+                f"engine argument kv_offload_bytes: the {device.platform} devices here offer no pinned host memory "
+                f"(memories: {', '.join(kinds) or 'none'}), where the host tier's slots live: leave kv_offload_bytes "
+                "unset"
+            )
         self.host = HostKVPool(
             self.layout, self.specs, num_slots, self.mesh, device, self.load_or_compile, self.abstract
         )
