@@ -130,13 +130,16 @@ def test_data_parallel_replicas_and_tensor_parallel_shards_each_keep_their_own_h
 
 def test_a_hybrid_models_groups_each_keep_their_pages_on_the_host_by_their_own_rules(tiny_model_path):
     # Gemma 3's grouped pool: the window group's pages go back while a request runs (outside its window) and are
-    # offloaded when evicted like the full group's; a hit is the prefix both groups hold, on either tier.
-    without, with_tier = engines(tiny_model_path(GEMMA3), **SMALL_POOL)
+    # offloaded when evicted like the full group's; a hit is the prefix both groups hold, on either tier. 8-bit pages:
+    # their scales go to host memory and back with them.
+    without, with_tier = engines(tiny_model_path(GEMMA3), kv_cache_dtype="int8", **SMALL_POOL)
     workload = turns(num_turns=2)
     assert run_turns(without, workload, GREEDY) == run_turns(with_tier, workload, GREEDY)
     full, window = with_tier.engine.block_manager.groups
     assert full.host.num_loaded_pages > 0 and window.host.num_loaded_pages > 0
-    assert with_tier.engine.runner.pool.host.num_slots == (full.host.num_slots, window.host.num_slots)
+    host = with_tier.engine.runner.pool.host
+    assert host.num_slots == (full.host.num_slots, window.host.num_slots)
+    assert all(group.k_scales is not None and group.k.dtype == "int8" for group in host.cache)
     with_tier.engine.block_manager.check_invariants()
 
 

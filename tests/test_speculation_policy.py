@@ -272,6 +272,7 @@ def test_metrics_show_the_policy():
     class Engine:
         spec_decoding_stats = SpecDecodingStats(8)
         spec_decoding_policy = policy.state()
+        replicas = ()  # no pages, no host tier
 
         def prefix_cache_counts(self):
             return 0, 0

@@ -101,7 +101,7 @@ class HostTierCounts:
 def host_tier_counts(replicas: list[Replica]) -> HostTierCounts | None:
     """The host tier's counts (None without one)."""
     tiers = [group.host for r in replicas for group in getattr(r.block_manager, "groups", (r.block_manager,))]
-    if tiers[0] is None:
+    if not tiers or tiers[0] is None:
         return None
     first = [getattr(r.block_manager, "full", r.block_manager) for r in replicas]  # a grouped pool's full group
     return HostTierCounts(
