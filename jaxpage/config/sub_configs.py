@@ -29,7 +29,6 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_dtype: str
     enable_prefix_caching: bool
-    kv_offload_bytes: int | None  # the prefix cache's host tier (jaxpage.engine.host_page_cache); None: none
 
 
 @dataclasses.dataclass(frozen=True)

@@ -180,14 +180,14 @@ class DraftModelRunner(ModelRunner):
 
     def warmup_programs(self) -> list[tuple[CompiledShape, Callable[[], jax.stages.Compiled]]]:
         """A draft model's warm-up: the pool's fill, the forward pass of every step shape and the proposal of every
-        verify shape (a draft model samples only in its proposals), the host tier's copies."""
+        verify shape (a draft model samples only in its proposals)."""
         programs = [self._pool_warmup()]
         for shape in self.shapes:
             programs.append((CompiledShape("forward", shape), functools.partial(self._forward_program, shape)))
             if shape.kind == "verify":
                 what = CompiledShape("propose", (shape.num_rows, shape.num_draft_positions))
                 programs.append((what, functools.partial(self._proposer_program, shape)))
-        return programs + self.pool.host_programs()
+        return programs
 
     def run(self, kind: Message, key: int, payload, flag: int = 0, draft_probs=None):
         """ModelRunner.run, and PROPOSE: (draft tokens, their distributions), on the device."""
