@@ -34,6 +34,7 @@ from jaxpage.attention import AttentionBackend, engine_backend
 from jaxpage.benchmarks import gpu_kernels
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
+from jaxpage.benchmarks.hlo_fusions import fusions_across_row_tiles
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_groups
 from jaxpage.models.batch_invariant import batch_invariant_config
@@ -117,6 +118,9 @@ class ProgramReport:
     # ... and those that copy a dynamic slice as large as one layer's smallest weight matrix (a layer's weights copied
     # out of the stacked arrays before its products: every weight read three times a step), the pool copies apart
     weight_copies: tuple[str, ...] = ()
+    # Fusions that join a batch-invariant row tile's ops with the ops around it (jaxpage.benchmarks.hlo_fusions): a
+    # row's bits would then depend on its step. None outside the mode (no row tiles).
+    row_tile_fusions: tuple[str, ...] = ()
     # A GPU target's Pallas kernels in a program of KERNEL_KINDS, a report per code and launch configuration. None:
     # not looked for (another kind or target, compile_all(kernels=False)), or nothing compiled (a program got before).
     kernels: tuple[gpu_kernels.KernelReport, ...] | None = None
@@ -340,6 +344,7 @@ def describe(
         weight_copies=()
         if weight_bytes is None
         else tuple(c for c in sliced_copies(hlo, weight_bytes) if c not in pool_copies),
+        row_tile_fusions=tuple(fusions_across_row_tiles(hlo)),
     )
 
 

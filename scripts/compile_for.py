@@ -29,14 +29,14 @@ float32 FFMAs, local memory (LDL, STL), global loads by width in bits, cp.async 
 
 Then the checks: every program compiled; no KV pool copied; no layer's weights copied (XLA's GPU compiler copies each
 layer's weights out of a scan over stacked layers: the model unrolls its layers there); no temporary as large as a pool;
-the pool's compiled bytes within 2% of the engine's budget arithmetic; with tensor parallelism, the collectives Megatron
-needs (2 all-reduces per layer and 1 for the embedding in a forward pass, the logits' all-gather in a sampler, or an
-all-reduce of one row's); per-device memory (weights, LoRA slots, pool, the largest temporary) within the chip's HBM; on
-a GPU, no kernel with a stack frame (spills or local arrays), and the kernels' products on the tensor cores for a model
-of 16-bit floats or an 8-bit pool (a float32 model with a float32 pool multiplies in float32 FFMAs by design: reported,
-not checked). And the decode step's roofline ESTIMATE at batch 1 and 64 (max(bytes / HBM bandwidth, FLOPs / peak), the
-chip's published figures; a compiler estimate, not a measurement). Exits 1 when a check fails. --json writes the whole
-report.
+in the batch-invariant mode, no fusion that joins a row tile's ops with the ops around it; the pool's compiled bytes
+within 2% of the engine's budget arithmetic; with tensor parallelism, the collectives Megatron needs (2 all-reduces per
+layer and 1 for the embedding in a forward pass, the logits' all-gather in a sampler, or an all-reduce of one row's);
+per-device memory (weights, LoRA slots, pool, the largest temporary) within the chip's HBM; on a GPU, no kernel with a
+stack frame (spills or local arrays), and the kernels' products on the tensor cores for a model of 16-bit floats or an
+8-bit pool (a float32 model with a float32 pool multiplies in float32 FFMAs by design: reported, not checked). And the
+decode step's roofline ESTIMATE at batch 1 and 64 (max(bytes / HBM bandwidth, FLOPs / peak), the chip's published
+figures; a compiler estimate, not a measurement). Exits 1 when a check fails. --json writes the whole report.
 """
 
 from __future__ import annotations
@@ -217,6 +217,8 @@ def print_program(report) -> None:
         print(f"    POOL COPY: {copy[:200]}")
     for copy in report.weight_copies:
         print(f"    WEIGHT COPY: {copy[:200]}")
+    if report.row_tile_fusions:
+        print(f"    FUSED ACROSS A ROW TILE: {', '.join(report.row_tile_fusions)[:200]}")
     for kernel in report.kernels or ():
         print(kernel_line(kernel))
 
@@ -229,6 +231,7 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
     failed = [p.program for p in programs if not p.compiled]
     copies = [p.program for p in programs if p.pool_copies]
     weight_copies = [p.program for p in programs if p.weight_copies]
+    tile_fusions = [p.program for p in programs if p.row_tile_fusions]
     big_temps = [
         f"{p.program} ({p.temp_bytes / MIB:,.0f} MiB)" for p in programs if p.temp_bytes >= build.pool_array_bytes
     ]
@@ -239,6 +242,9 @@ def run_checks(build) -> list[tuple[str, bool, str]]:
         ("no layer's weights copied", not weight_copies, ", ".join(weight_copies) or "none as large as a layer's"),
         ("no temporary as large as a pool", not big_temps, ", ".join(big_temps) or "none"),
     ]
+    if build.model.batch_invariant:
+        detail = ", ".join(tile_fusions) or "each tile's ops fused with none around them"
+        checks.append(("no fusion across a row tile (batch-invariant)", not tile_fusions, detail))
     if compiled_pool is not None:
         ratio = compiled_pool / build.pool_bytes
         detail = f"{compiled_pool / MIB:,.1f} MiB compiled / {build.pool_bytes / MIB:,.1f} MiB arithmetic = {ratio:.4f}"

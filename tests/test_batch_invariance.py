@@ -15,15 +15,37 @@ import pytest
 from attention_reference import ragged_paged_attention_dense_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import TINY_FAMILIES
+from tiny_models import TINY_FAMILIES, tiny_config
 
-from jaxpage.config import EngineConfig
+from jaxpage.benchmarks.hlo_fusions import fusions_across_row_tiles
+from jaxpage.config import EngineConfig, model_config_from_hf
 from jaxpage.entrypoints.llm import LLM
-from jaxpage.models.batch_invariant import ROW_TILE, in_row_tiles, invariant_dot_general, rowwise
+from jaxpage.models.batch_invariant import ROW_TILE, ROW_TILE_SCOPE, in_row_tiles, invariant_dot_general, rowwise
 from jaxpage.sampling_params import SamplingParams
 from pallas_kernels.xla_ragged_attention import xla_ragged_attention
 
 RNG = np.random.default_rng(0)
+# XLA's CPU compiler as jaxpage runs it, LLVM's optimizations on: the suite turns them off (tests/conftest.py, for
+# compile time), and with them off no multiply and add become one fused multiply-add, which is how a fusion across a
+# row tile changes a row's bits (the GPU's compiler always contracts them).
+PRODUCTION_XLA = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
+def production_compiled(fn, *args):
+    """fn jitted and compiled for args as XLA compiles it outside the suite (PRODUCTION_XLA)."""
+    return jax.jit(fn).lower(*args).compile(PRODUCTION_XLA)
+
+
+@pytest.fixture(scope="module")
+def production_cache(tmp_path_factory):
+    """Every program this module's engines compile, compiled with PRODUCTION_XLA, and a compilation cache of their own
+    (jaxpage's key does not hold compiler options), which the engines of the same sizes share."""
+    compile_ = jax.stages.Lowered.compile
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            jax.stages.Lowered, "compile", lambda self, options=None: compile_(self, PRODUCTION_XLA | (options or {}))
+        )
+        yield str(tmp_path_factory.mktemp("production-compilation-cache"))
 
 
 def test_a_row_s_product_is_the_same_bits_whatever_the_rows_beside_it():
@@ -58,6 +80,39 @@ def test_rowwise_and_in_row_tiles_give_each_row_its_own_result():
     for got, want in zip(tiled, per_row(logits, steps, np.float32(0.5)), strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_row_tile_s_ops_fuse_with_none_around_it_whatever_the_step_s_rows():
+    # A norm (the tile's last multiply) and a residual add after it: in one fusion they are one multiply-add. XLA
+    # fused them when one tile held every row (its loop of one trip replaced by its body), not at 2 tiles.
+    scale = jnp.asarray(RNG.standard_normal(96), jnp.float32)
+
+    def norm(t):
+        return t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + 1e-6) * (1 + scale)
+
+    x, residual = (RNG.standard_normal((40, 96)).astype(np.float32) for _ in range(2))
+
+    def rows(n):
+        program = production_compiled(lambda x, r: r + rowwise(norm, x), x[:n], residual[:n])
+        assert not fusions_across_row_tiles(program.as_text()), n
+        return np.asarray(program(x[:n], residual[:n]))
+
+    alone = rows(1)[0]
+    for n in (2, ROW_TILE, ROW_TILE + 1, 40):
+        assert np.array_equal(rows(n)[0], alone), n
+
+
+def test_fusions_across_row_tiles_finds_a_fusion_of_a_tile_s_op_with_its_neighbour():
+    # The checker itself, on a program where one fusion holds a tile's multiply and the add outside it.
+    hlo = jax.jit(lambda x, r: r + _in_scope(x)).lower(np.ones((4, 8), np.float32), np.ones((4, 8), np.float32))
+    assert fusions_across_row_tiles(hlo.compile().as_text())
+    apart = jax.jit(lambda x, r: _in_scope(x) * 2).lower(np.ones((4, 8), np.float32), np.ones((4, 8), np.float32))
+    assert not fusions_across_row_tiles(apart.compile().as_text())
+
+
+def _in_scope(x):
+    with jax.named_scope(ROW_TILE_SCOPE):
+        return x * 3.0
 
 
 def attention_case(q_lens: list[int], kv_lens: list[int], seed: int = 1):
@@ -99,12 +154,14 @@ def fixed_order_attention(**options):
 
 
 # The engines of the hypothesis test: one model, the mode on; each a way a step can be shaped differently.
-FAMILY = next(f for f in TINY_FAMILIES if f.name == "smollm2-tied")
 COMMON = dict(skip_tokenizer_init=True, max_model_len=128, page_size=8, max_num_seqs=8, batch_invariant=True)
 ENGINES = {
     "one-chunk": dict(max_num_batched_tokens=64),
-    # chunks of 16 tokens, asynchronous steps, and a pool of 17 pages of 8 tokens: companions preempt the target
-    "chunked-async-preempting": dict(max_num_batched_tokens=16, async_scheduling=True, num_pages=17),
+    # chunks of 16 tokens, asynchronous steps, and a pool of 9 pages of 8 tokens (a context of 64) for up to 16
+    # sequences: companions preempt the target, even where every layer slides (pages before the window given back)
+    "chunked-async-preempting": dict(
+        max_num_batched_tokens=16, async_scheduling=True, max_model_len=64, num_pages=9, max_num_seqs=16
+    ),
 }
 if len(jax.devices()) >= 2:  # the suite's simulated CPU devices; not on the device check's one GPU
     ENGINES["two-replicas"] = dict(max_num_batched_tokens=64, data_parallel_size=2)
@@ -112,21 +169,26 @@ if len(jax.devices()) >= 2:  # the suite's simulated CPU devices; not on the dev
 # (--dist loadfile, the suite's, or --dist loadgroup, the device check's).
 pytestmark = pytest.mark.xdist_group("batch_invariance_engines")
 TARGET = [int(t) for t in np.random.default_rng(5).integers(3, 90, 37)]
-# More cases, or the default model: JAXPAGE_INVARIANCE_EXAMPLES=200, JAXPAGE_INVARIANCE_MODEL=default (README).
-EXAMPLES = int(os.environ.get("JAXPAGE_INVARIANCE_EXAMPLES", "50"))
+# Every family of the tiny models that the mode accepts (a mixture of experts it refuses: the last test), each with its
+# own engines; or with JAXPAGE_INVARIANCE_MODEL=default the default model alone. Cases per model: EXAMPLES (README).
+ACCEPTED_FAMILIES = [f for f in TINY_FAMILIES if not model_config_from_hf(tiny_config(f)).is_moe]
+MODELS = ["default"] if os.environ.get("JAXPAGE_INVARIANCE_MODEL") == "default" else [f.name for f in ACCEPTED_FAMILIES]
+EXAMPLES = int(os.environ.get("JAXPAGE_INVARIANCE_EXAMPLES", "20"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=MODELS)
 def model_source(request) -> str:
-    """The tiny model, or with JAXPAGE_INVARIANCE_MODEL=default the default model."""
-    if os.environ.get("JAXPAGE_INVARIANCE_MODEL") == "default":
+    """A tiny model of each accepted family, one after the other, or the default model."""
+    if request.param == "default":
         return str(request.getfixturevalue("smollm2_path"))
-    return str(request.getfixturevalue("tiny_model_path")(FAMILY))
+    family = next(f for f in ACCEPTED_FAMILIES if f.name == request.param)
+    return str(request.getfixturevalue("tiny_model_path")(family))
 
 
 @pytest.fixture(scope="module")
-def engines(model_source):
-    return {name: LLM(model_source, **COMMON, **options) for name, options in ENGINES.items()}
+def engines(model_source, production_cache):
+    options = COMMON | dict(compilation_cache_dir=production_cache)
+    return {name: LLM(model_source, **options | engine) for name, engine in ENGINES.items()}
 
 
 def target_params(seeded: bool, n: int) -> SamplingParams:
@@ -167,16 +229,34 @@ def test_a_request_s_tokens_and_logprobs_are_the_same_bits_whatever_runs_beside_
 
 
 def test_the_cases_above_preempted_the_target_and_hit_its_cached_prefix(engines):
-    """(After the hypothesis test, on its engines: what it claims to cover happened.)"""
+    """(After the hypothesis test, on its engines: what it claims to cover happened.) A model whose every layer slides
+    gives its pages before the window back while it runs: its prompt is never found whole in the cache."""
     assert engines["chunked-async-preempting"].engine.scheduler.num_preemptions > 0
     hits = {name: llm.engine.scheduler.num_prefix_hit_tokens for name, llm in engines.items()}
-    assert sum(hits.values()) > 0, hits
+    every_layer_slides = all(engines["one-chunk"].engine.model_config.sliding_layers)
+    assert every_layer_slides or sum(hits.values()) > 0, hits
+
+
+def test_no_fusion_joins_a_row_tile_with_the_ops_around_it(engines):
+    """Every program the engines compiled (those of the hypothesis test, where it ran first), and at least those of
+    the target alone (steps of one tile) and among 3 companions (of several): their compiled HLO."""
+    programs = {}
+    for name, llm in engines.items():
+        served(llm, target_params(seeded=True, n=1), [[5] * 40] * 3, 0)
+        served(llm, target_params(seeded=False, n=1), [], 0)
+        runner = llm.engine.runner
+        programs |= {(name, str(shape)): p for shape, p in [*runner.executables.items(), *runner.samplers.items()]}
+    tokens = [shape.num_tokens for llm in engines.values() for shape in llm.engine.runner.executables]
+    assert min(tokens) <= ROW_TILE < max(tokens), tokens
+    across = {key: found for key, p in programs.items() if (found := fusions_across_row_tiles(p.as_text()))}
+    assert not across, across
 
 
 @pytest.fixture(scope="module")
-def alone(model_source):
+def alone(model_source, production_cache):
     """The target served alone, on an engine of its own (one step shape per phase, nothing cached)."""
-    llm = LLM(model_source, **COMMON, max_num_batched_tokens=64, enable_prefix_caching=False)
+    options = dict(max_num_batched_tokens=64, enable_prefix_caching=False, compilation_cache_dir=production_cache)
+    llm = LLM(model_source, **COMMON | options)
     return {(seeded, n): served(llm, target_params(seeded, n), [], 0) for seeded in (False, True) for n in (1, 2)}
 
 

@@ -28,6 +28,7 @@ from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import array_bytes, large_copies, sliced_copies
 from jaxpage.config import CacheConfig, EngineConfig
 from jaxpage.kv_cache import HybridKVCache
+from jaxpage.models.batch_invariant import KEEP_ONE_TRIP_LOOP
 from jaxpage.targets import TARGETS, available, get_target
 from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK
 from jaxpage.worker.pool_sizing import addressable_pages, kv_pool_pages
@@ -201,6 +202,7 @@ def _checked(build: aot.TargetBuild) -> None:
     assert not failed, failed
     assert not [p.pool_copies for p in build.programs if p.pool_copies]
     assert not [p.weight_copies for p in build.programs if p.weight_copies]
+    assert not {p.program: p.row_tile_fusions for p in build.programs if p.row_tile_fusions}
     assert max(p.temp_bytes for p in build.programs) < build.pool_array_bytes
     assert abs(build.compiled_pool_bytes / build.pool_bytes - 1) <= 0.02, (build.compiled_pool_bytes, build.pool_bytes)
 
@@ -458,12 +460,14 @@ ROW_TILED_SAMPLER = {"Llama.logits", "jit(_sample_fn)"}
 
 
 def row_tiled_scopes(hlo: str) -> set[str]:
-    """The scopes (jax's name stack in the HLO's op_name metadata) directly around a lax.map or scan's loop body. The
-    metadata outlives the loop: XLA removes a loop of one trip (one tile holds every row of a small step)."""
+    """The scopes (jax's name stack in the HLO's op_name metadata) directly around the row tiles' loops that the
+    compiled program kept: each `while` with KEEP_ONE_TRIP_LOOP's attribute, one trip (one tile holds every row of a
+    small step) or several. Their bodies' metadata is not read: XLA shares one body among loops of the same ops (the
+    norms, and projections of one shape), under the first one's names."""
     scopes = set()
-    for name in set(re.findall(r'op_name="([^"]*)"', hlo)):
-        parts = name.split("/")
-        scopes |= {parts[i - 1] for i in range(1, len(parts) - 1) if parts[i : i + 2] == ["while", "body"]}
+    for line in hlo.splitlines():
+        if re.search(r"\swhile\(", line) and all(f'{k}="{v}"' in line for k, v in KEEP_ONE_TRIP_LOOP.items()):
+            scopes.add(re.search(r'op_name="([^"]*)"', line).group(1).split("/")[-2])
     return scopes
 
 

@@ -7,6 +7,14 @@ libraries pick split-K and tile configurations by shape likewise. So a token's h
 depend on how many tokens its step has. `invariant_dot_general` instead multiplies the rows ROW_TILE at a time, in a
 loop (lax.map: XLA cannot merge the tiles back into one product) over tiles padded with zero rows: every row of every
 step goes through the one product of shape [ROW_TILE, K] @ [K, N], so its bits depend on its own values only.
+
+The loop is also what keeps a tile's ops apart from their neighbours: XLA fuses ops across no loop boundary, and a
+fused multiply and add is one rounding (a fused multiply-add: XLA's CPU and GPU compilers contract them), two apart.
+A step of one tile would have a loop of one trip, which XLA replaces by its body (WhileLoopSimplifier); the body then
+fused with the ops around it (measured on CPU: a norm's last multiply and the residual add after it, Gemma's sandwich
+norms, became one multiply-add at 1..16 rows and not at 17), so every tile's loop keeps even one trip
+(KEEP_ONE_TRIP_LOOP). A tile's ops are named ROW_TILE_SCOPE in the compiled program's metadata, where a test reads
+that no fusion joins them with others (jaxpage.benchmarks.hlo_fusions).
 """
 
 from __future__ import annotations
@@ -17,8 +25,12 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.xla_metadata import set_xla_metadata
 
 ROW_TILE = 16  # rows per product: a batch-32 decode step is two products (as fast as one there); a lone row is 16
+# The frontend attribute by which XLA's WhileLoopSimplifier keeps a loop of one trip a loop (the module docstring).
+KEEP_ONE_TRIP_LOOP = {"skip-simplify-while-loops_trip-count-one": "true"}
+ROW_TILE_SCOPE = "row_tile"  # the name scope of a tile's ops (in the op_name metadata of the compiled HLO)
 
 
 def invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
@@ -52,12 +64,12 @@ def rowwise(fn, x: jax.Array) -> jax.Array:
 
 
 def in_row_tiles(fn, num_rows: int, *args):
-    """fn(*args) ROW_TILE rows at a time, in a loop over tiles of one shape (the module docstring): the mode's one
-    tiling, for a function of rows whose every result is per row (a projection's product, a norm, a sampler: their
-    sums, softmaxes and cumulative sums along each row are then done in one shape). Each array of args whose leading
-    dimension is num_rows * m (m positions per row) is cut after every ROW_TILE rows, the last tile padded with zeros;
-    the others (scalars) reach every tile whole. fn's results, of ROW_TILE * m' rows each, are put back together and
-    cut to num_rows * m'."""
+    """fn(*args) ROW_TILE rows at a time, in a loop over tiles of one shape that stays a loop at one tile (the module
+    docstring): the mode's one tiling, for a function of rows whose every result is per row (a projection's product,
+    a norm, a sampler: their sums, softmaxes and cumulative sums along each row are then done in one shape). Each
+    array of args whose leading dimension is num_rows * m (m positions per row) is cut after every ROW_TILE rows, the
+    last tile padded with zeros; the others (scalars) reach every tile whole. fn's results, of ROW_TILE * m' rows
+    each, are put back together and cut to num_rows * m'."""
     tiles = -(-num_rows // ROW_TILE)
     leaves, treedef = jax.tree.flatten(args)
     split = [x.ndim > 0 and x.shape[0] % num_rows == 0 for x in leaves]
@@ -70,9 +82,11 @@ def in_row_tiles(fn, num_rows: int, *args):
     def tile_fn(tile_leaves):
         pieces = iter(tile_leaves)
         whole = [next(pieces) if s else x for x, s in zip(leaves, split, strict=True)]
-        return fn(*jax.tree.unflatten(treedef, whole))
+        with jax.named_scope(ROW_TILE_SCOPE):
+            return fn(*jax.tree.unflatten(treedef, whole))
 
-    out = lax.map(tile_fn, [cut(x) for x, s in zip(leaves, split, strict=True) if s])
+    with set_xla_metadata(**KEEP_ONE_TRIP_LOOP):
+        out = lax.map(tile_fn, [cut(x) for x, s in zip(leaves, split, strict=True) if s])
 
     def join(y):
         per_row = y.shape[1] // ROW_TILE
