@@ -34,10 +34,10 @@ from jaxpage.attention import AttentionBackend, engine_backend
 from jaxpage.benchmarks import gpu_kernels
 from jaxpage.benchmarks.hlo_collectives import executed
 from jaxpage.benchmarks.hlo_copies import large_copies, sliced_copies
-from jaxpage.benchmarks.hlo_fusions import fusions_across_row_tiles
+from jaxpage.benchmarks.hlo_fusions import fusions_across_scope
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_groups
-from jaxpage.models.batch_invariant import batch_invariant_config
+from jaxpage.models.batch_invariant import ROW_TILE_SCOPE, batch_invariant_config
 from jaxpage.models.llama import param_shapes
 from jaxpage.models.lora import slots_device_bytes
 from jaxpage.targets import Target
@@ -344,7 +344,7 @@ def describe(
         weight_copies=()
         if weight_bytes is None
         else tuple(c for c in sliced_copies(hlo, weight_bytes) if c not in pool_copies),
-        row_tile_fusions=tuple(fusions_across_row_tiles(hlo)),
+        row_tile_fusions=tuple(fusions_across_scope(hlo, ROW_TILE_SCOPE)),
     )
 
 

@@ -80,11 +80,14 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false stage e2e_hf 80 "$python" scripts/bench_devi
 if [ "${TINY:-0}" != 1 ]; then
     # The tests' processes share the GPU: each takes memory as it needs it instead of 75% at start. (The engine tests
     # with a tokenizer need the default model, which a machine without network cannot fetch: not here.)
-    # With them, the batch-invariance test (issue 45) on the GPU: a request's tokens and log-probs the same bits
-    # whatever runs beside it, 20 cases (its engines' tests on one worker: --dist loadgroup). And the prefix cache's
-    # host tier (issue 46): its copies between the GPU's pool and pinned host memory, built and run on the GPU (the
-    # deviceless GPU client has no host memory to build them for), and the engine's tokens with and without it.
-    JAXPAGE_INVARIANCE_EXAMPLES=20 XLA_PYTHON_CLIENT_PREALLOCATE=false stage kernel_tests 120 \
+    # With them, the batch-invariance test (issues 45, 54) on the GPU: a request's tokens and log-probs the same bits
+    # whatever runs beside it, 20 cases on each of three families (Llama's, and Gemma 2's and 3's sandwich norms and
+    # soft caps: the suite runs every family on CPU), its engines' tests on one worker (--dist loadgroup). And the
+    # prefix cache's host tier (issue 46): its copies between the GPU's pool and pinned host memory, built and run on
+    # the GPU (the deviceless GPU client has no host memory to build them for), and the engine's tokens with and
+    # without it.
+    JAXPAGE_INVARIANCE_MODEL=smollm2-tied,gemma2-softcap-hybrid,gemma3-qk-norm-local-rope \
+        JAXPAGE_INVARIANCE_EXAMPLES=20 XLA_PYTHON_CLIENT_PREALLOCATE=false stage kernel_tests 120 \
         "$python" -m pytest -q -p no:cacheprovider -n 8 -rfE --dist loadgroup --durations=5 -k "not tpu" \
         tests/test_ragged_paged_attention.py tests/test_paged_attention.py tests/test_attention_backend.py \
         tests/test_quantized_kv_attention.py tests/test_batch_invariance.py tests/test_host_kv_pool.py \

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import TINY_FAMILIES, tiny_config
 
-from jaxpage.benchmarks.hlo_fusions import fusions_across_row_tiles
+from jaxpage.benchmarks.hlo_fusions import fusions_across_scope
 from jaxpage.config import EngineConfig, model_config_from_hf
 from jaxpage.entrypoints.llm import LLM
 from jaxpage.models.batch_invariant import ROW_TILE, ROW_TILE_SCOPE, in_row_tiles, invariant_dot_general, rowwise
@@ -37,7 +37,7 @@ def production_compiled(fn, *args):
 
 
 @pytest.fixture(scope="module")
-def production_cache(tmp_path_factory):
+def production_compiler(tmp_path_factory):
     """Every program this module's engines compile, compiled with PRODUCTION_XLA, and a compilation cache of their own
     (jaxpage's key does not hold compiler options), which the engines of the same sizes share."""
     compile_ = jax.stages.Lowered.compile
@@ -94,7 +94,7 @@ def test_a_row_tile_s_ops_fuse_with_none_around_it_whatever_the_step_s_rows():
 
     def rows(n):
         program = production_compiled(lambda x, r: r + rowwise(norm, x), x[:n], residual[:n])
-        assert not fusions_across_row_tiles(program.as_text()), n
+        assert not fusions_across_scope(program.as_text(), ROW_TILE_SCOPE), n
         return np.asarray(program(x[:n], residual[:n]))
 
     alone = rows(1)[0]
@@ -102,12 +102,12 @@ def test_a_row_tile_s_ops_fuse_with_none_around_it_whatever_the_step_s_rows():
         assert np.array_equal(rows(n)[0], alone), n
 
 
-def test_fusions_across_row_tiles_finds_a_fusion_of_a_tile_s_op_with_its_neighbour():
+def test_fusions_across_scope_finds_a_fusion_of_a_tile_s_op_with_its_neighbour():
     # The checker itself, on a program where one fusion holds a tile's multiply and the add outside it.
     hlo = jax.jit(lambda x, r: r + _in_scope(x)).lower(np.ones((4, 8), np.float32), np.ones((4, 8), np.float32))
-    assert fusions_across_row_tiles(hlo.compile().as_text())
+    assert fusions_across_scope(hlo.compile().as_text(), ROW_TILE_SCOPE)
     apart = jax.jit(lambda x, r: _in_scope(x) * 2).lower(np.ones((4, 8), np.float32), np.ones((4, 8), np.float32))
-    assert not fusions_across_row_tiles(apart.compile().as_text())
+    assert not fusions_across_scope(apart.compile().as_text(), ROW_TILE_SCOPE)
 
 
 def _in_scope(x):
@@ -169,10 +169,11 @@ if len(jax.devices()) >= 2:  # the suite's simulated CPU devices; not on the dev
 # (--dist loadfile, the suite's, or --dist loadgroup, the device check's).
 pytestmark = pytest.mark.xdist_group("batch_invariance_engines")
 TARGET = [int(t) for t in np.random.default_rng(5).integers(3, 90, 37)]
-# Every family of the tiny models that the mode accepts (a mixture of experts it refuses: the last test), each with its
-# own engines; or with JAXPAGE_INVARIANCE_MODEL=default the default model alone. Cases per model: EXAMPLES (README).
-ACCEPTED_FAMILIES = [f for f in TINY_FAMILIES if not model_config_from_hf(tiny_config(f)).is_moe]
-MODELS = ["default"] if os.environ.get("JAXPAGE_INVARIANCE_MODEL") == "default" else [f.name for f in ACCEPTED_FAMILIES]
+# The models: every family of the tiny models that the mode accepts (a mixture of experts it refuses: the last test),
+# each with its own engines; JAXPAGE_INVARIANCE_MODEL=NAME[,NAME...] some of them, or "default" the default model.
+# Cases per model: JAXPAGE_INVARIANCE_EXAMPLES (README).
+ACCEPTED_FAMILIES = {f.name: f for f in TINY_FAMILIES if not model_config_from_hf(tiny_config(f)).is_moe}
+MODELS = os.environ.get("JAXPAGE_INVARIANCE_MODEL", ",".join(ACCEPTED_FAMILIES)).split(",")
 EXAMPLES = int(os.environ.get("JAXPAGE_INVARIANCE_EXAMPLES", "20"))
 
 
@@ -181,13 +182,13 @@ def model_source(request) -> str:
     """A tiny model of each accepted family, one after the other, or the default model."""
     if request.param == "default":
         return str(request.getfixturevalue("smollm2_path"))
-    family = next(f for f in ACCEPTED_FAMILIES if f.name == request.param)
-    return str(request.getfixturevalue("tiny_model_path")(family))
+    assert request.param in ACCEPTED_FAMILIES, f"JAXPAGE_INVARIANCE_MODEL: not default or {sorted(ACCEPTED_FAMILIES)}"
+    return str(request.getfixturevalue("tiny_model_path")(ACCEPTED_FAMILIES[request.param]))
 
 
 @pytest.fixture(scope="module")
-def engines(model_source, production_cache):
-    options = COMMON | dict(compilation_cache_dir=production_cache)
+def engines(model_source, production_compiler):
+    options = COMMON | dict(compilation_cache_dir=production_compiler)
     return {name: LLM(model_source, **options | engine) for name, engine in ENGINES.items()}
 
 
@@ -248,14 +249,14 @@ def test_no_fusion_joins_a_row_tile_with_the_ops_around_it(engines):
         programs |= {(name, str(shape)): p for shape, p in [*runner.executables.items(), *runner.samplers.items()]}
     tokens = [shape.num_tokens for llm in engines.values() for shape in llm.engine.runner.executables]
     assert min(tokens) <= ROW_TILE < max(tokens), tokens
-    across = {key: found for key, p in programs.items() if (found := fusions_across_row_tiles(p.as_text()))}
-    assert not across, across
+    across = {key: fusions_across_scope(p.as_text(), ROW_TILE_SCOPE) for key, p in programs.items()}
+    assert not {key: found for key, found in across.items() if found}
 
 
 @pytest.fixture(scope="module")
-def alone(model_source, production_cache):
+def alone(model_source, production_compiler):
     """The target served alone, on an engine of its own (one step shape per phase, nothing cached)."""
-    options = dict(max_num_batched_tokens=64, enable_prefix_caching=False, compilation_cache_dir=production_cache)
+    options = dict(max_num_batched_tokens=64, enable_prefix_caching=False, compilation_cache_dir=production_compiler)
     llm = LLM(model_source, **COMMON | options)
     return {(seeded, n): served(llm, target_params(seeded, n), [], 0) for seeded in (False, True) for n in (1, 2)}
 
