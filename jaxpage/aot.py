@@ -277,7 +277,9 @@ def compile_all(
                     report = ProgramReport(label, what.program, time.perf_counter() - start, error=error)
                 else:
                     seconds = time.perf_counter() - start
-                    report = describe(label, what.program, seconds, compiled, pool_array_bytes, weight_bytes)
+                    # Weight copies only where the layers run (a sampler's loop over row tiles slices its logits)
+                    layers = weight_bytes if what.program in KERNEL_KINDS else None
+                    report = describe(label, what.program, seconds, compiled, pool_array_bytes, layers)
                     if dump is not None:
                         report = dataclasses.replace(report, kernels=read_kernels(dump))
             build.programs.append(report)
