@@ -94,3 +94,19 @@ def check_text(field: str, value, allow_empty: bool = False) -> str:
     except UnicodeEncodeError as e:
         fail(field, f"valid text (it holds an unpaired surrogate at index {e.start})", value)
     return value
+
+
+def json_object(field: str, value) -> dict | None:
+    """A dict from a dict or a JSON object as a string (a command line's JSON flag); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field} must be a JSON object, got {describe(value)} ({e.msg})") from None
+    if not isinstance(value, dict):
+        fail(field, "a JSON object", value, wrong_type=True)
+    return dict(value)

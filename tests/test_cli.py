@@ -102,7 +102,11 @@ def test_engine_flags_are_engine_config_s_arguments_with_its_defaults():
     for command, left_out in commands.items():
         given = engine_args(_parser().parse_args(command))
         assert set(given) == flagged - left_out and given == {name: fields[name].default for name in given}
-    assert set(engine_args(_parser().parse_args(["predict", "hi"]))) == {"model", "dtype", "quantization"}
+    model_flags = {name for name, f in fields.items() if f.metadata.get("cli") == "model"}
+    assert {"model", "dtype", "quantization", "revision", "tokenizer", "hf_overrides"} <= model_flags
+    assert set(engine_args(_parser().parse_args(["predict", "hi"]))) == model_flags
+    convert = engine_args(_parser().parse_args(["convert", "src", "dst"]))  # its own source, --dtype, --quantization
+    assert set(convert) == model_flags - {"model", "dtype", "quantization"}
     flags = ["--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--no-compilation-cache", "--page-size", "8"]
     given = engine_args(_parser().parse_args(["serve", *flags]))
     assert (

@@ -8,7 +8,7 @@ import dataclasses
 from jaxpage.config.model import QUANTIZATIONS
 from jaxpage.config.speculative import SpeculativeConfig
 from jaxpage.config.sub_configs import SchedulerConfig
-from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, fail
+from jaxpage.validation import INT32_MAX, check_bool, check_int, check_number, check_path, check_text, fail, json_object
 
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's fp8 is e4m3
 
@@ -49,6 +49,32 @@ class EngineConfig:
     model: str | None = arg(
         None, "HF model directory, .gguf file or jaxpage checkpoint (default: SmolLM2-135M-Instruct)", cli="model"
     )
+    # A Hub id (jaxpage.sources): the revision downloaded, and where to (None: the Hugging Face cache, $HF_HUB_CACHE).
+    revision: str | None = arg(
+        None, "the model's revision on the Hub: a branch, tag or commit (default: main)", cli="model"
+    )
+    download_dir: str | None = arg(
+        None, "where Hub downloads go (default: the Hugging Face cache, $HF_HUB_CACHE)", metavar="DIR", cli="model"
+    )
+    # The tokenizer: another directory, GGUF file or Hub id than the model's (None: the model's own), at its revision
+    # (None: the model's revision when it is the model's tokenizer, else main).
+    tokenizer: str | None = arg(None, "a tokenizer other than the model's: a directory or Hub id", cli="model")
+    tokenizer_revision: str | None = arg(
+        None, "the tokenizer's revision on the Hub (default: --revision for the model's own)", cli="model"
+    )
+    # The chat template: a file, or the template itself (a Jinja text); None: the tokenizer's.
+    chat_template: str | None = arg(
+        None, "the chat template: a file, or the template itself (default: the tokenizer's)", cli="model"
+    )
+    # Config fields set over the model's config.json (vLLM's hf_overrides): a dict, or one as a JSON string.
+    hf_overrides: dict | str | None = arg(
+        None,
+        "fields set over the model's config.json, e.g. '{\"max_position_embeddings\": 4096}'",
+        metavar="JSON",
+        cli="model",
+    )
+    # vLLM's flag for running a repo's own Python code; jaxpage runs none, so True is refused.
+    trust_remote_code: bool = arg(False, "refused: jaxpage runs no code from a model repo", cli="model")
     dtype: str | None = arg(
         None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)", choices=DTYPES, cli="model"
     )
@@ -68,6 +94,19 @@ class EngineConfig:
         "the KV pages: auto (the model's dtype), or 8 bits with a scale per token per KV head, applied inside the "
         "attention kernels: int8, fp8 (= fp8_e4m3), fp8_e5m2 (default: auto)",
         choices=KV_CACHE_DTYPES,
+    )
+    # The model's generation_config.json (vLLM's generation_config; jaxpage.config.generation_config): "auto" reads it
+    # from the model, a directory reads it from there, "vllm" reads none. Its eos_token_id ends sequences; its sampling
+    # fields are the defaults of requests that leave them unset; override_generation_config (a dict or JSON) sets
+    # fields over it (with "vllm", over nothing).
+    generation_config: str = arg(
+        "auto",
+        "sampling defaults and EOS ids: auto (the model's generation_config.json), vllm (none), or a directory "
+        "holding one (default auto)",
+        metavar="auto|vllm|DIR",
+    )
+    override_generation_config: dict | str | None = arg(
+        None, "generation config fields set over it, e.g. '{\"temperature\": 0.5}'", metavar="JSON"
     )
     max_model_len: int | None = arg(None, "default: the model's context length")  # the model's max_position_embeddings
     page_size: int = arg(16, "tokens per KV page, 1 to 1024 (default 16)")
@@ -188,6 +227,30 @@ class EngineConfig:
                 "adapter in a device slot is kept in host memory too"
             )
 
+    def _check_sources(self) -> None:
+        """Where the model, tokenizer and generation config come from, and what is set over their files."""
+        for field in ("revision", "tokenizer_revision"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
+                wrong_type = not isinstance(value, str)
+                fail(f"engine argument {field}", "a branch, tag or commit name", value, wrong_type=wrong_type)
+        for field in ("download_dir", "tokenizer"):
+            if getattr(self, field) is not None:
+                object.__setattr__(self, field, check_path(f"engine argument {field}", getattr(self, field)))
+        if self.chat_template is not None:
+            check_text("engine argument chat_template", self.chat_template)
+        check_bool("engine argument trust_remote_code", self.trust_remote_code)
+        if self.trust_remote_code:
+            raise ValueError(
+                "engine argument trust_remote_code: jaxpage runs no code from a model repo; it serves the "
+                "architectures it implements itself (leave trust_remote_code off)"
+            )
+        object.__setattr__(self, "hf_overrides", json_object("engine argument hf_overrides", self.hf_overrides))
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            fail("engine argument generation_config", "'auto', 'vllm' or a directory", self.generation_config, True)
+        override = json_object("engine argument override_generation_config", self.override_generation_config)
+        object.__setattr__(self, "override_generation_config", override)
+
     def _check_kv_offload(self) -> None:
         """kv_offload_bytes: bytes >= 0 (0: None), and only with the prefix cache whose pages it keeps."""
         if self.kv_offload_bytes is not None:
@@ -229,6 +292,7 @@ class EngineConfig:
 
         if self.model is not None:
             put("model", check_path(arg("model"), self.model))
+        self._check_sources()
         if self.dtype == "auto":
             put("dtype", None)
         if self.dtype is not None:

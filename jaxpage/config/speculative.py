@@ -16,9 +16,8 @@ bookkeeping imports this.
 from __future__ import annotations
 
 import dataclasses
-import json
 
-from jaxpage.validation import check_int, check_path, describe, fail
+from jaxpage.validation import check_int, check_path, fail, json_object
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # a step verifies k + 1 query rows per sequence: beyond this the verification costs more
@@ -41,13 +40,9 @@ class SpeculativeConfig:
         field = "engine argument speculative_config"
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{field} must be a JSON object, got {describe(value)} ({e.msg})") from None
-        if not isinstance(value, dict):
+        if not isinstance(value, dict | str):
             fail(field, 'a dict such as {"method": "ngram", "num_speculative_tokens": 3}', value, wrong_type=True)
+        value = json_object(field, value)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:

@@ -12,10 +12,25 @@ class LoadConfig:
     it."""
 
     model: str | None
+    revision: str | None
+    download_dir: str | None
+    tokenizer: str | None
+    tokenizer_revision: str | None
+    chat_template: str | None
+    hf_overrides: dict | None
     dtype: str | None
     quantization: str | None
     load_format: str
     skip_tokenizer_init: bool
+    generation_config: str
+    override_generation_config: dict | None
+
+    @property
+    def tokenizer_source(self) -> tuple[str | None, str | None]:
+        """(the tokenizer's source, its revision): the tokenizer's own, else the model's at the model's revision."""
+        if self.tokenizer is None:
+            return self.model, self.tokenizer_revision or self.revision
+        return self.tokenizer, self.tokenizer_revision
 
 
 @dataclasses.dataclass(frozen=True)

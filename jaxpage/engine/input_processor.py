@@ -34,10 +34,13 @@ class InputProcessor:
         config: EngineConfig,
         eos_token_ids: frozenset[int] = frozenset(),
         lora_adapters: LoRAAdapters | None = None,
+        default_params: SamplingParams | None = None,
     ):
         """num_pages: a replica's pool, the null page included; config: the engine's (its page_size, and the seed
         of the seeds drawn for requests that bring none); eos_token_ids: what min_tokens holds back and grammars
-        end with; lora_adapters: the LoRA adapters requests name (None: a request that names one is refused)."""
+        end with; lora_adapters: the LoRA adapters requests name (None: a request that names one is refused);
+        default_params: what a request without sampling params gets (the model's generation config's defaults)."""
+        self.default_params = default_params or SamplingParams()
         self.lora_adapters = lora_adapters or LoRAAdapters(None, 0, enabled=False)
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
         self.vocab_size = vocab_size
@@ -62,7 +65,7 @@ class InputProcessor:
         LoRA adapter read (on the caller's thread) the first time its id comes."""
         if not isinstance(request_id, str) or not request_id:
             fail("request_id", "a non-empty string", request_id, wrong_type=not isinstance(request_id, str))
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.default_params if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             fail("sampling_params", "a SamplingParams or None", params, wrong_type=True)
         bad_words, grammar = self._check_params(params)

@@ -26,11 +26,13 @@ from jaxpage.engine.step_pipeline import InFlightStep, StepPipeline, use_async_s
 from jaxpage.engine.step_stats import StepStats
 from jaxpage.lora_request import LoRARequest
 from jaxpage.models.batch_invariant import batch_invariant_config
+from jaxpage.models.generation_config import GenerationDefaults, generation_defaults
 from jaxpage.models.llama import params_dtype
-from jaxpage.models.loader import load_model
+from jaxpage.models.loader import load_model, resolve_source
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.sources import HubDownload
 from jaxpage.spec_decode.draft_model import check_draft_tokenizer, load_draft_model
 from jaxpage.tokenizers.tokenizer import load_tokenizer
 from jaxpage.validation import describe, fail
@@ -51,13 +53,35 @@ def load_models(config: EngineConfig, mesh) -> tuple[ModelConfig, tuple, tuple |
     load, spec, expert_parallel = config.part(LoadConfig), config.speculative_config, config.enable_expert_parallel
     placement = None if mesh is None else parallel.placement(mesh, expert_parallel)
     model_config, params = load_model(
-        load.model, dtype=load.dtype, load_format=load.load_format, sharding=placement, quantization=load.quantization
+        load.model,
+        dtype=load.dtype,
+        load_format=load.load_format,
+        sharding=placement,
+        quantization=load.quantization,
+        download=HubDownload(load.revision, load.download_dir),
+        hf_overrides=load.hf_overrides,
     )
     draft = None
     if spec is not None and spec.method == "draft_model":
-        draft = load_draft_model(spec.model, load.dtype, model_config, sharding=placement)
+        draft = load_draft_model(spec.model, load.dtype, model_config, placement, HubDownload(None, load.download_dir))
         draft = as_run(config, *draft, mesh)
     return model_config, as_run(config, model_config, params, mesh, expert_parallel), draft
+
+
+def engine_tokenizer(config: EngineConfig):
+    """The engine's tokenizer: the engine argument tokenizer's, else the model's, with chat_template's template."""
+    load = config.part(LoadConfig)
+    source, revision = load.tokenizer_source
+    return load_tokenizer(source, HubDownload(revision, load.download_dir), load.chat_template)
+
+
+def model_generation_defaults(config: EngineConfig) -> GenerationDefaults:
+    """The model's generation config (jaxpage.models.generation_config) as the engine arguments say to read it."""
+    load = config.part(LoadConfig)
+    model_path = None
+    if load.generation_config == "auto" and load.model is not None:
+        model_path = resolve_source(load.model, HubDownload(load.revision, load.download_dir), weights=False)
+    return generation_defaults(load.generation_config, model_path, load.override_generation_config)
 
 
 def as_run(config: EngineConfig, model_config: ModelConfig, params, mesh, expert_parallel: bool = False) -> tuple:
@@ -97,17 +121,19 @@ class LLMEngine:
             self.compilation_cache = CompilationCache.open(config.compilation_cache_dir)
         tp, dp = config.tensor_parallel_size, config.data_parallel_size
         self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
+        self.generation_defaults = model_generation_defaults(config)  # before the weights: a bad file fails fast
         self.model_config, target, draft = load_models(config, self.mesh)
         spec = config.speculative_config
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
             wanted = self.is_leader and not config.skip_tokenizer_init  # a follower never sees a request
-            tokenizer = background.submit(load_tokenizer, config.model) if wanted else None
+            tokenizer = background.submit(engine_tokenizer, config) if wanted else None
             self._start(config, target, draft)
             self.tokenizer = tokenizer.result() if tokenizer else None
         if draft is not None and self.tokenizer is not None:
-            check_draft_tokenizer(spec.model, self.tokenizer)
+            check_draft_tokenizer(spec.model, self.tokenizer, HubDownload(None, config.download_dir))
         eos = set(self.model_config.eos_token_ids) | {getattr(self.tokenizer, "eos_token_id", None)} - {None}
+        eos |= set(self.generation_defaults.eos_token_ids)
         self._scheduler_config = config.scheduler_config(self.max_model_len, frozenset(eos))
         self.replicas = Replicas()  # one per data-parallel replica: its pages and scheduler state
         self._new_replicas()
@@ -115,7 +141,14 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         lora = LoRAAdapters.for_engine(self.model_config, config)
         self.input_processor = InputProcessor(
-            self.tokenizer, vocab, self.max_model_len, self._num_pages, config, frozenset(eos), lora
+            self.tokenizer,
+            vocab,
+            self.max_model_len,
+            self._num_pages,
+            config,
+            frozenset(eos),
+            lora,
+            self.generation_defaults.sampling_params(),
         )
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything

@@ -194,7 +194,8 @@ class _Job:
                 raise RequestError(f"method must be POST, got {record.get('method')!r}")
             if len(split_prompts(record.get("url"), record.get("body"))) > 1:
                 raise RequestError("prompt must be one prompt in a batch line (one line per prompt)")
-            request = parse_request(record.get("url"), record.get("body"))
+            defaults = self.engine.generation_defaults.sampling_dict
+            request = parse_request(record.get("url"), record.get("body"), defaults=defaults)
             lora_request = self.models.lora_request(record["body"].get("model"))
             prompt = engine_prompt(request, self.engine.tokenizer)
             request_id = f"batch-{line_number}-{uuid.uuid4().hex[:8]}"

@@ -2,9 +2,9 @@
 
 jaxpage generate "PROMPT" [--model SRC] [--chat] [--max-tokens N] [...]  stream a completion to stdout
 jaxpage predict "PROMPT" [--model SRC] [--chat] [--top N] [--dtype D]   next-token distribution
-jaxpage convert SRC DST [--dtype D]                                     write a jaxpage (orbax) checkpoint
+jaxpage convert SRC DST [--dtype D] [--revision R]                      write a jaxpage (orbax) checkpoint
 jaxpage batch INPUT.jsonl OUTPUT.jsonl [--model SRC] [engine options]   an OpenAI-format batch job (resumable)
-jaxpage serve [--model SRC] [--host H] [--port P] [engine options]      an OpenAI-compatible HTTP server
+jaxpage serve [MODEL] [--host H] [--port P] [engine options]           an OpenAI-compatible HTTP server
 jaxpage --version
 
 Failures never show a traceback: each is one line `jaxpage: error: ...` on stderr, exit status 2.
@@ -106,11 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate a completion and stream it to stdout")
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    generate.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
-    generate.add_argument("--temperature", type=float, default=1.0, help="0 for greedy decoding (default 1.0)")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens")
-    generate.add_argument("--min-p", type=float, default=0.0)
+    # Sampling flags left out take the model's generation config's defaults (--generation-config), else vLLM's.
+    generate.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default 256)")
+    generate.add_argument("--temperature", type=float, default=None, help="0 for greedy decoding (default 1.0)")
+    generate.add_argument("--top-p", type=float, default=None, help="(default 1.0)")
+    generate.add_argument("--top-k", type=int, default=None, help="0 keeps all tokens (default 0)")
+    generate.add_argument("--min-p", type=float, default=None, help="(default 0.0)")
     generate.add_argument("--seed", type=int, default=None)
     # One request: the engine's --seed is the sampling seed's, and one sequence runs at a time.
     add_engine_arguments(generate, exclude=("seed", "max_num_seqs"))
@@ -122,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_arguments(predict, groups=("model",))
 
     convert = commands.add_parser("convert", help="convert a model to a jaxpage checkpoint (orbax)")
-    convert.add_argument("source", help="HF model directory or .gguf file")
+    convert.add_argument("source", help="HF model directory, .gguf file, or Hub id (org/name, org/name:Q4_K_M)")
     convert.add_argument("destination", help="new directory for the checkpoint")
     convert.add_argument(
         "--dtype",
@@ -136,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=EngineConfig.QUANTIZATIONS,
         help="int8: store the weights in int8 with a scale per output channel, quantized as they load (default: off)",
     )
+    add_engine_arguments(convert, groups=("model",), exclude=("model", "dtype", "quantization"))
     batch = commands.add_parser(
         "batch",
         help="run an OpenAI-format batch file (JSONL); run it again to resume",
@@ -167,7 +169,20 @@ def _add_serve_command(commands) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY' on every path but /, /health, /metrics, /version (default: none)",
     )
-    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model takes it (vLLM's `vllm serve MODEL`)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's names in the API: requests may give any, the first is the default (default: the model)",
+    )
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     serve.add_argument(
         "--max-waiting-requests",
@@ -266,14 +281,9 @@ def _follows(args) -> bool:
 def _generate(args) -> None:
     from jaxpage.sampling_params import SamplingParams
 
-    params = SamplingParams(  # checks the sampling flags before any model loads
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    SamplingParams(**given)  # checks the sampling flags before any model loads
     _check_prompt(args.prompt)
     _quiet_transformers()
     if _follows(args):
@@ -282,6 +292,7 @@ def _generate(args) -> None:
     from jaxpage.tokenizers.tokenizer import encode_prompt
 
     llm = LLM(max_num_seqs=1, **engine_args(args))
+    params = SamplingParams(**(dict(max_tokens=256) | llm.engine.generation_defaults.sampling_dict | given))
     prompt = {"prompt_token_ids": encode_prompt(llm.get_tokenizer(), args.prompt, chat=args.chat)}
     printed = 0
     final = None
@@ -313,12 +324,21 @@ def _predict(args) -> None:
     import jax
     import numpy as np
 
+    from jaxpage.engine.llm_engine import engine_tokenizer
     from jaxpage.models import forward, load_model
-    from jaxpage.tokenizers.tokenizer import encode_prompt, load_tokenizer
+    from jaxpage.sources import HubDownload
+    from jaxpage.tokenizers.tokenizer import encode_prompt
 
+    engine = EngineConfig(**engine_args(args))  # checks the model flags
     start = time.perf_counter()
-    config, params = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
-    tokenizer = load_tokenizer(args.model)
+    config, params = load_model(
+        engine.model,
+        dtype=engine.dtype,
+        quantization=engine.quantization,
+        download=HubDownload(engine.revision, engine.download_dir),
+        hf_overrides=engine.hf_overrides,
+    )
+    tokenizer = engine_tokenizer(engine)
     loaded = time.perf_counter()
     token_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
     logits = np.asarray(forward(config, params, [token_ids])[0, -1])
@@ -336,16 +356,22 @@ def _convert(args) -> None:
     if destination.exists() and any(destination.iterdir()):
         raise FileExistsError(f"{destination} exists and is not empty")
     _quiet_transformers()
+    from jaxpage.engine.llm_engine import engine_tokenizer
     from jaxpage.models import load_model
     from jaxpage.models.loader import resolve_source, source_format
     from jaxpage.models.orbax_checkpoint import save_checkpoint
-    from jaxpage.tokenizers.tokenizer import load_tokenizer
+    from jaxpage.sources import HubDownload
 
-    if source_format(resolve_source(args.source)) == "orbax":
+    engine = EngineConfig(model=args.source, **engine_args(args))  # checks the model flags
+    download = HubDownload(engine.revision, engine.download_dir)
+    if source_format(resolve_source(engine.model, download)) == "orbax":
         raise ValueError(f"{args.source} is already a jaxpage checkpoint")
     start = time.perf_counter()
-    config, params = load_model(args.source, dtype=args.dtype, quantization=args.quantization)
-    tokenizer = load_tokenizer(args.source)
+    overrides = engine.hf_overrides
+    config, params = load_model(
+        engine.model, dtype=args.dtype, quantization=args.quantization, download=download, hf_overrides=overrides
+    )
+    tokenizer = engine_tokenizer(engine)
     save_checkpoint(destination, config, params)
     tokenizer.save_pretrained(str(destination))
     print(
@@ -380,6 +406,10 @@ def _serve(args) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CommandError("--enable-auto-tool-choice needs --tool-call-parser")
     _check_lora_modules(args)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise CommandError(f"the model is given twice: {args.model_tag} and --model {args.model}; give one")
+        args.model = args.model_tag
     if _follows(args):
         return
     from jaxpage.entrypoints.server import serve

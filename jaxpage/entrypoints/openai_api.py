@@ -52,10 +52,16 @@ class ParsedRequest:
 
 
 def parse_request(
-    url: str, body, allow_stream: bool = False, tool_parser: str | None = None, auto_tool_choice: bool = False
+    url: str,
+    body,
+    allow_stream: bool = False,
+    tool_parser: str | None = None,
+    auto_tool_choice: bool = False,
+    defaults: dict | None = None,
 ) -> ParsedRequest:
     """The request a body asks for; RequestError naming the field for anything invalid. tool_parser and
-    auto_tool_choice: the server's --tool-call-parser and --enable-auto-tool-choice."""
+    auto_tool_choice: the server's --tool-call-parser and --enable-auto-tool-choice; defaults: SamplingParams' fields
+    that a body leaving them out gets (the model's generation config: GenerationDefaults.sampling_dict)."""
     if url not in ENDPOINTS:
         raise RequestError(f"url must be one of {', '.join(ENDPOINTS)}, got {describe(url)}")
     if not isinstance(body, dict):
@@ -72,6 +78,12 @@ def parse_request(
     else:
         prompt, max_tokens, top_logprobs = _completions_fields(body)
     kwargs = _sampling_kwargs(body, max_tokens, top_logprobs)
+    for name, value in (defaults or {}).items():
+        if name == "max_tokens":  # unset means absent: a null max_tokens asks for the context's length
+            absent = all(key not in body for key in ("max_tokens", "max_completion_tokens"))
+            kwargs[name] = value if absent else kwargs[name]
+        elif kwargs[name] is None:
+            kwargs[name] = value
     if kwargs["prompt_logprobs"] is not None and stream:
         raise RequestError("prompt_logprobs is supported without stream")
     parallel_tool_calls = _optional_bool(body, "parallel_tool_calls") is not False

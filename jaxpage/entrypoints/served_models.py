@@ -57,11 +57,15 @@ def parse_lora_module(value: str) -> LoRAModule:
 
 
 class ServedModels:
-    def __init__(self, base_name: str, engine, lora_modules: list[LoRAModule] = (), root: str | None = None):
-        """The base model served as `base_name` by `engine` (an LLMEngine; root: where its weights come from, for
+    def __init__(
+        self, base_names: str | list[str], engine, lora_modules: list[LoRAModule] = (), root: str | None = None
+    ):
+        """The base model served under `base_names` (vLLM's --served-model-name: one or several, the first is the
+        model's name where a request gives none) by `engine` (an LLMEngine; root: where its weights come from, for
         /v1/models), and the adapters of `lora_modules`, each read and checked now (ModelLoadError, ValueError naming
         the adapter)."""
-        self.base_name, self.root = base_name, root
+        self.base_names = [base_names] if isinstance(base_names, str) else list(base_names)
+        self.base_name, self.root = self.base_names[0], root
         self._adapters = engine.input_processor.lora_adapters  # jaxpage.engine.lora_adapters.LoRAAdapters
         self._served: dict[str, tuple[LoRARequest, str | None]] = {}  # name -> (its request, its parent's name)
         self._loading: set[str] = set()  # names of adapters being read (not served yet, not to be taken)
@@ -71,18 +75,21 @@ class ServedModels:
 
     def lora_request(self, model) -> LoRARequest | None:
         """The adapter a request's `model` field names (None: the base model, or no name); ModelNotFound otherwise."""
-        if model is None or model == self.base_name:
+        if model is None or model in self.base_names:
             return None
         with self._lock:
             served = self._served.get(model) if isinstance(model, str) else None
             if served is None:
-                names = ", ".join(repr(n) for n in [self.base_name, *self._served])
+                names = ", ".join(repr(n) for n in [*self.base_names, *self._served])
                 raise ModelNotFound(f"model {describe(model)} does not exist (this server has {names})")
             return served[0]
 
-    def name_of(self, lora_request: LoRARequest | None) -> str:
-        """The model name a response gives for a request through `lora_request` (None: the base model's)."""
-        return self.base_name if lora_request is None else lora_request.lora_name
+    def name_of(self, lora_request: LoRARequest | None, asked=None) -> str:
+        """The model name a response gives for a request through `lora_request` (None: the base model's: the name
+        the request `asked` for, where it is one of base_names, else the first)."""
+        if lora_request is not None:
+            return lora_request.lora_name
+        return asked if asked in self.base_names else self.base_name
 
     def load(self, name, path, base_model_name: str | None = None) -> LoRARequest:
         """Serves the PEFT adapter in directory `path` as `name` (read and checked now, on the caller's thread).
@@ -93,8 +100,8 @@ class ServedModels:
         if not self._adapters.enabled:
             raise ValueError(f"LoRA adapter {name!r}: this server serves no LoRA adapters; start it with --enable-lora")
         with self._lock:
-            if name == self.base_name or name in self._served or name in self._loading:
-                owner = "the base model" if name == self.base_name else "an adapter"
+            if name in self.base_names or name in self._served or name in self._loading:
+                owner = "the base model" if name in self.base_names else "an adapter"
                 raise ValueError(f"LoRA adapter {name!r}: the name is taken by {owner}")
             self._loading.add(name)
             request = LoRARequest(name, self._adapters.fresh_id(), path)
@@ -121,6 +128,6 @@ class ServedModels:
         base = dict(object="model", owned_by="jaxpage", max_model_len=max_model_len)
         with self._lock:
             served = list(self._served.values())
-        return [{"id": self.base_name, **base, "root": self.root, "parent": None}] + [
+        return [{"id": name, **base, "root": self.root, "parent": None} for name in self.base_names] + [
             {"id": r.lora_name, **base, "root": r.lora_path, "parent": parent or self.base_name} for r, parent in served
         ]

@@ -76,7 +76,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 def create_app(
     engine: AsyncEngine,
-    model_name: str,
+    model_name: str | list[str],
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -91,7 +91,14 @@ def create_app(
     --tool-call-parser and --enable-auto-tool-choice, which tool_choice "auto" needs."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
-    tools = dict(tool_parser=tool_call_parser, auto_tool_choice=enable_auto_tool_choice)
+    defaults = engine.engine.generation_defaults
+    if defaults.sampling:
+        logging.getLogger("jaxpage").info(
+            "sampling defaults from the model's generation config (%s): %s", defaults.source, defaults.sampling_dict
+        )
+    parse_options = dict(
+        tool_parser=tool_call_parser, auto_tool_choice=enable_auto_tool_choice, defaults=defaults.sampling_dict
+    )
     served = ServedModels(model_name, engine.engine, lora_modules, engine.engine.config.model)
     app = FastAPI(title="jaxpage", version=installed_version(), docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
@@ -116,7 +123,7 @@ def create_app(
 
     _add_info_routes(app, engine, served, metrics, api_key is not None)
     _add_tokenizer_routes(app, engine, max_body_bytes)
-    _add_openai_routes(app, engine, served, max_body_bytes, log_requests, tools)
+    _add_openai_routes(app, engine, served, max_body_bytes, log_requests, parse_options)
     _add_lora_routes(app, served, api_key is not None)
     return app
 
@@ -244,9 +251,14 @@ def _tokenize(tokenizer, body) -> list[int]:
 
 
 def _add_openai_routes(
-    app: FastAPI, engine: AsyncEngine, served: ServedModels, max_body_bytes: int, log_requests: bool, tools: dict
+    app: FastAPI,
+    engine: AsyncEngine,
+    served: ServedModels,
+    max_body_bytes: int,
+    log_requests: bool,
+    parse_options: dict,
 ):
-    """/v1/completions and /v1/chat/completions (tools: parse_request's tool options)."""
+    """/v1/completions and /v1/chat/completions (parse_options: parse_request's options: tools, defaults)."""
     request_ids = itertools.count()
 
     async def openai_endpoint(request: Request, url: str):
@@ -256,7 +268,7 @@ def _add_openai_routes(
         if error is not None:
             return log.refused(error)
         try:
-            parsed = [parse_request(url, one, allow_stream=True, **tools) for one in split_prompts(url, body)]
+            parsed = [parse_request(url, one, allow_stream=True, **parse_options) for one in split_prompts(url, body)]
             lora_request = served.lora_request(body.get("model"))
             # Templating and tokenizing in a worker thread: a long conversation would block every other client.
             prompts = await asyncio.to_thread(lambda: [engine_prompt(p, engine.tokenizer) for p in parsed])
@@ -264,7 +276,7 @@ def _add_openai_routes(
             return log.refused(error_response(404, str(e), "not_found_error"))
         except ValueError as e:  # RequestError, or a chat template that refuses the messages
             return log.refused(error_response(400, str(e)))
-        model_name = served.name_of(lora_request)  # what the responses say
+        model_name = served.name_of(lora_request, body.get("model"))  # what the responses say
         ids = [request_id] if len(parsed) == 1 else [f"{request_id}-{i}" for i in range(len(parsed))]
         outputs = [
             engine.generate(one_id, prompt, p.params, fit_context=True, lora_request=lora_request)
@@ -470,7 +482,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = None,
     stall_timeout_s: float = 120.0,
@@ -490,7 +502,7 @@ def serve(
     if warmup:
         engine.warmup()
     async_engine = AsyncEngine(engine, stall_timeout_s, max_waiting_requests).start()
-    name = served_model_name or model or "SmolLM2-135M-Instruct"
+    name = served_model_name or model or "SmolLM2-135M-Instruct"  # one name, or several (the first the main one)
     app = create_app(
         async_engine,
         name,

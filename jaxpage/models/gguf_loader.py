@@ -140,7 +140,9 @@ def open_gguf(path: Path) -> GGUFFile:
     return read_gguf(path)
 
 
-def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
+def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) -> ModelConfig:
+    """The model's config from the file's metadata, `overrides` (hf_overrides: Hugging Face config fields) set over
+    it."""
     gguf_arch = gguf.metadata.get("general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
@@ -201,7 +203,8 @@ def config_from_gguf(gguf: GGUFFile, path: Path) -> ModelConfig:
     pattern = gguf.metadata.get(f"{gguf_arch}.attention.sliding_window_pattern")
     hf_like |= _gemma_fields(field, gguf_arch, hf_like, pattern)
     hf_like |= _phi3_fields(gguf, path, field, meta, hf_like, names)
-    config = model_config_from_hf(hf_like, source=str(path), names=names)
+    source = str(path) if not overrides else f"{path} with hf_overrides {sorted(overrides)}"
+    config = model_config_from_hf(hf_like | (overrides or {}), source=source, names=names)
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
         factors = _dequantize(rope_freqs, path).reshape(-1)
@@ -427,9 +430,12 @@ class GGUFSource:
         return None
 
 
-def load_gguf(path: Path, dtype, quantization: str | None = None) -> tuple[ModelConfig, dict]:
-    """(config, numpy parameter tree) from a GGUF file (quantization: see params_from_hf_tensors)."""
+def load_gguf(
+    path: Path, dtype, quantization: str | None = None, overrides: dict | None = None
+) -> tuple[ModelConfig, dict]:
+    """(config, numpy parameter tree) from a GGUF file (quantization: see params_from_hf_tensors; overrides: see
+    config_from_gguf)."""
     gguf = open_gguf(path)
-    config = config_from_gguf(gguf, path)
+    config = config_from_gguf(gguf, path, overrides)
     params = params_from_hf_tensors(config, GGUFSource(gguf, config, path), dtype, quantization)
     return dataclasses.replace(config, quantization=quantization), params

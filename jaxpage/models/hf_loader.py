@@ -18,7 +18,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def read_hf_config(directory: Path) -> ModelConfig:
+def read_hf_config(directory: Path, overrides: dict | None = None) -> ModelConfig:
+    """The model's config from `directory`/config.json, `overrides` (the engine argument hf_overrides) set over its
+    fields."""
     path = directory / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory}: no config.json; not a Hugging Face model directory")
@@ -28,7 +30,8 @@ def read_hf_config(directory: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
-    return model_config_from_hf(hf, source=str(path))
+    source = str(path) if not overrides else f"{path} with hf_overrides {sorted(overrides)}"
+    return model_config_from_hf(hf | (overrides or {}), source=source)
 
 
 def _weight_map(directory: Path) -> tuple[dict[str, Path], Path]:
@@ -98,10 +101,12 @@ class SafetensorsSource:
         return self._handles[path].get_tensor(name)
 
 
-def load_hf_directory(directory: Path, dtype, quantization: str | None = None) -> tuple[ModelConfig, dict]:
+def load_hf_directory(
+    directory: Path, dtype, quantization: str | None = None, overrides: dict | None = None
+) -> tuple[ModelConfig, dict]:
     """(config, numpy parameter tree) from a Hugging Face model directory (quantization: see
-    params_from_hf_tensors)."""
-    config = read_hf_config(directory)
+    params_from_hf_tensors; overrides: see read_hf_config)."""
+    config = read_hf_config(directory, overrides)
     with contextlib.ExitStack() as stack:
         source = SafetensorsSource(*_weight_map(directory), stack)
         params = params_from_hf_tensors(config, source, dtype, quantization)

@@ -15,6 +15,7 @@ from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import default_model, gguf_loader, hf_loader, orbax_checkpoint
 from jaxpage.models.llama import init_params
+from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, resolve_model
 
 GGUF_MAGIC = b"GGUF"
 
@@ -24,17 +25,17 @@ def default_dtype() -> jnp.dtype:
     return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
-def resolve_source(source: str | os.PathLike | None) -> Path:
-    """The local path of a model source; None means the default model (fetched on first use)."""
+def resolve_source(
+    source: str | os.PathLike | None, download: HubDownload = DEFAULT_DOWNLOAD, weights: bool = True
+) -> Path:
+    """The local path of a model source: None means the default model (fetched on first use); a path that does not
+    exist is taken as a Hugging Face Hub id and downloaded (jaxpage.sources), at `download`'s revision and place
+    (without `weights`: only its configs and tokenizer)."""
     if source is None:
+        if download.revision is not None:
+            raise ModelLoadError(f"revision {download.revision!r}: the default model has no revisions")
         return default_model.default_model_path()
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"{source}: no such file or directory (jaxpage loads local model directories, .gguf files and "
-            "jaxpage checkpoints; it does not download from a model hub)"
-        )
-    return path
+    return resolve_model(source, download, weights)
 
 
 def source_format(path: Path) -> str:
@@ -59,11 +60,14 @@ def load_model(
     sharding: jax.sharding.Sharding | Callable[[ModelConfig], Any] | None = None,
     load_format: str = "auto",
     quantization: str | None = None,
+    download: HubDownload = DEFAULT_DOWNLOAD,
+    hf_overrides: dict | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Loads (config, params) from a model source.
 
     source:   a Hugging Face directory (config.json + safetensors), a .gguf file, a checkpoint written
-              by `jaxpage convert`, or None for the default model (SmolLM2-135M-Instruct).
+              by `jaxpage convert`, a Hugging Face Hub id (org/name, org/name:Q4_K_M, org/name/file.gguf: see
+              jaxpage.sources), or None for the default model (SmolLM2-135M-Instruct).
     dtype:    parameter dtype; default float32 on CPU, bfloat16 on GPU/TPU.
     sharding: where the parameters live: a Sharding, or a function of the config that gives a tree of them (one per
               parameter: each device receives only its shards, see jaxpage.worker.parallel); default the first device.
@@ -72,9 +76,12 @@ def load_model(
     quantization: None (the weights as they are) or "int8": every projection and the embedding in int8 with a
               float32 scale per output channel, quantized tensor by tensor as they load (jaxpage.models.int8). A
               jaxpage checkpoint keeps the quantization it was written with.
+    download: a Hub id's revision and download folder.
+    hf_overrides: Hugging Face config fields set over the model's (config.json's, or those a GGUF file's metadata
+              gives); refused for a jaxpage checkpoint, whose config is fixed.
     Raises ModelLoadError with the file (and tensor) at fault.
     """
-    path = resolve_source(source)
+    path = resolve_source(source, download, weights=load_format != "dummy")
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     placement = sharding if callable(sharding) else (lambda config: sharding)
@@ -82,10 +89,15 @@ def load_model(
     if load_format == "dummy":
         if fmt != "hf":
             raise ModelLoadError(f"{path}: load_format='dummy' needs a Hugging Face model directory (config.json)")
-        config = dataclasses.replace(hf_loader.read_hf_config(path), quantization=quantization)
+        config = dataclasses.replace(hf_loader.read_hf_config(path, hf_overrides), quantization=quantization)
         init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=placement(config))
         return config, init(config, jax.random.key(0), dtype)
     if fmt == "orbax":
+        if hf_overrides:
+            raise ModelLoadError(
+                f"{path}: a jaxpage checkpoint's config is fixed when it is written; hf_overrides apply to Hugging "
+                "Face directories and GGUF files"
+            )
         config, params = orbax_checkpoint.load_checkpoint(path, dtype, placement)
         if quantization not in (None, config.quantization):
             raise ModelLoadError(
@@ -94,7 +106,7 @@ def load_model(
             )
         return config, params
     if fmt == "gguf":
-        config, params = gguf_loader.load_gguf(path, dtype, quantization)
+        config, params = gguf_loader.load_gguf(path, dtype, quantization, hf_overrides)
     else:
-        config, params = hf_loader.load_hf_directory(path, dtype, quantization)
+        config, params = hf_loader.load_hf_directory(path, dtype, quantization, hf_overrides)
     return config, jax.device_put(params, placement(config))

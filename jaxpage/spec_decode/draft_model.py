@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from jaxpage.config import ModelConfig
 from jaxpage.models.loader import load_model
+from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload
 
 
-def load_draft_model(source: str, dtype: str | None, target: ModelConfig, sharding=None) -> tuple[ModelConfig, dict]:
-    """(config, params) of the draft model at `source`, placed as load_model's `sharding` says; ValueError naming
-    what differs from the target's config (check_draft_tokenizer compares the tokenizers)."""
-    config, params = load_model(source, dtype=dtype, sharding=sharding)
+def load_draft_model(
+    source: str, dtype: str | None, target: ModelConfig, sharding=None, download: HubDownload = DEFAULT_DOWNLOAD
+) -> tuple[ModelConfig, dict]:
+    """(config, params) of the draft model at `source` (a path or a Hub id, downloaded as `download` says), placed as
+    load_model's `sharding` says; ValueError naming what differs from the target's config (check_draft_tokenizer
+    compares the tokenizers)."""
+    config, params = load_model(source, dtype=dtype, sharding=sharding, download=download)
     field = f"speculative_config['model'] {source}"
     if config.vocab_size != target.vocab_size:
         raise ValueError(
@@ -36,14 +40,14 @@ def load_draft_model(source: str, dtype: str | None, target: ModelConfig, shardi
     return config, params
 
 
-def check_draft_tokenizer(source: str, target_tokenizer) -> None:
+def check_draft_tokenizer(source: str, target_tokenizer, download: HubDownload = DEFAULT_DOWNLOAD) -> None:
     """ValueError when the draft model at `source` has a tokenizer whose vocabulary is not the target's (a draft
     without a tokenizer passes: its vocabulary size and special tokens were checked)."""
     from jaxpage.errors import ModelLoadError
     from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(source)
+        tokenizer = load_tokenizer(source, download)
     except ModelLoadError:
         return
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():

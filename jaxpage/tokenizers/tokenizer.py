@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.models.default_model import cache_dir
-from jaxpage.models.loader import resolve_source, source_format
+from jaxpage.models.default_model import cache_dir, default_model_path
+from jaxpage.models.loader import source_format
+from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, resolve_tokenizer
+from jaxpage.tokenizers.chat_template import read_chat_template
 from jaxpage.tokenizers.gguf_tokenizer import GGUF_TOKENIZER_BUILDER_VERSION, load_gguf_tokenizer
 from jaxpage.validation import check_text, fail
 
@@ -18,15 +20,28 @@ if TYPE_CHECKING:  # transformers takes most of a second to import: the function
     from transformers import PreTrainedTokenizerBase
 
 
-def load_tokenizer(source: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of the same `source` that `load_model` takes.
+def load_tokenizer(
+    source: str | os.PathLike | None = None, download: HubDownload = DEFAULT_DOWNLOAD, chat_template: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of the same `source` that `load_model` takes, or of a tokenizer's own
+    directory or Hub id (of which only the tokenizer's files are downloaded, at `download`'s revision and place).
+    `chat_template`: a template that replaces the tokenizer's (a file, or the template itself: read_chat_template).
 
     A GGUF file's tokenizer is built from its metadata once (seconds: the vocabulary is parsed from the
     file) and kept in the jaxpage cache, keyed by the file's path, size and modification time.
     """
-    path = resolve_source(source)
+    template = None if chat_template is None else read_chat_template(chat_template)
+    path = default_model_path() if source is None else resolve_tokenizer(source, download)
+    tokenizer = _load_tokenizer(path)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer, or transformers' of a directory (a model's, a checkpoint's, or a tokenizer's own)."""
     try:
-        if source_format(path) == "gguf":
+        if path.is_file() and source_format(path) == "gguf":
             return _gguf_tokenizer(path)
         import transformers  # transformers.AutoTokenizer imports torch where installed: only model directories use it
 
