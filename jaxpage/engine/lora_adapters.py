@@ -10,6 +10,7 @@ from collections import OrderedDict
 from jaxpage.config import ModelConfig
 from jaxpage.lora_request import LoRARequest
 from jaxpage.models.lora_adapter import LoRAAdapter, read_lora_adapter
+from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, resolve_adapter
 
 
 def adapter_digest(adapter: LoRAAdapter) -> bytes:
@@ -23,10 +24,19 @@ def adapter_digest(adapter: LoRAAdapter) -> bytes:
 
 
 class LoRAAdapters:
-    def __init__(self, config: ModelConfig, max_lora_rank: int, enabled: bool, max_cpu_loras: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_lora_rank: int,
+        enabled: bool,
+        max_cpu_loras: int | None = None,
+        download: HubDownload = DEFAULT_DOWNLOAD,
+    ):
         """The adapters of base model `config`; max_cpu_loras: how many stay read (None: all), the least recently
-        named dropped first (read again when a request names it; a request holds its own)."""
+        named dropped first (read again when a request names it; a request holds its own); download: where an
+        adapter named by a Hub id is downloaded to."""
         self.config = config
+        self.download = download
         self.max_lora_rank = max_lora_rank
         self.enabled = enabled
         self.max_cpu_loras = max_cpu_loras
@@ -38,10 +48,12 @@ class LoRAAdapters:
     @classmethod
     def for_engine(cls, model: ModelConfig, config) -> LoRAAdapters:
         """The adapters of an engine of EngineConfig `config` over `model` (its LoRA arguments)."""
-        return cls(model, config.max_lora_rank, config.enable_lora, config.max_cpu_loras or config.max_loras)
+        download = HubDownload(None, config.download_dir)
+        return cls(model, config.max_lora_rank, config.enable_lora, config.max_cpu_loras or config.max_loras, download)
 
     def get(self, request: LoRARequest) -> tuple[LoRAAdapter, bytes]:
-        """(the adapter, its digest) of a request's LoRARequest, read from its path the first time its id is seen.
+        """(the adapter, its digest) of a request's LoRARequest, read from its path (a directory or a Hub id) the
+        first time its id is seen.
         ValueError (ModelLoadError for the adapter's files) naming the adapter: LoRA is off, the id is another
         adapter's, or the adapter cannot be served (see read_lora_adapter)."""
         if not isinstance(request, LoRARequest):
@@ -58,7 +70,8 @@ class LoRAAdapters:
                 self._read.move_to_end(lora_id)
                 return self._read[lora_id]
         # Read without the lock: requests naming adapters already read go on meanwhile.
-        adapter = read_lora_adapter(request.lora_path, self.config, request.lora_name, self.max_lora_rank)
+        path = resolve_adapter(request.lora_path, self.download)  # a local directory, or a Hub id downloaded
+        adapter = read_lora_adapter(path, self.config, request.lora_name, self.max_lora_rank)
         digest = adapter_digest(adapter)
         with self._lock:
             self._check_identity(request)  # (another thread may have given the id to another adapter meanwhile)

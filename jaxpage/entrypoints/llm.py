@@ -21,8 +21,10 @@ Prompt = str | dict
 class LLM:
     """An engine with the convenience API: `generate`, `chat`, `generate_stream`.
 
-    `LLM(model=None, **engine_args)`: model is an HF directory, a .gguf file or a jaxpage checkpoint
-    (None: SmolLM2-135M-Instruct); engine_args are EngineConfig's fields (max_num_seqs, page_size, ...).
+    `LLM(model=None, **engine_args)`: model is an HF directory, a .gguf file, a jaxpage checkpoint or a Hugging Face
+    Hub id (org/name, org/name:Q4_K_M, org/name/file.gguf; None: SmolLM2-135M-Instruct); engine_args are
+    EngineConfig's fields (max_num_seqs, page_size, revision, ...). Prompts given no sampling params get the model's
+    generation config's defaults (get_default_sampling_params).
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -31,6 +33,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without sampling params gets (vLLM's name): the model's generation config's defaults
+        (engine argument generation_config; jaxpage.models.generation_config), SamplingParams' own for the rest."""
+        return self.engine.generation_defaults.sampling_params()
 
     def generate(
         self,
