@@ -124,8 +124,10 @@ def test_a_file_that_is_no_json_is_named(tmp_path):
 def test_server_and_batch_bodies_take_the_defaults_for_the_fields_they_leave_out():
     defaults = {"temperature": 0.25, "top_k": 3, "max_tokens": 7}
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    params = parse_request(CHAT, chat, defaults=defaults).params
-    assert (params.temperature, params.top_k, params.max_tokens) == (0.25, 3, 7)
+    request = parse_request(CHAT, chat, defaults=defaults)
+    assert (request.params.temperature, request.params.top_k, request.params.max_tokens) == (0.25, 3, 7)
+    assert request.default_max_tokens  # the server bounds it by the context instead of refusing the request
+    assert not parse_request(CHAT, chat | {"max_tokens": 7}, defaults=defaults).default_max_tokens
     params = parse_request(CHAT, chat | {"temperature": 1.5, "max_completion_tokens": 2}, defaults=defaults).params
     assert (params.temperature, params.top_k, params.max_tokens) == (1.5, 3, 2)
     params = parse_request(CHAT, chat | {"max_tokens": None}, defaults=defaults).params

@@ -253,14 +253,14 @@ def _check_prompt(prompt: str) -> None:
 
 
 def _quiet_transformers() -> None:
-    """transformers' warnings and progress bars are not for the command's user."""
+    """transformers' warnings are not for the command's user (huggingface_hub's download progress bars are:
+    transformers' disable_progress_bar would turn those off too)."""
     # Its advice at import ("PyTorch was not found ...": the bare install has no torch and needs none) comes before
     # set_verbosity_error can be called.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 def _follows(args) -> bool:

@@ -49,6 +49,9 @@ class ParsedRequest:
     tool_parser: str | None = None  # the server's --tool-call-parser, for tool_choice "auto"
     parallel_tool_calls: bool = True  # false: at most one call per choice
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt's log-probs in the response, vLLM's shape
+    # max_tokens is the model's default (its generation config's max_new_tokens): not the caller's, so the context
+    # bounds it (generation stops there) instead of refusing the request
+    default_max_tokens: bool = False
 
 
 def parse_request(
@@ -78,10 +81,11 @@ def parse_request(
     else:
         prompt, max_tokens, top_logprobs = _completions_fields(body)
     kwargs = _sampling_kwargs(body, max_tokens, top_logprobs)
+    default_max_tokens = False
     for name, value in (defaults or {}).items():
         if name == "max_tokens":  # unset means absent: a null max_tokens asks for the context's length
-            absent = all(key not in body for key in ("max_tokens", "max_completion_tokens"))
-            kwargs[name] = value if absent else kwargs[name]
+            default_max_tokens = all(key not in body for key in ("max_tokens", "max_completion_tokens"))
+            kwargs[name] = value if default_max_tokens else kwargs[name]
         elif kwargs[name] is None:
             kwargs[name] = value
     if kwargs["prompt_logprobs"] is not None and stream:
@@ -114,6 +118,7 @@ def parse_request(
         tool_parser,
         parallel_tool_calls,
         show_prompt_logprobs,
+        default_max_tokens,
     )
 
 

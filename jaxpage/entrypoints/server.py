@@ -279,7 +279,7 @@ def _add_openai_routes(
         model_name = served.name_of(lora_request, body.get("model"))  # what the responses say
         ids = [request_id] if len(parsed) == 1 else [f"{request_id}-{i}" for i in range(len(parsed))]
         outputs = [
-            engine.generate(one_id, prompt, p.params, fit_context=True, lora_request=lora_request)
+            engine.generate(one_id, prompt, p.params, fit_context=not p.default_max_tokens, lora_request=lora_request)
             for one_id, prompt, p in zip(ids, prompts, parsed, strict=True)
         ]
         # A refused request fails here, before any byte is sent; the other prompts' requests are then aborted.

@@ -13,8 +13,9 @@ from jaxpage.errors import ModelLoadError
 
 # Only the top level of a repo (never original/ or other subfolders: Meta's consolidated weights live there), and of
 # its files those jaxpage reads: configs (config.json, generation_config.json, the safetensors index, the tokenizer's
-# JSON files), weights in safetensors (never pickles: *.bin, *.pth), the tokenizer's other formats and chat templates.
-TOP_LEVEL_ONLY = ["*/*"]
+# JSON files), weights in safetensors (never pickles: *.bin, *.pth; never Mistral's consolidated.safetensors, a second
+# copy of the weights), the tokenizer's other formats and chat templates.
+SKIPPED = ["*/*", "consolidated*"]  # subfolders; Mistral's consolidated.safetensors repeats the weights
 TOKENIZER_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt", "*.jinja"]
 MODEL_PATTERNS = [*TOKENIZER_PATTERNS, "*.safetensors"]
 ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors"]
@@ -47,7 +48,7 @@ class HubRepo:
                 revision=self.revision,
                 cache_dir=self.download_dir,
                 allow_patterns=patterns,
-                ignore_patterns=TOP_LEVEL_ONLY,
+                ignore_patterns=SKIPPED,
                 local_files_only=local_only,
             )
         return Path(folder)
