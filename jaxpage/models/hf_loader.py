@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from jaxpage.config import ModelConfig, model_config_from_hf
 from jaxpage.errors import ModelLoadError
+from jaxpage.models.safetensors_header import read_safetensors_header
 from jaxpage.models.weights import params_from_hf_tensors
 
 SINGLE_FILE = "model.safetensors"
@@ -52,27 +53,10 @@ def _weight_map(directory: Path) -> tuple[dict[str, Path], Path]:
         return {name: single for name in f.keys()}, single
 
 
-def _check_not_truncated(path: Path) -> None:
-    """Names the first tensor whose bytes lie past the end of the file (safetensors only says 'incomplete')."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len)) if 8 + header_len <= size else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # not ours to diagnose: safe_open reports a malformed header
-    if header is None:
-        raise ModelLoadError(f"{path}: truncated inside its header ({size} bytes)")
-    for name, info in header.items():
-        end = 8 + header_len + info["data_offsets"][1] if isinstance(info, dict) and "data_offsets" in info else 0
-        if end > size:
-            raise ModelLoadError(f"{path}: truncated: tensor {name!r} ends at byte {end}, the file has {size}")
-
-
 def open_safetensors(path: Path):
     if not path.is_file():
         raise ModelLoadError(f"{path}: file not found")
-    _check_not_truncated(path)
+    read_safetensors_header(path)  # every field checked, named where wrong: safetensors' own message is generic
     try:
         return safe_open(str(path), framework="numpy")
     except Exception as e:  # safetensors raises its own error type for malformed headers
