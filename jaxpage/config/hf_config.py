@@ -39,15 +39,16 @@ def model_config_from_hf(
         return names.get(key, key)
 
     arch = hf.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{source}: model_type {arch!r} is not supported; jaxpage runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: model_type {describe(arch)} is not supported; jaxpage runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    _refuse_quantized(hf, source)
     if arch not in GEMMA_ARCHITECTURES and hf.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-    if hf.get("use_sliding_window"):
-        raise ModelLoadError(f"{source}: per-layer sliding windows ({arch} use_sliding_window) are not supported")
+        raise ModelLoadError(f"{source}: hidden_act {describe(hf['hidden_act'])} is not supported (only 'silu')")
     try:
+        if _flag(name("use_sliding_window"), hf.get("use_sliding_window"), False):
+            raise ModelLoadError(f"per-layer sliding windows ({arch} use_sliding_window) are not supported")
         _refuse_unsupported_moe_options(hf, arch)
         sizes = _sizes_from_hf(hf, name)
         rope_theta, rope_scaling = _rope_from_hf(hf, name)
@@ -56,24 +57,26 @@ def model_config_from_hf(
             rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         window = hf.get("sliding_window", 4096 if arch in GEMMA_ARCHITECTURES else None)  # HF's defaults
         window = window if arch in ("mistral", "mixtral", "phi3", *GEMMA_ARCHITECTURES) else None
-        attention_bias = bool(hf.get("attention_bias", False))
-        eos = hf.get("eos_token_id")
+        attention_bias = _flag(name("attention_bias"), hf.get("attention_bias"), False)
+        tie_default = arch in GEMMA_ARCHITECTURES
         return ModelConfig(
             architecture=arch,
             **sizes,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
-            qkv_bias=_qkv_bias(hf, arch, attention_bias),
+            tie_word_embeddings=_flag(name("tie_word_embeddings"), hf.get("tie_word_embeddings"), tie_default),
+            qkv_bias=_qkv_bias(hf, arch, attention_bias, name),
             o_bias=attention_bias and arch in ("llama", *GEMMA_ARCHITECTURES),
-            mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
+            mlp_bias=_flag(name("mlp_bias"), hf.get("mlp_bias"), False) and arch == "llama",
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             **_moe_from_hf(hf, arch, name),
             partial_rotary_factor=_partial_rotary_from_hf(hf, arch, name, sizes["head_dim"], rope_scaling),
             **gemma,
             sliding_window=None if window is None else _size(name("sliding_window"), window),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            bos_token_id=None
+            if hf.get("bos_token_id") is None
+            else _token_id(name("bos_token_id"), hf["bos_token_id"]),
+            eos_token_ids=_eos_token_ids(name("eos_token_id"), hf.get("eos_token_id")),
         )
     except ModelLoadError as e:
         raise ModelLoadError(f"{source}: {e}") from None
@@ -83,13 +86,57 @@ def model_config_from_hf(
         raise ModelLoadError(f"{source}: inconsistent model config ({e})") from None
 
 
-def _qkv_bias(hf: dict[str, Any], arch: str, attention_bias: bool) -> bool:
+# config.json keys of quantized checkpoints: compressed-tensors' older key, and transformers' for every method
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+
+
+def _refuse_quantized(hf: dict[str, Any], source: str) -> None:
+    """ModelLoadError naming the quantization of a pre-quantized checkpoint (GPTQ, AWQ, FP8, compressed-tensors,
+    bitsandbytes, ...): jaxpage reads no such format, and its integer weights read as floats would give wrong logits."""
+    for key in QUANTIZATION_KEYS:
+        settings = hf.get(key)
+        if settings is None:
+            continue
+        method = settings.get("quant_method") if isinstance(settings, dict) else None
+        what = f"{key} with quant_method {describe(method)}" if method is not None else f"{key} {describe(settings)}"
+        raise ModelLoadError(
+            f"{source}: {what} is not supported: jaxpage reads unquantized safetensors (float32/float16/bfloat16) and "
+            "GGUF files; load the model's unquantized weights (quantization='int8' quantizes them as they load) or a "
+            "GGUF file of it"
+        )
+
+
+def _flag(field: str, value, default: bool) -> bool:
+    """A true/false option; absent or null: `default`."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{field} must be true or false, got {describe(value)}")
+    return value
+
+
+def _token_id(field: str, value) -> int:
+    if not is_int(value) or not 0 <= value <= INT32_MAX:
+        raise ModelLoadError(f"{field} must be a token id (an integer in [0, {INT32_MAX}]), got {describe(value)}")
+    return int(value)
+
+
+def _eos_token_ids(field: str, value) -> tuple[int, ...]:
+    """eos_token_id: absent or null, one token id, or a list of them."""
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(_token_id(f"{field}[{i}]", token) for i, token in enumerate(value))
+    return (_token_id(field, value),)
+
+
+def _qkv_bias(hf: dict[str, Any], arch: str, attention_bias: bool, name: Callable[[str], str]) -> bool:
     """Whether q, k and v have biases: always in Qwen2, in Qwen2-MoE unless qkv_bias says not, where attention_bias
     says so in Llama, Qwen3 and Qwen3-MoE."""
     if arch == "qwen2":
         return True
     if arch == "qwen2_moe":
-        return bool(hf.get("qkv_bias", True))
+        return _flag(name("qkv_bias"), hf.get("qkv_bias"), True)
     return attention_bias and arch in ("llama", "qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES)
 
 
@@ -107,7 +154,7 @@ def _gemma_layer_types(hf: dict[str, Any], arch: str, name: Callable[[str], str]
         key = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
         pattern = _size(name(key), hf.get(key, 6))
         return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(num_layers))
-    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+    if not isinstance(types, list) or len(types) != num_layers or not all(t in LAYER_TYPES for t in types):
         raise ModelLoadError(
             f"{name('layer_types')} must be a list of {num_layers} of {', '.join(map(repr, LAYER_TYPES))}, "
             f"got {describe(types)}"
@@ -142,8 +189,8 @@ def _gemma_from_hf(hf: dict[str, Any], arch: str, name: Callable[[str], str], nu
     key = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
     act = hf.get(key, "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
-        raise ModelLoadError(f"{name(key)} {act!r} is not supported (only 'gelu_pytorch_tanh')")
-    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{name(key)} {describe(act)} is not supported (only 'gelu_pytorch_tanh')")
+    if _flag(name("use_bidirectional_attention"), hf.get("use_bidirectional_attention"), False):
         raise ModelLoadError(f"{name('use_bidirectional_attention')} true is not supported (only causal attention)")
     # transformers' defaults when absent: Gemma 2 caps (50 and 30), Gemma 3 does not
     attn_cap = hf.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None)
@@ -173,8 +220,8 @@ def _refuse_unsupported_moe_options(hf: dict[str, Any], arch: str) -> None:
     step = hf.get("decoder_sparse_step", 1)
     if step != 1:
         raise ModelLoadError(f"decoder_sparse_step {describe(step)} is not supported (only 1: every layer sparse)")
-    dense_layers = hf.get("mlp_only_layers") or []
-    if dense_layers:
+    dense_layers = hf.get("mlp_only_layers")
+    if dense_layers not in (None, []):
         raise ModelLoadError(f"mlp_only_layers {describe(dense_layers)} is not supported (only []: no dense layer)")
 
 
@@ -206,7 +253,9 @@ def _moe_from_hf(hf: dict[str, Any], arch: str, name: Callable[[str], str]) -> d
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=_size(name("moe_intermediate_size"), hf["moe_intermediate_size"]),
-        shared_expert_intermediate_size=0 if not shared else _size(name("shared_expert_intermediate_size"), shared),
+        shared_expert_intermediate_size=0
+        if shared in (None, 0)
+        else _size(name("shared_expert_intermediate_size"), shared),
         norm_topk_prob=norm_topk_prob,
     )
 
@@ -288,7 +337,9 @@ def _rope_from_hf(hf: dict[str, Any], name: Callable[[str], str]) -> tuple[float
     if hf.get("model_type") == "phi3":
         rope_type = _phi3_rope_type(rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise ModelLoadError(
+            f"RoPE type {describe(rope_type)} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
     if rope_type == "default":
         return theta, None
     if rope_type == "linear":
