@@ -21,6 +21,7 @@ import numpy as np
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.hf_loader import open_safetensors
+from jaxpage.validation import INT32_MAX, check_number, describe, is_int
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -41,7 +42,7 @@ UNSUPPORTED = {
     "alora_invocation_tokens": "activated LoRA (aLoRA)",
     "use_qalora": "QA-LoRA",
 }
-_TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
+_TENSOR = re.compile(r"base_model\.model\.model\.layers\.([0-9]+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,27 +89,39 @@ def read_lora_adapter(path, config: ModelConfig, name: str | None = None, max_ra
 
     settings = _read_settings(directory, refuse)
     rank, alpha = settings.get("r", 8), settings.get("lora_alpha", 8)  # PEFT's defaults
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        refuse(f"r must be an integer >= 1, got {rank!r}")
+    if not is_int(rank) or rank < 1:
+        refuse(f"r must be an integer >= 1, got {describe(rank)}")
+    if rank > INT32_MAX:
+        refuse(f"r must be at most {INT32_MAX}, got {describe(rank)}")
     if max_rank is not None and rank > max_rank:
         refuse(f"rank {rank} is larger than max_lora_rank {max_rank}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        refuse(f"lora_alpha must be a number, got {alpha!r}")
-    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora", False) else alpha / rank
+    try:
+        alpha = check_number("lora_alpha", alpha, "a number", lambda x: True)
+    except ValueError as e:
+        refuse(str(e))
+    rslora = settings.get("use_rslora")
+    if rslora is not None and not isinstance(rslora, bool):
+        refuse(f"use_rslora must be true or false, got {describe(rslora)}")
+    scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
     targeted = _targeted(settings, config, refuse)
 
     tensors = _read_tensors(directory / WEIGHTS_FILE, refuse)
     for tensor, (layer, module) in sorted(_parse_names(tensors, config, refuse).items()):
         if (layer, module) not in targeted:
-            refuse(f"{WEIGHTS_FILE} holds {tensor!r}, a module {CONFIG_FILE} does not target")
+            refuse(f"{WEIGHTS_FILE} holds {describe(tensor, 200)}, a module {CONFIG_FILE} does not target")
     weights = {}
     for module in [m for m in LORA_TARGETS if any(t == m for _, t in targeted)]:
         n_in, n_out = module_features(config, module)
+        # Every shape checked before the stacks are made: r bounds their size, the file's tensors bound r.
+        factors = {
+            layer: (_tensor(tensors, layer, module, "A", (rank, n_in), refuse),
+                    _tensor(tensors, layer, module, "B", (n_out, rank), refuse))
+            for layer in sorted(layer for layer, m in targeted if m == module)
+        }  # fmt: skip
         a = np.zeros((config.num_layers, n_in, rank), np.float32)
         b = np.zeros((config.num_layers, rank, n_out), np.float32)
-        for layer in sorted(layer for layer, m in targeted if m == module):
-            a[layer] = _tensor(tensors, layer, module, "A", (rank, n_in), refuse).T
-            b[layer] = _tensor(tensors, layer, module, "B", (n_out, rank), refuse).T
+        for layer, (lora_a, lora_b) in factors.items():
+            a[layer], b[layer] = lora_a.T, lora_b.T
         weights[module] = (a, b * np.float32(scaling))
     return LoRAAdapter(name=name, rank=rank, scaling=scaling, weights=weights)
 
@@ -137,22 +150,32 @@ def _read_settings(directory: Path, refuse) -> dict:
         refuse(f"no {WEIGHTS_FILE}{hint}; save the adapter with safetensors (PEFT's default)")
     try:
         settings = json.loads((directory / CONFIG_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        refuse(f"{CONFIG_FILE} is not readable JSON ({e})")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        refuse(f"{CONFIG_FILE} is not readable JSON ({type(e).__name__}: {e})")
     if not isinstance(settings, dict):
-        refuse(f"{CONFIG_FILE} must hold a JSON object")
+        refuse(f"{CONFIG_FILE} must hold a JSON object, got {describe(settings)}")
     if settings.get("peft_type") != "LORA":
-        refuse(f"peft_type is {settings.get('peft_type')!r}; jaxpage reads only LoRA adapters (peft_type 'LORA')")
+        refuse(
+            f"peft_type is {describe(settings.get('peft_type'))}; jaxpage reads only LoRA adapters (peft_type 'LORA')"
+        )
     for key, feature in UNSUPPORTED.items():
         if settings.get(key):
-            refuse(f"{key} is {json.dumps(settings[key])}: jaxpage does not support {feature}")
+            refuse(f"{key} is {_json_text(settings[key])}: jaxpage does not support {feature}")
     if settings.get("modules_to_save"):
-        refuse(f"modules_to_save {settings['modules_to_save']}: fully trained copies of modules are not supported")
-    if settings.get("bias", "none") != "none":
-        refuse(f"bias {settings['bias']!r}: trained biases are not supported (only bias 'none')")
+        refuse(f"modules_to_save {describe(settings['modules_to_save'])}: fully trained copies of modules are not "
+               "supported")  # fmt: skip
+    if settings.get("bias") not in (None, "none"):
+        refuse(f"bias {describe(settings['bias'])}: trained biases are not supported (only bias 'none')")
     if settings.get("layers_pattern") not in (None, "", [], "layers", ["layers"]):
-        refuse(f"layers_pattern {settings['layers_pattern']!r}: jaxpage's models number their layers in 'layers'")
+        refuse(f"layers_pattern {describe(settings['layers_pattern'])}: jaxpage's models number their layers in "
+               "'layers'")  # fmt: skip
     return settings
+
+
+def _json_text(value) -> str:
+    """`value` as JSON spells it, cut to 80 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:75]}...{text[-2:]}"
 
 
 def _targeted(settings: dict, config: ModelConfig, refuse) -> set[tuple[int, str]]:
@@ -167,17 +190,23 @@ def _targeted(settings: dict, config: ModelConfig, refuse) -> set[tuple[int, str
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         for target in targets:
             if target.rsplit(".", 1)[-1] not in LORA_TARGETS:
-                refuse(f"target module {target!r} is not supported; jaxpage adapts {', '.join(LORA_TARGETS)}")
+                refuse(f"target module {describe(target)} is not supported; jaxpage adapts {', '.join(LORA_TARGETS)}")
     else:
-        refuse(f"target_modules must be a list of module names or a regular expression, got {targets!r}")
+        refuse(f"target_modules must be a list of module names or a regular expression, got {describe(targets)}")
     if layers is None or layers == []:
         layers = list(range(config.num_layers))
     layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
     if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-        refuse(f"layers_to_transform must be a layer index or a list of them, got {layers!r}")
+        refuse(f"layers_to_transform must be a layer index or a list of them, got {describe(layers)}")
     if beyond := [i for i in layers if not 0 <= i < config.num_layers]:
-        refuse(f"layers_to_transform names layers {beyond}; the base model has {config.num_layers} layers")
+        refuse(f"layers_to_transform names layers {describe(beyond)}; the base model has {config.num_layers} layers")
     exclude = settings.get("exclude_modules")
+    if not (
+        exclude is None
+        or isinstance(exclude, str)
+        or (isinstance(exclude, list) and all(isinstance(e, str) for e in exclude))
+    ):
+        refuse(f"exclude_modules must be a list of module names or a regular expression, got {describe(exclude)}")
     try:
         targeted = {
             (layer, module)
@@ -185,12 +214,12 @@ def _targeted(settings: dict, config: ModelConfig, refuse) -> set[tuple[int, str
             for module in LORA_TARGETS
             if _matches(targets, module_key(layer, module)) and not _matches(exclude, module_key(layer, module))
         }
-    except re.error as e:
+    except (re.error, OverflowError, RecursionError) as e:  # a bad pattern; a repeat or nesting too large for re
         refuse(f"target_modules or exclude_modules is not a valid regular expression ({e})")
     if config.is_moe and (mlp := [m for m in LORA_TARGETS if PARENTS[m] == "mlp" and any(t == m for _, t in targeted)]):
         refuse(f"targets the MLP's {', '.join(mlp)} of a mixture-of-experts model; only its attention can be adapted")
     if not targeted:
-        refuse(f"target_modules {targets!r} matches none of {', '.join(LORA_TARGETS)}")
+        refuse(f"target_modules {describe(targets)} matches none of {', '.join(LORA_TARGETS)}")
     return targeted
 
 
@@ -210,7 +239,10 @@ def _read_tensors(path: Path, refuse) -> dict[str, np.ndarray]:
     except ModelLoadError as e:  # truncated or malformed: its message names the file
         refuse(str(e))
     with handle as f:
-        return {tensor: np.asarray(f.get_tensor(tensor), np.float32) for tensor in f.keys()}
+        try:
+            return {tensor: np.asarray(f.get_tensor(tensor), np.float32) for tensor in f.keys()}
+        except Exception as e:  # the header was checked: a read error of the file itself, from safetensors
+            refuse(f"{path}: cannot read its tensors ({type(e).__name__}: {e})")
 
 
 def _parse_names(tensors: dict, config: ModelConfig, refuse) -> dict[str, tuple[int, str]]:
@@ -219,9 +251,11 @@ def _parse_names(tensors: dict, config: ModelConfig, refuse) -> dict[str, tuple[
     for tensor in tensors:
         match = _TENSOR.fullmatch(tensor)
         if match is None or PARENTS.get(match[3]) != match[2]:
-            refuse(f"unexpected tensor {tensor!r} in {WEIGHTS_FILE}; jaxpage reads only lora_A and lora_B weights of "
-                   f"{', '.join(LORA_TARGETS)} in model.layers")  # fmt: skip
+            refuse(f"unexpected tensor {describe(tensor, 200)} in {WEIGHTS_FILE}; jaxpage reads only lora_A and "
+                   f"lora_B weights of {', '.join(LORA_TARGETS)} in model.layers")  # fmt: skip
         if int(match[1]) >= config.num_layers:
-            refuse(f"tensor {tensor!r} is of layer {match[1]}; the base model has {config.num_layers} layers")
+            refuse(
+                f"tensor {describe(tensor, 200)} is of layer {match[1]}; the base model has {config.num_layers} layers"
+            )
         parsed[tensor] = (int(match[1]), match[3])
     return parsed
