@@ -19,6 +19,7 @@ from jaxpage.errors import ModelLoadError
 from jaxpage.models.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_transposed
 from jaxpage.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxpage.models.weights import expert_projection_names, moe_block_name, params_from_hf_tensors
+from jaxpage.validation import describe
 
 # GGUF general.architecture -> jaxpage architecture. Mistral models are written as "llama", and so is Mixtral (a
 # "llama" with {arch}.expert_count).
@@ -144,16 +145,24 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
     """The model's config from the file's metadata, `overrides` (hf_overrides: Hugging Face config fields) set over
     it."""
     gguf_arch = gguf.metadata.get("general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
+    if not isinstance(gguf_arch, str) or gguf_arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: GGUF architecture {gguf_arch!r} is not supported; jaxpage reads {', '.join(GGUF_ARCHITECTURES)}"
+            f"{path}: GGUF architecture {describe(gguf_arch)} is not supported; jaxpage reads "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
         )
 
     def field(key: str, default=None) -> Any:
         """A number from the metadata (default when absent); ModelLoadError when it is not a number."""
         value = gguf.metadata.get(key, default)
         if value is not None and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
-            raise ModelLoadError(f"{path}: metadata {key} is {value!r}, not a number")
+            raise ModelLoadError(f"{path}: metadata {key} is {describe(value)}, not a number")
+        return value
+
+    def text(key: str, default: str) -> str:
+        """A string from the metadata (default when absent)."""
+        value = gguf.metadata.get(key, default)
+        if not isinstance(value, str):
+            raise ModelLoadError(f"{path}: metadata {key} must be a string, got {describe(value)}")
         return value
 
     def meta(key: str, default=None) -> Any:
@@ -164,9 +173,16 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
 
     # The numbers go to model_config_from_hf as stored, which checks them and names each by its metadata key.
     names = {hf_key: f"metadata {gguf_arch}.{key}" for hf_key, key in METADATA_KEYS.items()}
+    names |= {f"{token}_token_id": f"metadata tokenizer.ggml.{token}_token_id" for token in ("bos", "eos")}
+    names["sliding_window_pattern"] = names["layer_types"] = f"metadata {gguf_arch}.attention.sliding_window_pattern"
     vocab = field(f"{gguf_arch}.vocab_size")
     if vocab is None:  # llama.cpp's vocabulary is the token list; vocab_size is optional
-        vocab = len(gguf.metadata.get("tokenizer.ggml.tokens", []))
+        tokens = gguf.metadata.get("tokenizer.ggml.tokens", [])
+        if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+            raise ModelLoadError(
+                f"{path}: metadata tokenizer.ggml.tokens must be an array of strings, got {describe(tokens)}"
+            )
+        vocab = len(tokens)
         names["vocab_size"] = "the number of tokenizer.ggml.tokens"
     head_dim = field(f"{gguf_arch}.attention.key_length")
     # (Phi-3's rope.dimension_count is its rotary dim, not its head_dim: see _phi3_fields.)
@@ -174,9 +190,8 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
         head_dim = field(f"{gguf_arch}.rope.dimension_count")
         names["head_dim"] = f"metadata {gguf_arch}.rope.dimension_count"
     rope_scaling = None
-    if gguf.metadata.get(f"{gguf_arch}.rope.scaling.type", "none") == "linear":
+    if text(f"{gguf_arch}.rope.scaling.type", "none") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
-    eos = field("tokenizer.ggml.eos_token_id")
     hf_like = {
         "model_type": GGUF_ARCHITECTURES[gguf_arch],
         "vocab_size": vocab,
@@ -194,13 +209,21 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "mlp_bias": "blk.0.ffn_gate.bias" in gguf.tensors,
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": None if eos is None else int(eos),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),  # checked as a token id by model_config_from_hf
     }
     window = field(f"{gguf_arch}.attention.sliding_window")
     if window and gguf_arch == "llama":  # Mistral's (a "llama" to llama.cpp); Mixtral's, below
         hf_like |= {"model_type": "mistral", "sliding_window": window}
-    hf_like |= _moe_fields(field, meta, gguf_arch, gguf.metadata.get(f"{gguf_arch}.expert_weights_norm"))
+    norm = gguf.metadata.get(f"{gguf_arch}.expert_weights_norm")
+    if norm is not None and not isinstance(norm, bool):
+        raise ModelLoadError(f"{path}: metadata {gguf_arch}.expert_weights_norm must be a bool, got {describe(norm)}")
+    hf_like |= _moe_fields(field, meta, gguf_arch, norm)
     pattern = gguf.metadata.get(f"{gguf_arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, np.ndarray | list) and not (isinstance(pattern, np.ndarray) and pattern.dtype == bool):
+        raise ModelLoadError(
+            f"{path}: metadata {gguf_arch}.attention.sliding_window_pattern must be a period or an array of bools (one "
+            f"per layer), got {describe(pattern)}"
+        )
     hf_like |= _gemma_fields(field, gguf_arch, hf_like, pattern)
     hf_like |= _phi3_fields(gguf, path, field, meta, hf_like, names)
     source = str(path) if not overrides else f"{path} with hf_overrides {sorted(overrides)}"
@@ -213,6 +236,8 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
                 f"{path}: tensor 'rope_freqs.weight' has {factors.size} values, expected head_dim / 2 = "
                 f"{config.head_dim // 2}"
             )
+        if not np.all(np.isfinite(factors) & (factors > 0)):
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' must hold positive finite numbers")
         config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
     return config
 
@@ -236,7 +261,7 @@ def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value)
     if gguf_arch == "gemma3":
         fields["rope_local_base_freq"] = 10000.0
     pattern = pattern_value  # a period, or a flag per layer (True: sliding)
-    if isinstance(pattern, list):
+    if isinstance(pattern, np.ndarray):
         fields["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
     elif pattern is not None:
         fields["sliding_window_pattern"] = pattern
