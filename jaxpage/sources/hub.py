@@ -122,7 +122,7 @@ class HubRepo:
                 raise ModelLoadError(f"{what}: cannot write the download folder {self.cache_folder()} ({e})") from None
             raise ModelLoadError(f"{what}: download failed ({type(e).__name__}: {e})") from None
         except Exception as e:  # httpx's network errors and anything else a download trips on
-            if type(e).__module__.split(".")[0] not in ("httpx", "httpcore", "huggingface_hub"):
+            if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "httpcore", "huggingface_hub"):
                 raise
             raise ModelLoadError(f"{what}: download failed ({type(e).__name__}: {e})") from None
 
