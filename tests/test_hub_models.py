@@ -14,11 +14,12 @@ from fake_hub import FakeHub, fake_hub  # noqa: F401  (the fixture)
 from safetensors.numpy import save_file
 from tiny_models import TINY_FAMILIES
 
+from jaxpage.engine.lora_adapters import LoRAAdapters
 from jaxpage.entrypoints.cli import main
 from jaxpage.errors import ModelLoadError
+from jaxpage.lora_request import LoRARequest
 from jaxpage.models import load_model
-from jaxpage.models.lora_adapter import read_lora_adapter
-from jaxpage.sources import HubDownload, model_source, resolve_adapter, resolve_model, resolve_tokenizer
+from jaxpage.sources import HubDownload, model_source, resolve_model, resolve_tokenizer
 from jaxpage.sources.hub import HubRepo
 from jaxpage.spec_decode.draft_model import load_draft_model
 
@@ -192,8 +193,11 @@ def test_adapters_draft_models_tokenizers_and_convert_take_hub_ids(fake_hub, tin
     adapter = {"adapter_config.json": json.dumps(settings).encode()}
     adapter["adapter_model.safetensors"] = (tmp_path / "adapter_model.safetensors").read_bytes()
     fake_hub.add_repo("org/tiny-lora", adapter | {"README.md": b"an adapter"})
-    from_hub = read_lora_adapter(resolve_adapter("org/tiny-lora"), config)
+    # As the engine reads an adapter that a request (--lora-modules, /v1/load_lora_adapter) names by its id.
+    from_hub, _ = LoRAAdapters(config, 16, enabled=True).get(LoRARequest("hub-lora", 1, "org/tiny-lora"))
     assert from_hub.rank == 2 and set(from_hub.weights) == {"q_proj"}
+    adapter_files = {("org/tiny-lora", name) for name in ("adapter_config.json", "adapter_model.safetensors")}
+    assert adapter_files <= set(fake_hub.files_served) and ("org/tiny-lora", "README.md") not in fake_hub.files_served
     # A draft model by its id, checked against the target's config.
     assert load_draft_model("org/tiny", None, config)[0] == config
     # A model with its tokenizer: as a tokenizer only the tokenizer's files are fetched.
