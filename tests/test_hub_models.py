@@ -140,6 +140,11 @@ def test_gguf_files_by_quantization_tag_or_name(fake_hub, smollm2_path):  # noqa
 def test_offline_a_warm_cache_asks_nothing(fake_hub, tiny_files, monkeypatch):  # noqa: F811
     fake_hub.add_repo("org/tiny", tiny_files)
     online = resolve_model("org/tiny")
+    # Online, a second start asks the Hub what the revision is now and fetches no file again.
+    monkeypatch.setattr(model_source, "_resolved", {})
+    fake_hub.reset_counts()
+    assert resolve_model("org/tiny") == online
+    assert fake_hub.bytes_served == 0 and all(path.startswith("/api/") for _, path in fake_hub.requests)
     fake_hub.go_offline(monkeypatch)
     monkeypatch.setattr(model_source, "_resolved", {})
     fake_hub.reset_counts()
