@@ -177,7 +177,7 @@ def _tensor_info(path: Path, name: str, info, data_len: int, data_start: int) ->
         )
     if dtype not in FLOAT_DTYPES:
         raise ModelLoadError(f"{where} has dtype {dtype}, which jaxpage does not read: {_unreadable(dtype)}")
-    if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or not all(is_int(n) and 0 <= n < 2**64 for n in shape):  # safetensors' u64
         raise ModelLoadError(f"{where}: shape must be a list of non-negative integers, got {describe(shape)}")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(n) for n in offsets):
         raise ModelLoadError(f"{where}: data_offsets must be two integers [begin, end], got {describe(offsets)}")
