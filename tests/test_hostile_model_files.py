@@ -635,6 +635,22 @@ def test_hostile_tokenizer_config_is_named(tokenizer_dir, tmp_path, changes, err
     assert_names(error, f"{directory}: cannot load a tokenizer ({error_type}: ")
 
 
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        (dict(model_max_length="x"), "it cannot encode text: TypeError: "),  # loads, then every encode would fail
+        (dict(chat_template=5), "chat_template must be a Jinja template, got 5"),
+    ],
+)
+def test_a_tokenizer_that_loads_but_cannot_work_is_refused(tokenizer_dir, tmp_path, changes, problem):
+    directory = Path(shutil.copytree(tokenizer_dir, tmp_path / "tokenizer"))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | changes))
+    with pytest.raises(ModelLoadError) as error:
+        load_tokenizer(str(directory))
+    assert_names(error, f"{directory}: cannot load a tokenizer ({problem}")
+
+
 # ----- GGUF metadata -----
 
 GGUF_METADATA = {  # a tiny Llama's (keys after the architecture's name), as (value type, value)

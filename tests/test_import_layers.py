@@ -3,10 +3,10 @@ pallas_kernels/, points down one layer order; no file in jaxpage/ is over 600 li
 one.
 
 The order is ../shared/DESIGN.md's shape (entrypoints > engine > worker > sample > spec_decode > structured >
-tokenizers > attention > models > sources > config > pallas_kernels), with the top-level modules placed and two differences,
-each said where it is below. Imports are read from the source (ast), every one: at the top of a module, inside a
-function (lazy), under `if TYPE_CHECKING:`, relative ones resolved, `from package import submodule` as an import of
-the submodule, and the module names jaxpage/__init__'s lazy names resolve to (PEP 562).
+tokenizers > attention > models > sources > config > pallas_kernels), with the top-level modules placed and two
+differences, each said where it is below. Imports are read from the source (ast), every one: at the top of a module,
+inside a function (lazy), under `if TYPE_CHECKING:`, relative ones resolved, `from package import submodule` as an
+import of the submodule, and the module names jaxpage/__init__'s lazy names resolve to (PEP 562).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ import threading
 from collections import OrderedDict
 
 from jaxpage.config import ModelConfig
+from jaxpage.errors import ModelLoadError
 from jaxpage.lora_request import LoRARequest
 from jaxpage.models.lora_adapter import LoRAAdapter, read_lora_adapter
-from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, resolve_adapter
+from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, is_hub_id, resolve_adapter
 
 
 def adapter_digest(adapter: LoRAAdapter) -> bytes:
@@ -70,7 +71,12 @@ class LoRAAdapters:
                 self._read.move_to_end(lora_id)
                 return self._read[lora_id]
         # Read without the lock: requests naming adapters already read go on meanwhile.
-        path = resolve_adapter(request.lora_path, self.download)  # a local directory, or a Hub id downloaded
+        path = request.lora_path
+        if is_hub_id(path):  # a Hub repo: downloaded, then read from the cache like a local directory
+            try:
+                path = resolve_adapter(path, self.download)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"LoRA adapter {request.lora_name!r}: {e}") from None
         adapter = read_lora_adapter(path, self.config, request.lora_name, self.max_lora_rank)
         digest = adapter_digest(adapter)
         with self._lock:

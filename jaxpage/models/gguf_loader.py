@@ -190,8 +190,14 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
         head_dim = field(f"{gguf_arch}.rope.dimension_count")
         names["head_dim"] = f"metadata {gguf_arch}.rope.dimension_count"
     rope_scaling = None
-    if text(f"{gguf_arch}.rope.scaling.type", "none") == "linear":
+    scaling_type = text(f"{gguf_arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    elif scaling_type != "none":  # YaRN and others: read as none, positions past the original context would be wrong
+        raise ModelLoadError(
+            f"{path}: metadata {gguf_arch}.rope.scaling.type {describe(scaling_type)} is not supported (supported: "
+            "none, linear; Llama 3's scaling comes as the tensor rope_freqs)"
+        )
     hf_like = {
         "model_type": GGUF_ARCHITECTURES[gguf_arch],
         "vocab_size": vocab,

@@ -27,7 +27,7 @@ def read_hf_config(directory: Path, overrides: dict | None = None) -> ModelConfi
         raise ModelLoadError(f"{directory}: no config.json; not a Hugging Face model directory")
     try:
         hf = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ModelLoadError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")

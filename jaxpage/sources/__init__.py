@@ -7,9 +7,10 @@
 from jaxpage.sources.model_source import (
     DEFAULT_DOWNLOAD,
     HubDownload,
+    is_hub_id,
     resolve_adapter,
     resolve_model,
     resolve_tokenizer,
 )
 
-__all__ = ["DEFAULT_DOWNLOAD", "HubDownload", "resolve_adapter", "resolve_model", "resolve_tokenizer"]
+__all__ = ["DEFAULT_DOWNLOAD", "HubDownload", "is_hub_id", "resolve_adapter", "resolve_model", "resolve_tokenizer"]

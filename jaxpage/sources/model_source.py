@@ -73,6 +73,11 @@ def _resolve(source: str | os.PathLike, download: HubDownload, kind: str, fetch)
         return _resolved[key]
 
 
+def is_hub_id(source: str | os.PathLike) -> bool:
+    """Whether `source` names a Hub repo (or a file of one): it is no local path and reads as a Hub id."""
+    return not Path(source).expanduser().exists() and isinstance(source, str) and HubId.parse(source) is not None
+
+
 def resolve_model(source: str | os.PathLike, download: HubDownload = DEFAULT_DOWNLOAD, weights: bool = True) -> Path:
     """A model's local path: `source` if it exists, else the Hub id downloaded (a folder of config.json, safetensors
     and the tokenizer's files, or one GGUF file; without `weights` no safetensors). ModelLoadError saying what is

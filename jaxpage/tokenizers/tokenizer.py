@@ -14,7 +14,7 @@ from jaxpage.models.loader import source_format
 from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, resolve_tokenizer
 from jaxpage.tokenizers.chat_template import read_chat_template
 from jaxpage.tokenizers.gguf_tokenizer import GGUF_TOKENIZER_BUILDER_VERSION, load_gguf_tokenizer
-from jaxpage.validation import check_text, fail
+from jaxpage.validation import check_text, describe, fail
 
 if TYPE_CHECKING:  # transformers takes most of a second to import: the functions that need it import it
     from transformers import PreTrainedTokenizerBase
@@ -35,7 +35,25 @@ def load_tokenizer(
     tokenizer = _load_tokenizer(path)
     if template is not None:
         tokenizer.chat_template = template
+    _check_tokenizer(tokenizer, path)
     return tokenizer
+
+
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    """ModelLoadError naming `path` for a tokenizer that loads but cannot work (junk such as a model_max_length that is
+    a string loads, then fails every request): it must encode and decode text, and its chat template be text."""
+    try:
+        tokenizer.decode(tokenizer("Hello, world!").input_ids)
+    except Exception as e:
+        problem = f"it cannot encode text: {type(e).__name__}: {e}"
+        raise ModelLoadError(f"{path}: cannot load a tokenizer ({problem})") from None
+    template = tokenizer.chat_template
+    if template is not None and not (
+        isinstance(template, str) or (isinstance(template, dict) and all(isinstance(t, str) for t in template.values()))
+    ):
+        raise ModelLoadError(
+            f"{path}: cannot load a tokenizer (chat_template must be a Jinja template, got {describe(template)})"
+        )
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
