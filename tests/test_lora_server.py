@@ -146,6 +146,11 @@ def test_adapters_are_loaded_and_unloaded_while_serving(model, llm, served, clie
     settings = json.loads((big / "adapter_config.json").read_text())
     (big / "adapter_config.json").write_text(json.dumps(settings | {"r": 32}))
     refused("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(big)}, 400, "rank 32 is larger")
+    listed = tmp_path / "listed"  # a safetensors header that is a JSON list (once a 500)
+    shutil.copytree(paths["attention-r16"], listed)
+    header = b"[1, 2]"
+    (listed / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    refused("/v1/load_lora_adapter", {"lora_name": "l", "lora_path": str(listed)}, 400, "adapter_model.safetensors")
     refused("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "the body takes lora_name, lora_path: missing lora_path")
     refused("/v1/load_lora_adapter", {**load, "load_inplace": True}, 400, "unknown load_inplace")
     refused("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "x"}, 400, "lora_name")
