@@ -34,6 +34,11 @@ os.environ["XLA_FLAGS"] = (
 # processes (-n): libtpu's lock file would let only the first of them build for a TPU, though none holds a chip.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+# No test reaches the real Hugging Face Hub (a missing path that reads as a Hub id would try): huggingface_hub reads
+# this at its import, here and in the commands the tests start, and then serves only from its cache. The tests of
+# downloads point it at a Hub on loopback instead (tests/fake_hub.py's fixture turns this off).
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # On a GPU, float32 matrix products in float32: jax's default precision makes them TF32 there (10-bit mantissas),
 # and the tests compare float32 programs with their references at float32 tolerances. The engine asks for it itself
 # (ModelRunner: a float32 model's programs); this covers the programs the tests build directly, here and in the
