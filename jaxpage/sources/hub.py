@@ -23,10 +23,10 @@ PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
 
 
 def is_offline() -> bool:
-    """Whether huggingface_hub reads only its cache (HF_HUB_OFFLINE=1)."""
-    import huggingface_hub
+    """Whether huggingface_hub reads only its cache (HF_HUB_OFFLINE=1, which it reads at its import)."""
+    from huggingface_hub import constants
 
-    return huggingface_hub.is_offline_mode()
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 class HubRepo:
@@ -95,8 +95,6 @@ class HubRepo:
                 f"{self.repo_id}: no such local path, and no such model repo on the Hub (a private repo needs HF_TOKEN "
                 "set to an access token that can read it)"
             ) from None
-        except hub.RemoteEntryNotFoundError:
-            raise ModelLoadError(f"{what}: no such file in the repo") from None
         except (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled) as e:
             if is_offline():
                 raise ModelLoadError(
@@ -108,6 +106,8 @@ class HubRepo:
                 f"{what}: the Hub cannot be reached and the file is not in the local cache "
                 f"({type(cause).__name__}: {' '.join(str(cause).split())[:200]})"
             ) from None
+        except hub.EntryNotFoundError:  # (the Hub's answer: LocalEntryNotFoundError is one too, caught above)
+            raise ModelLoadError(f"{what}: no such file in the repo") from None
         except hub.HfHubHTTPError as e:
             status = e.response.status_code if getattr(e, "response", None) is not None else "?"
             raise ModelLoadError(f"{what}: the Hub answered HTTP {status} ({' '.join(str(e).split())[:200]})") from None
