@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 from fake_hub import fake_hub  # noqa: F401  (the fixture)
-from live_server import free_port
+from live_server import free_port, start_jaxpage_serve
 from tiny_models import FULL_VOCAB_ENGINE, cli_options
 
 GENERATION_CONFIG = {"eos_token_id": 2, "temperature": 0.0, "top_k": 4, "max_new_tokens": 3, "do_sample": True}
@@ -22,17 +19,7 @@ GENERATION_CONFIG = {"eos_token_id": 2, "temperature": 0.0, "top_k": 4, "max_new
 
 def serve(model: str, *extra: str) -> tuple[subprocess.Popen, openai.OpenAI]:
     port = free_port()
-    command = [sys.executable, "-m", "jaxpage", "serve", model, "--port", str(port), *cli_options(FULL_VOCAB_ENGINE)]
-    process = subprocess.Popen([*command, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while True:
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "jaxpage serve did not come up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
+    process = start_jaxpage_serve([model, "--port", str(port), *cli_options(FULL_VOCAB_ENGINE), *extra], port)
     return process, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
 
 

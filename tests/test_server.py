@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import LiveServer, free_port
+from live_server import LiveServer, free_port, start_jaxpage_serve
 from tiny_models import FULL_VOCAB_ENGINE
 
 from jaxpage.entrypoints.async_engine import AsyncEngine
@@ -648,20 +648,11 @@ def test_jaxpage_serve_starts_serves_and_stops_gracefully(full_vocab_dir, stop):
     """A signal while a request streams: the server stops accepting, lets it finish within --shutdown-timeout and
     exits 0. (What outlasts the timeout is aborted: AsyncEngine.shutdown, tested in test_async_engine.)"""
     port = free_port()
-    command = [sys.executable, "-m", "jaxpage", "serve", "--model", full_vocab_dir, "--port", str(port),
+    command = ["--model", full_vocab_dir, "--port", str(port),
                "--max-model-len", "96", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page-size", "8",
                "--served-model-name", "tiny"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start_jaxpage_serve(command, port)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, process.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "jaxpage serve did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0)
         assert reply.choices[0].finish_reason in ("length", "stop")
