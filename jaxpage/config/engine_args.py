@@ -227,30 +227,6 @@ class EngineConfig:
                 "adapter in a device slot is kept in host memory too"
             )
 
-    def _check_sources(self) -> None:
-        """Where the model, tokenizer and generation config come from, and what is set over their files."""
-        for field in ("revision", "tokenizer_revision"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
-                wrong_type = not isinstance(value, str)
-                fail(f"engine argument {field}", "a branch, tag or commit name", value, wrong_type=wrong_type)
-        for field in ("download_dir", "tokenizer"):
-            if getattr(self, field) is not None:
-                object.__setattr__(self, field, check_path(f"engine argument {field}", getattr(self, field)))
-        if self.chat_template is not None:
-            check_text("engine argument chat_template", self.chat_template)
-        check_bool("engine argument trust_remote_code", self.trust_remote_code)
-        if self.trust_remote_code:
-            raise ValueError(
-                "engine argument trust_remote_code: jaxpage runs no code from a model repo; it serves the "
-                "architectures it implements itself (leave trust_remote_code off)"
-            )
-        object.__setattr__(self, "hf_overrides", json_object("engine argument hf_overrides", self.hf_overrides))
-        if not isinstance(self.generation_config, str) or not self.generation_config:
-            fail("engine argument generation_config", "'auto', 'vllm' or a directory", self.generation_config, True)
-        override = json_object("engine argument override_generation_config", self.override_generation_config)
-        object.__setattr__(self, "override_generation_config", override)
-
     def _check_kv_offload(self) -> None:
         """kv_offload_bytes: bytes >= 0 (0: None), and only with the prefix cache whose pages it keeps."""
         if self.kv_offload_bytes is not None:
@@ -292,7 +268,7 @@ class EngineConfig:
 
         if self.model is not None:
             put("model", check_path(arg("model"), self.model))
-        self._check_sources()
+        check_sources(self)
         if self.dtype == "auto":
             put("dtype", None)
         if self.dtype is not None:
@@ -354,3 +330,33 @@ class EngineConfig:
                 "engine argument speculative_config: speculative decoding runs without data parallelism "
                 f"(data_parallel_size is {self.data_parallel_size})"
             )
+
+
+def check_sources(config: EngineConfig) -> None:
+    """Where the model, tokenizer and generation config come from, and what is set over their files: the engine
+    arguments of them checked, and made canonical, in `config`."""
+
+    def put(field: str, value) -> None:
+        object.__setattr__(config, field, value)  # frozen: the checked, canonical value
+
+    for field in ("revision", "tokenizer_revision"):
+        value = getattr(config, field)
+        if value is not None and (not isinstance(value, str) or not value or not value.isprintable()):
+            wrong_type = not isinstance(value, str)
+            fail(f"engine argument {field}", "a branch, tag or commit name", value, wrong_type=wrong_type)
+    for field in ("download_dir", "tokenizer"):
+        if getattr(config, field) is not None:
+            put(field, check_path(f"engine argument {field}", getattr(config, field)))
+    if config.chat_template is not None:
+        check_text("engine argument chat_template", config.chat_template)
+    check_bool("engine argument trust_remote_code", config.trust_remote_code)
+    if config.trust_remote_code:
+        raise ValueError(
+            "engine argument trust_remote_code: jaxpage runs no code from a model repo; it serves the "
+            "architectures it implements itself (leave trust_remote_code off)"
+        )
+    put("hf_overrides", json_object("engine argument hf_overrides", config.hf_overrides))
+    if not isinstance(config.generation_config, str) or not config.generation_config:
+        fail("engine argument generation_config", "'auto', 'vllm' or a directory", config.generation_config, True)
+    override = json_object("engine argument override_generation_config", config.override_generation_config)
+    put("override_generation_config", override)

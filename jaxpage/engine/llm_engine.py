@@ -84,6 +84,12 @@ def model_generation_defaults(config: EngineConfig) -> GenerationDefaults:
     return generation_defaults(load.generation_config, model_path, load.override_generation_config)
 
 
+def eos_token_ids(model: ModelConfig, tokenizer, generation: GenerationDefaults) -> frozenset[int]:
+    """The ids a sequence ends on: config.json's, the tokenizer's and the generation config's EOS."""
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset({*model.eos_token_ids, *generation.eos_token_ids, tokenizer_eos} - {None})
+
+
 def as_run(config: EngineConfig, model_config: ModelConfig, params, mesh, expert_parallel: bool = False) -> tuple:
     """(config, params) of a model as the engine runs it: on the mesh (jaxpage.worker.parallel.as_run), and
     batch-invariant with the engine argument (a mixture of experts refused: its products group tokens by expert)."""
@@ -123,7 +129,6 @@ class LLMEngine:
         self.mesh = parallel.make_mesh(tp, dp) if tp * dp > 1 else None
         self.generation_defaults = model_generation_defaults(config)  # before the weights: a bad file fails fast
         self.model_config, target, draft = load_models(config, self.mesh)
-        spec = config.speculative_config
         # The tokenizer loads (importing transformers: most of a second) while the device zero-fills the KV pool.
         with concurrent.futures.ThreadPoolExecutor(1) as background:
             wanted = self.is_leader and not config.skip_tokenizer_init  # a follower never sees a request
@@ -131,25 +136,15 @@ class LLMEngine:
             self._start(config, target, draft)
             self.tokenizer = tokenizer.result() if tokenizer else None
         if draft is not None and self.tokenizer is not None:
-            check_draft_tokenizer(spec.model, self.tokenizer, HubDownload(None, config.download_dir))
-        eos = set(self.model_config.eos_token_ids) | {getattr(self.tokenizer, "eos_token_id", None)} - {None}
-        eos |= set(self.generation_defaults.eos_token_ids)
-        self._scheduler_config = config.scheduler_config(self.max_model_len, frozenset(eos))
+            check_draft_tokenizer(config.speculative_config.model, self.tokenizer, config.download_dir)
+        eos = eos_token_ids(self.model_config, self.tokenizer, self.generation_defaults)
+        self._scheduler_config = config.scheduler_config(self.max_model_len, eos)
         self.replicas = Replicas()  # one per data-parallel replica: its pages and scheduler state
         self._new_replicas()
         self.output_processor = OutputProcessor(self.tokenizer)
-        vocab = self.model_config.vocab_size
-        lora = LoRAAdapters.for_engine(self.model_config, config)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            vocab,
-            self.max_model_len,
-            self._num_pages,
-            config,
-            frozenset(eos),
-            lora,
-            self.generation_defaults.sampling_params(),
-        )
+        sizes = (self.model_config.vocab_size, self.max_model_len, self._num_pages)
+        lora, defaults = LoRAAdapters.for_engine(self.model_config, config), self.generation_defaults.sampling_params()
+        self.input_processor = InputProcessor(self.tokenizer, *sizes, config, eos, lora, defaults)
         self._lock = threading.RLock()  # add, abort and step may come from different threads
         self.last_step_stats: StepStats | None = None  # of the latest step that ran anything
         asynchronous = use_async_scheduling(config, self.attention_backend.platform, jax.process_count())

@@ -177,27 +177,13 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
     names["sliding_window_pattern"] = names["layer_types"] = f"metadata {gguf_arch}.attention.sliding_window_pattern"
     vocab = field(f"{gguf_arch}.vocab_size")
     if vocab is None:  # llama.cpp's vocabulary is the token list; vocab_size is optional
-        tokens = gguf.metadata.get("tokenizer.ggml.tokens", [])
-        if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
-            raise ModelLoadError(
-                f"{path}: metadata tokenizer.ggml.tokens must be an array of strings, got {describe(tokens)}"
-            )
-        vocab = len(tokens)
+        vocab = _token_count(gguf, path)
         names["vocab_size"] = "the number of tokenizer.ggml.tokens"
     head_dim = field(f"{gguf_arch}.attention.key_length")
     # (Phi-3's rope.dimension_count is its rotary dim, not its head_dim: see _phi3_fields.)
     if head_dim is None and gguf_arch != "phi3" and field(f"{gguf_arch}.rope.dimension_count") is not None:
         head_dim = field(f"{gguf_arch}.rope.dimension_count")
         names["head_dim"] = f"metadata {gguf_arch}.rope.dimension_count"
-    rope_scaling = None
-    scaling_type = text(f"{gguf_arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
-    elif scaling_type != "none":  # YaRN and others: read as none, positions past the original context would be wrong
-        raise ModelLoadError(
-            f"{path}: metadata {gguf_arch}.rope.scaling.type {describe(scaling_type)} is not supported (supported: "
-            "none, linear; Llama 3's scaling comes as the tensor rope_freqs)"
-        )
     hf_like = {
         "model_type": GGUF_ARCHITECTURES[gguf_arch],
         "vocab_size": vocab,
@@ -209,7 +195,7 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
         "head_dim": head_dim,  # None: embedding_length / head_count
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
         "rope_theta": meta("rope.freq_base", 10000.0),
-        "rope_scaling": rope_scaling,
+        "rope_scaling": _rope_scaling(text(f"{gguf_arch}.rope.scaling.type", "none"), meta, gguf_arch, path),
         "max_position_embeddings": meta("context_length"),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
@@ -224,28 +210,59 @@ def config_from_gguf(gguf: GGUFFile, path: Path, overrides: dict | None = None) 
     if norm is not None and not isinstance(norm, bool):
         raise ModelLoadError(f"{path}: metadata {gguf_arch}.expert_weights_norm must be a bool, got {describe(norm)}")
     hf_like |= _moe_fields(field, meta, gguf_arch, norm)
+    hf_like |= _gemma_fields(field, gguf_arch, hf_like, _window_pattern(gguf, gguf_arch, path))
+    hf_like |= _phi3_fields(gguf, path, field, meta, hf_like, names)
+    source = str(path) if not overrides else f"{path} with hf_overrides {sorted(overrides)}"
+    config = model_config_from_hf(hf_like | (overrides or {}), source=source, names=names)
+    return _with_rope_freqs(config, gguf, path)
+
+
+def _token_count(gguf: GGUFFile, path: Path) -> int:
+    """The number of tokenizer.ggml.tokens (llama.cpp's vocabulary size), which must be an array of strings."""
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        got = describe(tokens)
+        raise ModelLoadError(f"{path}: metadata tokenizer.ggml.tokens must be an array of strings, got {got}")
+    return len(tokens)
+
+
+def _window_pattern(gguf: GGUFFile, gguf_arch: str, path: Path):
+    """Metadata attention.sliding_window_pattern: absent, a period, or an array of bools (one per layer)."""
     pattern = gguf.metadata.get(f"{gguf_arch}.attention.sliding_window_pattern")
     if isinstance(pattern, np.ndarray | list) and not (isinstance(pattern, np.ndarray) and pattern.dtype == bool):
         raise ModelLoadError(
             f"{path}: metadata {gguf_arch}.attention.sliding_window_pattern must be a period or an array of bools (one "
             f"per layer), got {describe(pattern)}"
         )
-    hf_like |= _gemma_fields(field, gguf_arch, hf_like, pattern)
-    hf_like |= _phi3_fields(gguf, path, field, meta, hf_like, names)
-    source = str(path) if not overrides else f"{path} with hf_overrides {sorted(overrides)}"
-    config = model_config_from_hf(hf_like | (overrides or {}), source=source, names=names)
+    return pattern
+
+
+def _rope_scaling(scaling_type: str, meta, gguf_arch: str, path: Path) -> dict | None:
+    """config.json's rope_scaling of metadata rope.scaling.type (linear, or none); Llama 3's comes as a tensor."""
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    if scaling_type != "none":  # YaRN and others: read as none, positions past the original context would be wrong
+        raise ModelLoadError(
+            f"{path}: metadata {gguf_arch}.rope.scaling.type {describe(scaling_type)} is not supported (supported: "
+            "none, linear; Llama 3's scaling comes as the tensor rope_freqs)"
+        )
+    return None
+
+
+def _with_rope_freqs(config: ModelConfig, gguf: GGUFFile, path: Path) -> ModelConfig:
+    """Llama 3.x: the RoPE scaling as one divisor per frequency, the tensor rope_freqs (where the file has it)."""
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
-    if rope_freqs is not None:  # Llama 3.x: the RoPE scaling as one divisor per frequency
-        factors = _dequantize(rope_freqs, path).reshape(-1)
-        if factors.size != config.head_dim // 2:
-            raise ModelLoadError(
-                f"{path}: tensor 'rope_freqs.weight' has {factors.size} values, expected head_dim / 2 = "
-                f"{config.head_dim // 2}"
-            )
-        if not np.all(np.isfinite(factors) & (factors > 0)):
-            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' must hold positive finite numbers")
-        config = dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
-    return config
+    if rope_freqs is None:
+        return config
+    factors = _dequantize(rope_freqs, path).reshape(-1)
+    if factors.size != config.head_dim // 2:
+        raise ModelLoadError(
+            f"{path}: tensor 'rope_freqs.weight' has {factors.size} values, expected head_dim / 2 = "
+            f"{config.head_dim // 2}"
+        )
+    if not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' must hold positive finite numbers")
+    return dataclasses.replace(config, rope_freq_factors=tuple(float(f) for f in factors))
 
 
 def _gemma_fields(field, gguf_arch: str, hf_like: dict[str, Any], pattern_value) -> dict[str, Any]:

@@ -40,14 +40,14 @@ def load_draft_model(
     return config, params
 
 
-def check_draft_tokenizer(source: str, target_tokenizer, download: HubDownload = DEFAULT_DOWNLOAD) -> None:
+def check_draft_tokenizer(source: str, target_tokenizer, download_dir: str | None = None) -> None:
     """ValueError when the draft model at `source` has a tokenizer whose vocabulary is not the target's (a draft
     without a tokenizer passes: its vocabulary size and special tokens were checked)."""
     from jaxpage.errors import ModelLoadError
     from jaxpage.tokenizers.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(source, download)
+        tokenizer = load_tokenizer(source, HubDownload(None, download_dir))
     except ModelLoadError:
         return
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
