@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tiny_models import FULL_VOCAB_ENGINE
 
 from jaxpage import LLM, SamplingParams
+from jaxpage.entrypoints.batch import run_batch
 from jaxpage.entrypoints.openai_api import CHAT, COMPLETIONS, parse_request
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.generation_config import FILE, generation_defaults
@@ -162,3 +163,10 @@ def test_eos_ids_and_defaults_of_the_file_reach_the_engine(model_dir):
     assert (out.token_ids, out.finish_reason) == (greedy[: stop_at + 1], "stop")
     # Sampling params given are the caller's: no default changes them, and ignore_eos passes the EOS ids by.
     assert llm.generate(PROMPT, GREEDY_8)[0].outputs[0].token_ids == greedy
+    # A batch line without sampling fields gets the same defaults (its text: the tokens up to the EOS, skipped).
+    body = {"prompt": PROMPT["prompt_token_ids"]}
+    lines = [{"custom_id": "defaults", "method": "POST", "url": "/v1/completions", "body": body}]
+    (model_dir / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch(model_dir / "in.jsonl", model_dir / "out.jsonl", llm, quiet=True)
+    result = json.loads((model_dir / "out.jsonl").read_text())["response"]["body"]
+    assert (result["usage"]["completion_tokens"], result["choices"][0]["finish_reason"]) == (stop_at + 1, "stop")
