@@ -52,20 +52,21 @@ def load_models(config: EngineConfig, mesh) -> tuple[ModelConfig, tuple, tuple |
     mixture of experts' experts whole with enable_expert_parallel)."""
     load, spec, expert_parallel = config.part(LoadConfig), config.speculative_config, config.enable_expert_parallel
     placement = None if mesh is None else parallel.placement(mesh, expert_parallel)
-    model_config, params = load_model(
-        load.model,
-        dtype=load.dtype,
-        load_format=load.load_format,
-        sharding=placement,
-        quantization=load.quantization,
-        download=HubDownload(load.revision, load.download_dir),
-        hf_overrides=load.hf_overrides,
-    )
+    model_config, params = load_target_model(config, placement)
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(spec.model, load.dtype, model_config, placement, HubDownload(None, load.download_dir))
         draft = as_run(config, *draft, mesh)
     return model_config, as_run(config, model_config, params, mesh, expert_parallel), draft
+
+
+def load_target_model(config: EngineConfig, sharding=None) -> tuple[ModelConfig, dict]:
+    """(config, params) of the model as the engine arguments say (its source, revision and download folder, dtype,
+    quantization, load format and hf_overrides); sharding: load_model's."""
+    load = config.part(LoadConfig)
+    download = HubDownload(load.revision, load.download_dir)
+    options = dict(dtype=load.dtype, quantization=load.quantization, load_format=load.load_format)
+    return load_model(load.model, sharding=sharding, download=download, hf_overrides=load.hf_overrides, **options)
 
 
 def engine_tokenizer(config: EngineConfig):

@@ -324,20 +324,13 @@ def _predict(args) -> None:
     import jax
     import numpy as np
 
-    from jaxpage.engine.llm_engine import engine_tokenizer
-    from jaxpage.models import forward, load_model
-    from jaxpage.sources import HubDownload
+    from jaxpage.engine.llm_engine import engine_tokenizer, load_target_model
+    from jaxpage.models import forward
     from jaxpage.tokenizers.tokenizer import encode_prompt
 
     engine = EngineConfig(**engine_args(args))  # checks the model flags
     start = time.perf_counter()
-    config, params = load_model(
-        engine.model,
-        dtype=engine.dtype,
-        quantization=engine.quantization,
-        download=HubDownload(engine.revision, engine.download_dir),
-        hf_overrides=engine.hf_overrides,
-    )
+    config, params = load_target_model(engine)
     tokenizer = engine_tokenizer(engine)
     loaded = time.perf_counter()
     token_ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
@@ -356,21 +349,17 @@ def _convert(args) -> None:
     if destination.exists() and any(destination.iterdir()):
         raise FileExistsError(f"{destination} exists and is not empty")
     _quiet_transformers()
-    from jaxpage.engine.llm_engine import engine_tokenizer
-    from jaxpage.models import load_model
+    from jaxpage.engine.llm_engine import engine_tokenizer, load_target_model
     from jaxpage.models.loader import resolve_source, source_format
     from jaxpage.models.orbax_checkpoint import save_checkpoint
     from jaxpage.sources import HubDownload
 
-    engine = EngineConfig(model=args.source, **engine_args(args))  # checks the model flags
-    download = HubDownload(engine.revision, engine.download_dir)
-    if source_format(resolve_source(engine.model, download)) == "orbax":
+    flags = dict(model=args.source, dtype=args.dtype, quantization=args.quantization)
+    engine = EngineConfig(**flags, **engine_args(args))  # checks the model flags
+    if source_format(resolve_source(engine.model, HubDownload(engine.revision, engine.download_dir))) == "orbax":
         raise ValueError(f"{args.source} is already a jaxpage checkpoint")
     start = time.perf_counter()
-    overrides = engine.hf_overrides
-    config, params = load_model(
-        engine.model, dtype=args.dtype, quantization=args.quantization, download=download, hf_overrides=overrides
-    )
+    config, params = load_target_model(engine)
     tokenizer = engine_tokenizer(engine)
     save_checkpoint(destination, config, params)
     tokenizer.save_pretrained(str(destination))
