@@ -150,11 +150,25 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path):
-    """transformers' own float32 model from the same GGUF file: the reference for jaxpage. Imports torch."""
+def smollm2_hf(smollm2_path, tmp_path_factory):
+    """transformers' own float32 model from the same GGUF file: the reference for jaxpage. Imports torch.
+
+    Read from the GGUF file once a run: transformers takes about 20 s (more beside a busy worker). Under pytest-xdist
+    the first worker to need it pickles it into the run's temporary folder, which the workers share, and the others
+    unpickle it (0.3 s; the same tensors, config and eval mode)."""
+    import torch
+    from filelock import FileLock
     from hf_reference import load_hf_model
 
-    return load_hf_model(smollm2_path)
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share (the folder above is every run's)
+        return load_hf_model(smollm2_path)
+    pickled = tmp_path_factory.getbasetemp().parent / "smollm2-hf.pt"  # this run's, above each worker's own
+    with FileLock(f"{pickled}.lock"):
+        if pickled.is_file():
+            return torch.load(pickled, weights_only=False)
+        model = load_hf_model(smollm2_path)
+        torch.save(model, pickled)
+        return model
 
 
 @pytest.fixture(scope="session")
