@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 from jaxpage.sample.logits_controls import LogitsControls
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import SamplingParams, sampler_settings
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +67,12 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
+    @functools.cached_property
+    def sampler_row(self) -> tuple[tuple, int]:
+        """(its sampler settings: jaxpage.sample.sampler.sampler_settings, its seed mod 2**32), as every step that
+        samples it takes them (worked out once: its sampling params and seed do not change once it is queued)."""
+        return sampler_settings(self.sampling_params), self.seed % 2**32
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -77,6 +84,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        """Tokens sampled after the prompt and appended (the pending ones not included)."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -96,7 +108,7 @@ class Sequence:
             self.controls.accept(token_id)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: a frozen dataclass costs four times as much to make, once a row a step
 class ScheduledSequence:
     seq: Sequence
     num_computed_tokens: int  # tokens already in the cache when the step starts
@@ -107,14 +119,10 @@ class ScheduledSequence:
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledSequence:
-        reached = seq.num_computed_tokens + num_new_tokens - len(draft_token_ids)
-        return cls(
-            seq,
-            seq.num_computed_tokens,
-            num_new_tokens,
-            draft_token_ids,
-            reached == seq.num_tokens + seq.num_pending_tokens,
-        )
+        computed = seq.num_computed_tokens
+        reached = computed + num_new_tokens - len(draft_token_ids)
+        samples = reached == len(seq.token_ids) + seq.num_pending_tokens
+        return cls(seq, computed, num_new_tokens, draft_token_ids, samples)
 
 
 # Prompt tokens a step can give log-probs of (SamplingParams.prompt_logprobs): the forward pass hands the sampler
@@ -151,13 +159,19 @@ class SchedulerOutput:
     # The host tier's page copies (jaxpage.engine.host_page_cache.PageTransfer), a list per group of the pool's layers,
     # to apply in order before the step's copy-on-write copies: evicted pages into host slots, host slots into pages.
     page_transfers: tuple[list, ...] = ()
+    # The scheduled sequences' block tables, a row each in order (and the window group's, in a grouped pool), as the
+    # block manager holds them (jaxpage.engine.block_tables), null pages past their ends; None: read from the
+    # sequences' lists.
+    block_tables: object = None
+    window_block_tables: object = None
+    num_admitted: int = 0  # the last items of `scheduled` are the sequences admitted from the waiting queue this step
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen, as ScheduledSequence
 class SequenceUpdate:
     """What one step did to a sequence that sampled (Scheduler.update_from_output)."""
 

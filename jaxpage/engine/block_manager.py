@@ -29,10 +29,9 @@ import collections
 import hashlib
 import operator
 
+from jaxpage.engine.block_tables import NULL_PAGE, BlockTables
 from jaxpage.engine.host_page_cache import HostPageCache
 from jaxpage.sequence import Sequence
-
-NULL_PAGE = 0
 
 
 def hash_page(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
@@ -79,6 +78,7 @@ class BlockManager:
         self._seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
         self._copies: dict[int, int] = {}  # copy-on-write not yet taken: dst page -> src page
         self.host = HostPageCache(host_pages) if host_pages and enable_prefix_caching else None
+        self.tables = BlockTables()  # every live sequence's block table, as one array (a step's is a gather)
 
     @property
     def num_free_pages(self) -> int:
@@ -115,6 +115,7 @@ class BlockManager:
             self._table(seq).append(page)
             hashes.append(key)
         seq.num_computed_tokens = len(hashes) * self.page_size
+        self.tables.write(seq.seq_id, self._table(seq))
         self.free_outside_window(seq)  # a long hit's first pages may lie before the window already
         return seq.num_computed_tokens
 
@@ -136,13 +137,14 @@ class BlockManager:
         All or nothing: returns False and changes nothing if there are not enough pages.
         """
         assert num_new_tokens >= 0, num_new_tokens
+        if _into_own_last_page(self, seq, num_new_tokens):  # (most decode steps)
+            return True
         if not self.can_allocate(seq, num_new_tokens):
             return False
         self._register(seq)
-        ps = self.page_size
+        ps, table = self.page_size, self._table(seq)
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        table = self._table(seq)
         for i in self._shared_pages(seq, num_new_tokens):
             src, dst = table[i], self._take_page()
             if i * ps < start:
@@ -157,6 +159,7 @@ class BlockManager:
             table.append(self._take_page())
         for i in range(first, _cdiv(end, ps)):
             self._set_filled(table[i], min(ps, end - i * ps))
+        self.tables.write(seq.seq_id, table)
         return True
 
     def release_slots(self, seq: Sequence, num_tokens: int) -> None:
@@ -173,6 +176,7 @@ class BlockManager:
             assert self._ref_counts[page] == 1 and page not in self._page_key, f"page {page} is not seq's alone"
             self._ref_counts[page] = 0
             self._release(page)
+        self.tables.write(seq.seq_id, table)
         if table and len(table) == keep and self._ref_counts[table[-1]] == 1:
             last, slots = table[-1], num_tokens - (keep - 1) * ps
             if slots < self._filled_slots[last]:
@@ -185,22 +189,11 @@ class BlockManager:
         Computed tokens not yet in seq.token_ids (accepted draft tokens, before the engine appends them) wait for
         a later call."""
         hashes = self._seq_hashes.get(seq.seq_id)
-        if not self.enable_prefix_caching or hashes is None:
+        if hashes is None or not self.enable_prefix_caching:
             return
-        ps = self.page_size
-        parent = hashes[-1] if hashes else seq.prefix_root
-        full_pages = min(seq.num_computed_tokens, seq.num_tokens) // ps
-        for i in range(len(hashes), min(full_pages, len(self._table(seq)))):
-            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            key = hash_page(parent, tokens)
-            page = self._table(seq)[i]
-            if page == NULL_PAGE:  # given back outside the window before it could be registered: the chain ends
-                return
-            if key not in self._hash_to_page and page not in self._page_key:
-                self._hash_to_page[key] = page
-                self._page_key[page] = (key, tokens)
-            hashes.append(key)
-            parent = key
+        full_pages = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size
+        if full_pages > len(hashes):  # (most calls: no page filled since the last)
+            _register_pages(self, seq, hashes, full_pages)
 
     def free_outside_window(self, seq: Sequence) -> None:
         """With a sliding window: drop seq's references to its pages that hold only tokens before
@@ -211,13 +204,17 @@ class BlockManager:
             return
         ps, table = self.page_size, self._table(seq)
         first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1)
+        changed = False
         for i in range(min(first_needed // ps, len(table))):
             page = table[i]
             if page != NULL_PAGE:
                 table[i] = NULL_PAGE
+                changed = True
                 self._ref_counts[page] -= 1
                 if self._ref_counts[page] == 0:
                     self._release(page)
+        if changed:
+            self.tables.write(seq.seq_id, table)
 
     def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
         """Whether a child of parent's first num_tokens tokens would find every page it reads in parent's table: not
@@ -241,6 +238,7 @@ class BlockManager:
             if page != NULL_PAGE:  # given back outside the window: outside the child's too
                 self._ref_counts[page] += 1
         self._table(child).extend(pages)
+        self.tables.write(child.seq_id, self._table(child))
         child.num_computed_tokens = num_tokens
         child.num_draft_computed_tokens = min(parent.num_draft_computed_tokens, num_tokens)
         self._seq_hashes[child.seq_id].extend(self._seq_hashes.get(parent.seq_id, [])[: num_tokens // self.page_size])
@@ -263,6 +261,11 @@ class BlockManager:
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
             del self._seq_hashes[seq.seq_id]
+            self.tables.release(seq.seq_id)
+
+    def block_tables(self, seqs: list[Sequence]) -> tuple:
+        """(the sequences' tables, a row each: BlockTables.gather; None, a grouped pool's window group's)."""
+        return self.tables.gather([seq.seq_id for seq in seqs]), None
 
     def take_window_copies(self) -> list[tuple[int, int]]:
         """A grouped pool's window group's copies (jaxpage.engine.kv_cache_groups): none, here."""
@@ -342,6 +345,38 @@ class BlockManager:
         if slots > self._filled_slots[page]:
             self._num_filled_slots += slots - self._filled_slots[page]
             self._filled_slots[page] = slots
+
+
+def _register_pages(bm: BlockManager, seq: Sequence, hashes: list[bytes], full_pages: int) -> None:
+    """cache_full_pages of seq's pages from len(hashes) (its registered ones' keys) to full_pages."""
+    ps, table = bm.page_size, bm._table(seq)
+    parent = hashes[-1] if hashes else seq.prefix_root
+    for i in range(len(hashes), min(full_pages, len(table))):
+        tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+        key = hash_page(parent, tokens)
+        page = table[i]
+        if page == NULL_PAGE:  # given back outside the window before it could be registered: the chain ends
+            return
+        if key not in bm._hash_to_page and page not in bm._page_key:
+            bm._hash_to_page[key] = page
+            bm._page_key[page] = (key, tokens)
+        hashes.append(key)
+        parent = key
+
+
+def _into_own_last_page(bm: BlockManager, seq: Sequence, num_new_tokens: int) -> bool:
+    """allocate_slots' short way: when the tokens go into seq's last page, which it alone holds and which is not in
+    the prefix cache, they only fill its slots (True); else nothing is done (False)."""
+    ps, table = bm.page_size, bm._table(seq)
+    start, last = seq.num_computed_tokens, len(table) - 1
+    end = start + num_new_tokens
+    if not num_new_tokens or start // ps != last or end > len(table) * ps:
+        return False
+    page = table[last]
+    if bm._ref_counts[page] != 1 or page in bm._page_key:
+        return False
+    bm._set_filled(page, end - last * ps)
+    return True
 
 
 def _cached_chain(bm: BlockManager, token_ids: list[int], root: bytes | None) -> list[tuple]:
@@ -432,3 +467,4 @@ def _check_invariants(bm: BlockManager) -> None:
     assert all(bm._ref_counts[dst] > 0 and src != NULL_PAGE for dst, src in bm._copies.items())
     if bm.host is not None:
         bm.host.check_invariants()
+    bm.tables.check({seq_id: bm._table(seq) for seq_id, seq in bm._seqs.items()})

@@ -86,6 +86,10 @@ class KVCacheGroups:
         for group in self.groups:
             group.free(seq)
 
+    def block_tables(self, seqs: list[Sequence]) -> tuple:
+        """(the full group's block tables of the sequences, the window group's): BlockManager.block_tables."""
+        return self.full.block_tables(seqs)[0], self.window.block_tables(seqs)[0]
+
     def take_copies(self) -> list[tuple[int, int]]:
         return self.full.take_copies()
 

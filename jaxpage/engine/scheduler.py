@@ -114,20 +114,29 @@ class Scheduler:
         self._lora_loads = []
         assert not drafts or self.can_draft(), "drafts are for steps without prefill"
 
+        allocate = self.block_manager.allocate_slots
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or self._ends_by_length(seq):  # preempted earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or (seq.num_pending_tokens and self._ends_by_length(seq)):
+                continue  # preempted earlier in this loop, or a pending token ends it
+            computed = seq.num_computed_tokens
+            num_new = len(seq.token_ids) + seq.num_pending_tokens - computed  # (to its end: it samples)
+            if not drafts and 0 < num_new <= budget and computed >= len(seq.prompt_token_ids) - 1:  # decoding
+                if allocate(seq, num_new):
+                    scheduled.append(ScheduledSequence(seq, computed, num_new, (), True))
+                    budget -= num_new
+                    continue
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0:  # its prompt's log-probs wait for the next step
                 continue
-            draft = tuple(drafts.get(seq.seq_id, ()))[: budget - num_new]
-            if draft and self.block_manager.allocate_slots(seq, num_new + len(draft)):
-                scheduled.append(ScheduledSequence.of(seq, num_new + len(draft), draft))
-                budget -= num_new + len(draft)
-                continue
-            while not self.block_manager.allocate_slots(seq, num_new):
+            if drafts:
+                draft = tuple(drafts.get(seq.seq_id, ()))[: budget - num_new]
+                if draft and allocate(seq, num_new + len(draft)):
+                    scheduled.append(ScheduledSequence.of(seq, num_new + len(draft), draft))
+                    budget -= num_new + len(draft)
+                    continue
+            while not allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -137,11 +146,12 @@ class Scheduler:
                 scheduled.append(ScheduledSequence.of(seq, num_new))
                 budget -= num_new
 
-        if not preempted and not drafts:
-            scheduled += self._admit(budget)
+        admitted = self._admit(budget) if not preempted and not drafts else []
+        scheduled += admitted
         manager = self.block_manager
         copies = (manager.take_copies(), manager.take_window_copies())
-        return SchedulerOutput(scheduled, *copies, self._lora_loads, manager.take_transfers())
+        tables = manager.block_tables([item.seq for item in scheduled]) if scheduled else (None, None)
+        return SchedulerOutput(scheduled, *copies, self._lora_loads, manager.take_transfers(), *tables, len(admitted))
 
     def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""
@@ -192,14 +202,14 @@ class Scheduler:
         """Tokens of seq to compute this step: what the budget allows, but a prompt stops before its last token
         while a sibling waits to fork it, and a prompt whose log-probs are asked for computes no more of them than
         the step has rows of prompt log-probs left (PROMPT_LOGPROB_TOKENS a step; it takes them)."""
-        num_new = min(seq.num_uncomputed_tokens, budget)
+        num_new = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
         shared = seq.num_prompt_tokens - 1
-        if seq.num_computed_tokens < shared and any(
-            s.status is SequenceStatus.WAITING and s is not seq for s in seq.group
-        ):
+        if seq.num_computed_tokens >= shared:  # (decoding: most calls)
+            return num_new
+        if seq.group and any(s.status is SequenceStatus.WAITING and s is not seq for s in seq.group):
             num_new = min(num_new, shared - seq.num_computed_tokens)
         params = seq.sampling_params
-        if params is not None and params.prompt_logprobs is not None and seq.num_computed_tokens < shared:
+        if params is not None and params.prompt_logprobs is not None:
             num_new = min(num_new, self._prompt_logprob_rows)
             self._prompt_logprob_rows -= min(seq.num_computed_tokens + num_new, shared) - seq.num_computed_tokens
         return num_new
@@ -262,45 +272,62 @@ class Scheduler:
         K/V a draft model's pool holds after this step (jaxpage.spec_decode), kept at most the computed tokens.
         Returns an update per item that sampled, in order."""
         updates = []
+        rows = token_ids.tolist()  # one conversion, not one a row
+        drafting = token_ids.shape[1] > 1  # a verify step (else each row's one token, no drafts)
+        accepted_rows = num_accepted.tolist() if drafting and num_accepted is not None else None
+        manager = self.block_manager
+        windowed = manager.sliding_window is not None
+        running_status, finished_status = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         for i, item in enumerate(output.scheduled):
             seq = item.seq
-            if seq.status is SequenceStatus.FINISHED:
+            status = seq.status
+            if status is finished_status:
                 continue
-            accepted = int(num_accepted[i]) if num_accepted is not None else 0
-            rejected = len(item.draft_token_ids) - accepted
-            assert 0 <= rejected <= len(item.draft_token_ids), (rejected, item)
-            running = seq.status is SequenceStatus.RUNNING  # not preempted since it was launched
-            if running:
-                seq.num_computed_tokens -= rejected
-            if draft_computed is not None and seq.seq_id in draft_computed:
-                seq.num_draft_computed_tokens = draft_computed[seq.seq_id]
-            # A draft model's K/V of rejected drafts is not the sequence's.
-            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-            if rejected and running:
-                self.block_manager.release_slots(seq, seq.num_computed_tokens)
+            running = status is running_status  # not preempted since it was launched
+            accepted = accepted_rows[i] if accepted_rows is not None else 0
+            drafted = len(item.draft_token_ids)
+            if drafted or draft_computed is not None:
+                self._settle_drafts(item, accepted, running, draft_computed)
             if not item.samples:
                 if running:
-                    self.block_manager.cache_full_pages(seq)
-                    self.block_manager.free_outside_window(seq)
+                    manager.cache_full_pages(seq)
+                    if windowed:
+                        manager.free_outside_window(seq)
                 continue
             seq.num_pending_tokens -= 1
-            new_tokens: list[int] = []
+            new_tokens = rows[i][: accepted + 1]
             finish_reason = stop_reason = None
-            for token in token_ids[i, : accepted + 1].tolist():
+            for position, token in enumerate(new_tokens):
                 seq.append_token(token)
-                new_tokens.append(token)
                 finish_reason, stop_reason = self._finished_by(seq, token)
                 if finish_reason is not None:
+                    del new_tokens[position + 1 :]
                     break
             if running:
-                self.block_manager.cache_full_pages(seq)
-                self.block_manager.free_outside_window(seq)
+                manager.cache_full_pages(seq)
+                if windowed:
+                    manager.free_outside_window(seq)
             if finish_reason is not None:
                 self.finish(seq)
-            updates.append(
-                SequenceUpdate(seq, i, new_tokens, len(item.draft_token_ids), accepted, finish_reason, stop_reason)
-            )
+            updates.append(SequenceUpdate(seq, i, new_tokens, drafted, accepted, finish_reason, stop_reason))
         return updates
+
+    def _settle_drafts(
+        self, item: ScheduledSequence, accepted: int, running: bool, draft_computed: dict[int, int] | None
+    ) -> None:
+        """After a verify step: the slots of item's rejected draft tokens go back, and a draft model's computed
+        tokens follow (update_from_output)."""
+        seq, drafted = item.seq, len(item.draft_token_ids)
+        rejected = drafted - accepted
+        assert 0 <= rejected <= drafted, (rejected, item)
+        if running:
+            seq.num_computed_tokens -= rejected
+        if draft_computed is not None and seq.seq_id in draft_computed:
+            seq.num_draft_computed_tokens = draft_computed[seq.seq_id]
+        # A draft model's K/V of rejected drafts is not the sequence's.
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        if rejected and running:
+            self.block_manager.release_slots(seq, seq.num_computed_tokens)
 
     def _finished_by(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish_reason, stop_reason) of a sequence whose last token is `token`: ("stop", token) for a stop token
@@ -308,13 +335,18 @@ class Scheduler:
         ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings
         are the output processor's (jaxpage.engine.output_processor)."""
         params = seq.sampling_params
-        early = params is not None and len(seq.output_token_ids) < params.min_tokens  # stop ids cannot end it yet
+        if params is not None and not (params.stop_token_ids or params.min_tokens or seq.controls is not None):
+            if token in self.config.eos_token_ids and not params.ignore_eos:  # (most tokens: none of these)
+                return "stop", None
+            return ("length", None) if self._reaches_length(seq, len(seq.token_ids)) else (None, None)
+        # stop ids cannot end it before min_tokens
+        early = params is not None and params.min_tokens and seq.num_known_output_tokens < params.min_tokens
         if params is not None and token in params.stop_token_ids and not early:
             return "stop", token
         if (params is None or not params.ignore_eos) and token in self.config.eos_token_ids and not early:
             return "stop", None
         if seq.controls is not None and seq.controls.grammar_ended:
             return "stop", None
-        if self._reaches_length(seq, seq.num_tokens):
+        if self._reaches_length(seq, len(seq.token_ids)):
             return "length", None
         return None, None

@@ -58,7 +58,8 @@ class StepPipeline:
         asynchronous: bool,
         on_scheduled: Callable,
     ):
-        """on_scheduled(items, now): told of every step's scheduled items as it is launched."""
+        """on_scheduled(items, now): told of the items of every step that were admitted to it (the only ones that
+        can be scheduled for the first time) as it is launched."""
         self.replicas = replicas
         self.executor = executor
         self.spec_decoder = spec_decoder
@@ -102,7 +103,8 @@ class StepPipeline:
             return None
         scheduled = time.perf_counter()
         every = [item for o in steps for item in o.scheduled]
-        self.on_scheduled(every, time.time())
+        admitted = [item for o in steps for item in o.scheduled[len(o.scheduled) - o.num_admitted :]]
+        self.on_scheduled(admitted, time.time())
         draft_probs = draft_computed = None
         if self.spec_decoder is not None:
             steps[0], draft_probs, draft_computed = self.spec_decoder.draft(steps[0])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxpage.config import ModelConfig
 from jaxpage.sequence import ScheduledSequence, SchedulerOutput, SequenceUpdate
 
@@ -47,23 +49,35 @@ class StepStats:
         """A step's stats: its replicas' scheduled steps, their StepOutputs and the scheduler's updates; num_sampled
         counted before the update; postprocess_s: from the results on the host to the outputs."""
         every = [item for o in steps for item in o.scheduled]
+        computed = np.array([item.num_computed_tokens for item in every], np.int64)
+        counts = np.array([item.num_new_tokens for item in every], np.int64)
         sliding = sum(model.sliding_layers)  # layers that see the window, the others every key
         windows = [(model.sliding_window, sliding), (None, model.num_layers - sliding)]
+        keys = sum(n * int(attended_keys_of(computed, counts, window).sum()) for window, n in windows if n)
         return cls(
             num_seqs=len(every),
-            num_tokens=sum(o.num_batched_tokens for o in steps),
-            num_decodes=sum(item.num_new_tokens == 1 for item in every),
-            num_draft_tokens=sum(len(item.draft_token_ids) for item in every),
-            num_accepted_tokens=sum(update.num_accepted for update in updates),
+            num_tokens=int(counts.sum()),
+            num_decodes=int(np.count_nonzero(counts == 1)),
+            num_draft_tokens=sum(len(item.draft_token_ids) for item in every if item.draft_token_ids),
+            num_accepted_tokens=sum(update.num_accepted for update in updates if update.num_accepted),
             num_sampled=num_sampled,
-            num_attended_keys=sum(n * attended_keys(item, window) for item in every for window, n in windows if n)
-            / model.num_layers,
+            num_attended_keys=keys / model.num_layers,
             shape=str(results[0].shape),
             schedule_s=schedule_s,
             prepare_s=results[0].prepare_s,
             device_s=results[0].device_s,
             postprocess_s=postprocess_s,
         )
+
+
+def attended_keys_of(computed: np.ndarray, counts: np.ndarray, sliding_window: int | None) -> np.ndarray:
+    """attended_keys of each item (its computed tokens and new tokens), at once."""
+    full = counts * computed + counts * (counts + 1) // 2  # keys computed + 1 .. computed + q
+    if sliding_window is None:
+        return full
+    w, end = sliding_window, computed + counts
+    inside_then_window = (w * (w + 1) // 2 - computed * (computed + 1) // 2) + (end - w) * w
+    return np.where(end <= w, full, np.where(computed >= w, counts * w, inside_then_window))
 
 
 def attended_keys(item: ScheduledSequence, sliding_window: int | None) -> int:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import GREEDY_SETTINGS, SamplingParams, sampler_settings
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (vLLM's _SAMPLING_EPS)
 
@@ -170,24 +170,26 @@ def sampling_metadata_from_params(
     """
     if not len(params) == len(steps) == len(seeds):
         raise ValueError(f"params, steps and seeds differ in length: {len(params)}, {len(steps)}, {len(seeds)}")
-    if len(params) > num_rows:
-        raise ValueError(f"{len(params)} rows do not fit in num_rows={num_rows}")
-    temperature = np.zeros(num_rows, np.float32)
-    top_k = np.zeros(num_rows, np.int32)
-    top_p = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
+    settings = [sampler_settings(p) for p in params]
+    return sampling_metadata_from_settings(settings, steps, [seed % 2**32 for seed in seeds], num_rows)
+
+
+def sampling_metadata_from_settings(
+    settings: list[tuple], steps: list[int], seeds: list[int], num_rows: int
+) -> SamplingMetadata:
+    """sampling_metadata_from_params of each row's sampler_settings and seed in [0, 2**32)."""
+    count = len(settings)
+    if count > num_rows:
+        raise ValueError(f"{count} rows do not fit in num_rows={num_rows}")
+    table = np.array([GREEDY_SETTINGS] * num_rows, np.float64)
+    if count:
+        table[:count] = settings
+    temperature, top_p, min_p = (table[:, column].astype(np.float32) for column in (0, 2, 3))
     row_seeds = np.zeros(num_rows, np.uint32)
+    row_seeds[:count] = seeds
     row_steps = np.zeros(num_rows, np.int32)
-    for row, (p, step, seed) in enumerate(zip(params, steps, seeds, strict=True)):
-        row_seeds[row] = seed % 2**32
-        row_steps[row] = step
-        if p is None:
-            continue
-        temperature[row] = p.temperature
-        top_k[row] = max(p.top_k, 0)  # -1 and 0 both mean off
-        top_p[row] = p.top_p
-        min_p[row] = p.min_p
-    return SamplingMetadata(temperature, top_k, top_p, min_p, row_seeds, row_steps)
+    row_steps[:count] = steps
+    return SamplingMetadata(temperature, table[:, 1].astype(np.int32), top_p, min_p, row_seeds, row_steps)
 
 
 def _relative_probs(

@@ -14,8 +14,8 @@ import numpy as np
 from jaxpage.attention import PagedBatch
 from jaxpage.sample.logits_controls import bitmask_words
 from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
-from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_params
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_settings
+from jaxpage.sampling_params import GREEDY_SETTINGS, SamplingParams
 from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput, prompt_logprob_rows
 from jaxpage.structured.bitmask import fill_grammar_bitmasks
 from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK
@@ -77,10 +77,12 @@ def split_step_flag(flag: int) -> tuple[int, bool, bool]:
 def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
     """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
     padded to num_rows."""
-    return sampling_metadata_from_params(
-        [item.seq.sampling_params if item.samples else None for item in items],
-        steps=[item.seq.num_output_tokens for item in items],
-        seeds=[item.seq.seed for item in items],
+    seqs = [item.seq for item in items]
+    rows = [seq.sampler_row for seq in seqs]  # (settings, seed), worked out once per sequence
+    return sampling_metadata_from_settings(
+        [settings if item.samples else GREEDY_SETTINGS for item, (settings, _) in zip(items, rows, strict=True)],
+        steps=[len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs],  # num_output_tokens
+        seeds=[seed for _, seed in rows],
         num_rows=num_rows,
     )
 
@@ -91,6 +93,14 @@ def token_lora_slots(items: list[ScheduledSequence], num_tokens: int) -> np.ndar
     counts = [item.num_new_tokens for item in items]
     slots[: sum(counts)] = np.repeat(np.asarray([item.seq.lora_slot for item in items], np.int32), counts)
     return slots
+
+
+def table_rows(tables: list[list[int]]) -> np.ndarray:
+    """[len(tables), longest] int32: block tables as rows, null pages past their ends."""
+    rows = np.zeros((len(tables), max(map(len, tables), default=0)), np.int32)
+    for row, table in enumerate(tables):
+        rows[row, : len(table)] = table
+    return rows
 
 
 class StepInputs:
@@ -168,10 +178,8 @@ class StepInputs:
         that samples the sequence's pending token (asynchronous scheduling), which this step then reads from the
         device."""
         items = output.scheduled
-        page_size = self.page_size
-        k = shape.num_draft_positions
-        assert len(items) <= shape.num_rows, (len(items), shape)
-        assert shape.max_q_len == 0 or all(item.num_new_tokens <= shape.max_q_len for item in items), shape
+        page_size, k, num_items = self.page_size, shape.num_draft_positions, len(items)
+        assert num_items <= shape.num_rows, (num_items, shape)
         token_ids = np.zeros(shape.num_tokens, np.int32)
         feed_index = np.full(shape.num_tokens, -1, np.int32)
         positions = np.zeros(shape.num_tokens, np.int32)
@@ -185,39 +193,38 @@ class StepInputs:
         logits_indices = np.zeros((shape.sample_rows, k + 1), np.int32)
         draft_tokens = np.zeros((shape.sample_rows, k), np.int32)
         num_drafts = np.zeros(shape.sample_rows, np.int32)
-        start = 0
-        for row, item in enumerate(items):
-            seq, computed, n, drafts = item.seq, item.num_computed_tokens, item.num_new_tokens, item.draft_token_ids
-            end = start + n
-            known = n - len(drafts)  # the sequence's own tokens, then the drafts
-            host = max(0, min(known, seq.num_tokens - computed))  # the tokens this host knows, then a pending one
-            token_ids[start : start + host] = seq.token_ids[computed : computed + host]
-            if host < known:
-                assert known - host == 1 and seq.controls is None, (item, host)  # controls need the tokens here
-                feed_index[start + host] = pending_rows[seq.seq_id]
-            token_ids[start + known : end] = drafts
-            pos = np.arange(computed, computed + n, dtype=np.int32)
-            positions[start:end] = pos
-            table = np.asarray(seq.block_table, np.int32)
-            slot_mapping[start:end] = table[pos // page_size] * page_size + pos % page_size
-            block_tables[row, : len(table)] = table
+        if items:
+            computed = np.array([item.num_computed_tokens for item in items], np.int32)
+            counts = np.array([item.num_new_tokens for item in items], np.int32)
+            assert shape.max_q_len == 0 or counts.max() <= shape.max_q_len, shape
+            drafted = np.array([len(item.draft_token_ids) for item in items], np.int32) if k else counts * 0
+            ends = np.cumsum(counts, dtype=np.int32)
+            starts, total = ends - counts, int(ends[-1])
+            cu_q_lens[1 : num_items + 1], cu_q_lens[num_items + 1 :] = ends, total
+            kv_lens[:num_items] = computed + counts
+            rows = np.repeat(np.arange(num_items), counts)  # each token's item
+            positions[:total] = np.repeat(computed - starts, counts) + np.arange(total, dtype=np.int32)
+            self._fill_tokens(items, token_ids, feed_index, pending_rows, total)
+            tables, window_held = output.block_tables, output.window_block_tables
+            if tables is None:  # an output made by hand: the sequences' lists
+                tables = table_rows([item.seq.block_table for item in items])
+                window_held = table_rows([item.seq.window_block_table for item in items]) if window else None
+            width = min(tables.shape[1], self.block_table_width)
+            block_tables[:num_items, :width] = tables[:, :width]
+            pos = positions[:total]
+            slot_mapping[:total] = block_tables[rows, pos // page_size] * page_size + pos % page_size
             if window:  # the null page before the window
-                table = np.asarray(seq.window_block_table, np.int32)
-                window_slots[start:end] = table[pos // page_size] * page_size + pos % page_size
-                window_tables[row, : len(table)] = table
-            kv_lens[row] = computed + n
+                window_tables[:num_items, :width] = window_held[:, :width]
+                window_slots[:total] = window_tables[rows, pos // page_size] * page_size + pos % page_size
             # The last known token's logits, then each draft token's (repeated past the row's drafts).
-            logits_indices[row] = start + known - 1 + np.minimum(np.arange(k + 1), len(drafts))
-            draft_tokens[row, : len(drafts)] = drafts
-            num_drafts[row] = len(drafts)
-            cu_q_lens[row + 1] = end
-            start = end
-        cu_q_lens[len(items) + 1 :] = start
+            known_ends = ends - drafted
+            logits_indices[:num_items] = (known_ends - 1)[:, None] + np.minimum(np.arange(k + 1), drafted[:, None])
+            num_drafts[:num_items] = drafted
+            for row in np.flatnonzero(drafted).tolist():
+                draft_tokens[row, : drafted[row]] = items[row].draft_token_ids
         sampling = row_sampling(items, shape.sample_rows)
-        want_logprobs = any(
-            item.samples and item.seq.sampling_params is not None and item.seq.sampling_params.logprobs is not None
-            for item in items
-        )
+        params = [item.seq.sampling_params for item in items if item.samples]
+        want_logprobs = any([p is not None and p.logprobs is not None for p in params])
         attention = PagedBatch(
             slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)), window_slots, window_tables
         )
@@ -231,6 +238,38 @@ class StepInputs:
         step = StepInput(token_ids, positions, attention, *indices, lora_slots)
         logits = self.logits_inputs(items, shape.sample_rows, k, level) if level != NO_PROCESSORS else None
         return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, logits=logits)
+
+    @staticmethod
+    def _fill_tokens(items: list[ScheduledSequence], token_ids, feed_index, pending_rows: dict | None, total: int):
+        """The step's tokens into token_ids: each item's known tokens, then a pending one (read on the device: its
+        feed_index is the row of the step before that samples it), then its drafts."""
+        computed = [item.num_computed_tokens for item in items]
+        lists = [item.seq.token_ids for item in items]
+        # Every item's first token (-1: pending), then the rest of the items with more (prompts, drafts).
+        firsts = [t[c] if c < len(t) else -1 for t, c in zip(lists, computed, strict=True)]
+        if total == len(items):  # one token each
+            starts = np.arange(total)
+        else:
+            starts = np.zeros(len(items), np.int64)
+            starts[1:] = np.cumsum([item.num_new_tokens for item in items[:-1]])
+        token_ids[starts] = firsts
+        if total == len(items) and -1 not in firsts:  # one token each, all known here (decoding)
+            return
+        for row in np.flatnonzero(token_ids[starts] == -1).tolist() if -1 in firsts else ():
+            item, start = items[row], int(starts[row])
+            if item.num_new_tokens == 1:  # a pending token, read from the device
+                assert item.seq.controls is None, item  # controls need the tokens here
+                token_ids[start], feed_index[start] = 0, pending_rows[item.seq.seq_id]
+        for row in [i for i, item in enumerate(items) if item.num_new_tokens > 1]:
+            item, start = items[row], int(starts[row])
+            seq, c, n, drafts = item.seq, computed[row], item.num_new_tokens, item.draft_token_ids
+            known = n - len(drafts)  # the sequence's own tokens, then the drafts
+            host = max(0, min(known, len(seq.token_ids) - c))  # the tokens this host knows, then a pending one
+            token_ids[start : start + host] = seq.token_ids[c : c + host]
+            if host < known:
+                assert known - host == 1 and seq.controls is None, (item, host)  # controls need the tokens here
+                token_ids[start + host], feed_index[start + host] = 0, pending_rows[seq.seq_id]
+            token_ids[start + known : start + n] = drafts
 
     def prompt_targets(self, output: SchedulerOutput) -> np.ndarray:
         """[PROMPT_LOGPROB_TOKENS] int32: the prompt token each row of prompt log-probs is asked about (0 past
