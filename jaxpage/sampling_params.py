@@ -4,6 +4,7 @@ output must follow)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 
@@ -91,6 +92,17 @@ class StructuredOutputsParams:
         return kind, str(value)
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs of a request LLMEngine.step returns, vLLM's names: CUMULATIVE, each time it progresses, with
+    all its text and tokens so far; DELTA, each time it progresses, with only what is new since the last output
+    (text, token ids, logprobs); FINAL_ONLY, only its final output. FINAL_ONLY and DELTA spare the engine the work
+    of building outputs nobody reads."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request decoding settings. Every field is checked when the params are built (and again when a request
@@ -121,6 +133,7 @@ class SamplingParams:
     bad_words:      words never generated (each as the tokenizer spells it with and without a leading space).
     min_tokens:     EOS and stop_token_ids cannot end the output before it has this many tokens (nor stop strings).
     structured_outputs: the grammar the output follows (StructuredOutputsParams, or a dict of its fields).
+    output_kind:    which outputs LLMEngine.step returns (RequestOutputKind; default CUMULATIVE).
     """
 
     n: int = 1
@@ -144,6 +157,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     MAX_LOGPROBS = 20
     MAX_N = 128
@@ -194,6 +208,8 @@ class SamplingParams:
         self.min_tokens = check_int(name("min_tokens"), self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(name("min_tokens"), f"at most max_tokens ({self.max_tokens})", self.min_tokens)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(name("output_kind"), "a RequestOutputKind", self.output_kind, wrong_type=True)
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -284,3 +300,14 @@ def _logit_bias(field: str, value, max_entries: int, max_bias: float) -> dict[in
             raise ValueError(f"{field}[{token}] must be a finite number, got {describe(b)}")
         bias[int(token)] = min(max(float(b), -max_bias), max_bias)
     return bias
+
+
+# A sampler row's (temperature, top_k, top_p, min_p) when it is greedy, or padding.
+GREEDY_SETTINGS = (0.0, 0, 1.0, 0.0)
+
+
+def sampler_settings(params: SamplingParams | None) -> tuple[float, int, float, float]:
+    """(temperature, top_k, top_p, min_p) of a row sampling with `params` (None: greedy), as the sampler takes them."""
+    if params is None:
+        return GREEDY_SETTINGS
+    return (params.temperature, max(params.top_k, 0), params.top_p, params.min_p)  # top_k -1 and 0 both mean off

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 from jaxpage.sequence import ScheduledSequence, Sequence, SequenceUpdate, prompt_logprob_rows
 
 if TYPE_CHECKING:  # jaxpage.tokenizers.tokenizer imports the model loaders (jax): not at run time here
@@ -38,11 +38,36 @@ class Request:
     error: str | None = None
     replica: int = 0  # the data-parallel replica it runs on (jaxpage.engine.replica)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # a slot per prompt token when asked
+    # RequestOutputKind.DELTA: per completion, (token ids, characters of text, logprobs) its outputs gave already
+    sent: list[tuple[int, int, int]] | None = None
+
+    @property
+    def detokenized_at_end(self) -> bool:
+        """Whether its text is made when it ends, not token by token: nothing reads it before (FINAL_ONLY) and no
+        stop string is looked for in it."""
+        return self.params.output_kind is RequestOutputKind.FINAL_ONLY and not self.params.stop
 
     def output(self) -> RequestOutput:
-        finished = all(c.finish_reason is not None for c in self.completions)
-        outputs = [dataclasses.replace(c, token_ids=list(c.token_ids)) for c in self.completions]
+        """Its output now, as its params' output_kind says: everything so far (CUMULATIVE, FINAL_ONLY), or what is
+        new since the last output (DELTA)."""
+        completions = self.completions
+        finished = all(c.finish_reason is not None for c in completions)
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            if self.sent is not None:  # the prompt's log-probs came with the first output
+                prompt_logprobs = None
+            sent = self.sent or [(0, 0, 0)] * len(completions)
+            outputs = [_delta(c, *since) for c, since in zip(completions, sent, strict=True)]
+            self.sent = [(len(c.token_ids), len(c.text), len(c.logprobs or ())) for c in completions]
+        else:
+            outputs = [
+                CompletionOutput(
+                    c.index, c.text, list(c.token_ids), c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason
+                )
+                for c in completions
+            ]
+        seqs = self.seqs
+        cached = seqs[0].num_cached_tokens if len(seqs) == 1 else max(seq.num_cached_tokens or 0 for seq in seqs)
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -52,8 +77,35 @@ class Request:
             self.metrics,
             self.error,
             prompt_logprobs,
-            max((seq.num_cached_tokens or 0 for seq in self.seqs), default=0),
+            cached or 0,
         )
+
+
+def final_text(request: Request) -> None:
+    """The text of the tokens a FINAL_ONLY request's completions hold past what their detokenizers have seen (a
+    request without stop strings, which nothing reads before its end, is detokenized at its end, in one call a
+    completion: OutputProcessor._add_tokens)."""
+    if not request.detokenized_at_end:
+        return
+    for completion, detokenizer in zip(request.completions, request.detokenizers, strict=True):
+        if detokenizer is not None and detokenizer.num_tokens < len(completion.token_ids):
+            detokenizer.extend(completion.token_ids[detokenizer.num_tokens :])
+            completion.text = detokenizer.text
+
+
+def _delta(completion: CompletionOutput, tokens: int, chars: int, logprobs: int) -> CompletionOutput:
+    """What `completion` holds past its first `tokens` token ids, `chars` characters and `logprobs` log-probs."""
+    c = completion
+    new_logprobs = None if c.logprobs is None else c.logprobs[logprobs:]
+    return CompletionOutput(
+        c.index,
+        c.text[chars:],
+        c.token_ids[tokens:],
+        c.cumulative_logprob,
+        new_logprobs,
+        c.finish_reason,
+        c.stop_reason,
+    )
 
 
 class OutputProcessor:
@@ -64,6 +116,8 @@ class OutputProcessor:
         self.requests: dict[str, Request] = {}
         self.request_of_seq: dict[int, Request] = {}
         self._ended: list[RequestOutput] = []  # final outputs of requests aborted or failed, for the next step
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (at most the vocabulary)
+        self._logprob_lists: dict[int, tuple] = {}  # the latest step's log-probs as lists (_step_logprobs)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -81,29 +135,30 @@ class OutputProcessor:
         if result.prompt_logprobs is None:
             return
         target, rank, top_ids, top_values = result.prompt_logprobs
-        decode = self.tokenizer.decode if self.tokenizer else lambda ids: None
+        text = self.token_text
         for row, (index, _, position) in enumerate(prompt_logprob_rows(items)):
             request = self.request_of_seq.get(items[index].seq.seq_id)
             if request is None or request.prompt_logprobs is None:
                 continue
             token = request.prompt_token_ids[position]
-            entry = {token: Logprob(float(target[row]), int(rank[row]), decode([token]))}
+            entry = {token: Logprob(float(target[row]), int(rank[row]), text(token))}
             for r, (tid, value) in enumerate(zip(top_ids[row], top_values[row], strict=True)):
                 if r == request.params.prompt_logprobs:
                     break
-                entry.setdefault(int(tid), Logprob(float(value), r + 1, decode([int(tid)])))
+                entry.setdefault(int(tid), Logprob(float(value), r + 1, text(int(tid))))
             request.prompt_logprobs[position] = entry
 
     def process(
         self, updates: list[tuple[SequenceUpdate, object]], now: float
     ) -> tuple[list[RequestOutput], list[tuple[int, Sequence]]]:
-        """(the outputs of the requests that progressed or ended, the sequences a stop string or a failure ended,
-        which the engine must finish, with their replicas). `updates`: each with its step's StepOutput (for
-        log-probs)."""
+        """(the outputs of the requests that progressed or ended, as their output_kind asks, the sequences a stop
+        string or a failure ended, which the engine must finish, with their replicas). `updates`: each with its
+        step's StepOutput (for log-probs)."""
         progressed: dict[str, Request] = {}
         ended: list[tuple[int, Sequence]] = []
+        request_of_seq = self.request_of_seq
         for update, result in updates:
-            request = self.request_of_seq.get(update.seq.seq_id)
+            request = request_of_seq.get(update.seq.seq_id)
             if request is None:  # the request failed earlier in this loop
                 continue
             try:
@@ -116,39 +171,67 @@ class OutputProcessor:
                 continue
             progressed[request.request_id] = request
         outputs = self.take_ended()
+        final_only = RequestOutputKind.FINAL_ONLY
         for request in progressed.values():
-            out = request.output()
-            if out.finished:
+            completions = request.completions
+            if len(completions) == 1:
+                finished = completions[0].finish_reason is not None
+            else:
+                finished = all(c.finish_reason is not None for c in completions)
+            if finished:
                 request.metrics.finished_time = now
                 self._forget(request)
-            outputs.append(out)
+                final_text(request)
+            elif request.params.output_kind is final_only:
+                continue
+            outputs.append(request.output())
         return outputs, ended
 
     def _add_tokens(self, request: Request, update: SequenceUpdate, result, now: float) -> bool:
         """Adds a sample's new tokens to its completion; whether a stop string ended it (where the scheduler had
         not)."""
-        index = request.seqs.index(update.seq)
+        index = request.seqs.index(update.seq) if len(request.seqs) > 1 else 0
         completion = request.completions[index]
         detokenizer = request.detokenizers[index]
         params = request.params
-        ended_by_token = update.finish_reason == "stop"  # a stop token id or EOS: no stop string is looked for
-        last = len(update.token_ids) - 1
-        for position, token in enumerate(update.token_ids):
-            completion.token_ids.append(token)
-            if result.logprobs is not None and params.logprobs is not None:
-                self._record_logprobs(completion, params.logprobs, token, result, (update.row, position))
-            delta = detokenizer.add(token) if detokenizer else ""
-            completion.text = detokenizer.text if detokenizer else ""
-            request.metrics.first_token_time = request.metrics.first_token_time or now
-            request.metrics.last_token_time = now
-            early = len(completion.token_ids) <= params.min_tokens  # vLLM: no stop string ends it before min_tokens
-            if not (ended_by_token and position == last) and not early and self._stop_string(completion, params, delta):
-                return update.finish_reason is None
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        logprobs = result.logprobs is not None and params.logprobs is not None
+        stops = params.stop
+        tokens = update.token_ids
+        if request.detokenized_at_end:
+            detokenizer = None  # its text is made at the end, all at once (final_text)
+        if not (stops or logprobs):  # tokens and text alone (most steps)
+            completion.token_ids.extend(tokens)
+            if detokenizer is not None:
+                for token in tokens:
+                    detokenizer.add(token)
+                completion.text = detokenizer.text
+        else:
+            ended_by_token = update.finish_reason == "stop"  # a stop token id or EOS: no stop string is looked for
+            last = len(update.token_ids) - 1
+            for position, token in enumerate(update.token_ids):
+                completion.token_ids.append(token)
+                if logprobs:
+                    self._record_logprobs(completion, params.logprobs, token, result, (update.row, position))
+                if detokenizer is None:
+                    continue
+                delta = detokenizer.add(token)
+                if not (stops and delta) or (ended_by_token and position == last):
+                    continue
+                completion.text = detokenizer.text
+                # vLLM: no stop string ends it before min_tokens
+                early = len(completion.token_ids) <= params.min_tokens
+                if not early and self._stop_string(completion, params, delta):
+                    return update.finish_reason is None
+            if detokenizer is not None:
+                completion.text = detokenizer.text
         if update.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
-        elif params.stop:
+        elif stops:
             # Hold back what could be the start of a stop string, so a stream never shows text it takes back.
-            held = max(map(len, params.stop)) - 1
+            held = max(map(len, stops)) - 1
             completion.text = completion.text[: len(completion.text) - held] if held else completion.text
         return False
 
@@ -171,16 +254,35 @@ class OutputProcessor:
         return True
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, at: tuple) -> None:
-        decode = self.tokenizer.decode if self.tokenizer else lambda ids: None
-        entry = {token: Logprob(float(result.logprobs[at]), None, decode([token]))}
-        top = zip(result.top_logprob_ids[at][:num], result.top_logprobs[at][:num], strict=True)
-        for rank, (tid, value) in enumerate(top, 1):
-            entry[int(tid)] = Logprob(float(value), rank, decode([int(tid)]))
+        logprobs, top_ids, top_values = self._step_logprobs(result)
+        row, position = at
+        ids, values, text = top_ids[row][position], top_values[row][position], self.token_text
+        logprob = logprobs[row][position]
+        entry = {token: Logprob(logprob, None, text(token))}
+        for rank, (tid, value) in enumerate(zip(ids[:num], values[:num], strict=True), 1):
+            entry[tid] = Logprob(value, rank, text(tid))
         if entry[token].rank is None:
-            ranks = [i for i, t in enumerate(result.top_logprob_ids[at], 1) if int(t) == token]
-            entry[token] = dataclasses.replace(entry[token], rank=ranks[0] if ranks else None)
+            entry[token] = Logprob(logprob, ids.index(token) + 1 if token in ids else None, text(token))
         completion.logprobs.append(entry)
-        completion.cumulative_logprob += float(result.logprobs[at])
+        completion.cumulative_logprob += logprob
+
+    def _step_logprobs(self, result) -> tuple[list, list, list]:
+        """A step's log-probs (its StepOutput's: the tokens', the top ids, their log-probs) as Python lists, made
+        once a step rather than one number at a time."""
+        lists = self._logprob_lists.get(id(result))
+        if lists is None or lists[0] is not result:
+            lists = (result, result.logprobs.tolist(), result.top_logprob_ids.tolist(), result.top_logprobs.tolist())
+            self._logprob_lists = {id(result): lists}
+        return lists[1:]
+
+    def token_text(self, token: int) -> str | None:
+        """One token's text (tokenizer.decode([token]), as log-probs show it), decoded once per token id."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def end(self, request: Request, finish_reason: str, error: str | None = None) -> list[Sequence]:
         """Ends a request outside the normal flow ("abort" or "error"); its final output waits for the next
@@ -193,6 +295,7 @@ class OutputProcessor:
         request.error = error
         request.metrics.finished_time = time.time()
         self._forget(request)
+        final_text(request)
         self._ended.append(request.output())
         return unfinished
 

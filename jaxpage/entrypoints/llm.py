@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -11,7 +12,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 from jaxpage.tokenizers.tokenizer import encode_chat
 from jaxpage.validation import fail
 
@@ -52,7 +53,7 @@ class LLM:
         All prompts are validated before any runs: a bad one raises ValueError and nothing is queued. A request
         that fails at run time comes back with finish_reason "error" and `error` set; the others are unharmed.
         """
-        request_ids = self._add(prompts, sampling_params, lora_request)
+        request_ids = self._add(prompts, sampling_params, lora_request, final_only=True)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generate") as bar:
             for output in self._run(request_ids):
@@ -91,7 +92,9 @@ class LLM:
         prompts = [{"prompt_token_ids": encode_chat(self.engine.tokenizer, c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _add(self, prompts, sampling_params, lora_request=None) -> list[str]:
+    def _add(self, prompts, sampling_params, lora_request=None, final_only: bool = False) -> list[str]:
+        """Queues the prompts (all checked first), returning their request ids; final_only: the caller reads only
+        final outputs (RequestOutputKind.FINAL_ONLY), so the engine builds no other."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         elif not isinstance(prompts, list | tuple):
@@ -107,6 +110,14 @@ class LLM:
         else:
             fail("sampling_params", "a SamplingParams, a list of them, or None", sampling_params, wrong_type=True)
         loras = per_prompt("lora_request", lora_request, LoRARequest, len(prompts))
+        if final_only:
+            kind, default = RequestOutputKind.FINAL_ONLY, self.get_default_sampling_params()
+            params = [  # (a p of another type is refused by name when its request is prepared)
+                dataclasses.replace(default if p is None else p, output_kind=kind)
+                if isinstance(p, SamplingParams | None)
+                else p
+                for p in params
+            ]
         # Check (and tokenize) every request before queueing any: a bad one must not leave others queued.
         requests = [
             self.engine.prepare_request(self._next_id(), prompt, p, lora_request=lora)

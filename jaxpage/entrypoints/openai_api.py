@@ -19,7 +19,7 @@ from jaxpage.entrypoints.tool_calls import (
     parse_tool_choice,
     render_messages_for_template,
 )
-from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpage.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxpage.tokenizers.tokenizer import check_messages, encode_chat
 from jaxpage.validation import check_text, describe, is_int
 
@@ -100,6 +100,8 @@ def parse_request(
     show_prompt_logprobs = kwargs["prompt_logprobs"] is not None
     if echo and top_logprobs is not None:  # the prompt's tokens get log-probs too, the first none
         kwargs["prompt_logprobs"] = max(top_logprobs, kwargs["prompt_logprobs"] or 0)
+    # A response that is not streamed reads only the final output: the engine builds no other.
+    kwargs["output_kind"] = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
     except ValueError as e:

@@ -25,7 +25,6 @@ aborts them and their clients get a 503 in OpenAI's error shape, or, streaming, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import itertools
 import json
@@ -58,6 +57,7 @@ from jaxpage.entrypoints.openai_api import (
 )
 from jaxpage.entrypoints.openai_responses import Stream, combine_bodies, response_body
 from jaxpage.entrypoints.served_models import LoRAModule, ModelNotFound, ServedModels
+from jaxpage.entrypoints.startup_heap import freeze_startup_heap
 from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from jaxpage.outputs import RequestOutput
 from jaxpage.validation import check_bool, check_text, describe, is_int
@@ -282,18 +282,21 @@ def _add_openai_routes(
             engine.generate(one_id, prompt, p.params, fit_context=not p.default_max_tokens, lora_request=lora_request)
             for one_id, prompt, p in zip(ids, prompts, parsed, strict=True)
         ]
-        # A refused request fails here, before any byte is sent; the other prompts' requests are then aborted.
-        firsts = await asyncio.gather(*(anext(o) for o in outputs), return_exceptions=True)
-        failed = next((e for e in firsts if isinstance(e, BaseException)), None)
-        if failed is not None:
-            await asyncio.gather(*(o.aclose() for o in outputs))
-            return log.refused(_generate_error(failed))
         if parsed[0].stream:
+            # A refused request fails here, before any byte is sent; the other prompts' requests are then aborted.
+            firsts = await asyncio.gather(*(anext(o) for o in outputs), return_exceptions=True)
+            failed = next((e for e in firsts if isinstance(e, BaseException)), None)
+            if failed is not None:
+                await asyncio.gather(*(o.aclose() for o in outputs))
+                return log.refused(_generate_error(failed))
             stream_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
             streams = [Stream(p, model_name, i * p.params.n, stream_id) for i, p in enumerate(parsed)]
             events = _events(streams, firsts, outputs, log)
             return StreamingResponse(events, media_type="text/event-stream")
-        lasts = await _last_unless_disconnected(request, firsts, outputs)
+        # Not streamed: each request's one output is its final one (RequestOutputKind.FINAL_ONLY).
+        lasts, failed = await _lasts_unless_disconnected(request, outputs)
+        if failed is not None:
+            return log.refused(_generate_error(failed))
         if lasts is None:
             return log.refused(error_response(499, "client disconnected"))
         failure = _failure(lasts)
@@ -423,26 +426,30 @@ async def _events(streams: list[Stream], firsts: list[RequestOutput], outputs: l
         await asyncio.gather(*(o.aclose() for o in outputs))
 
 
-async def _last_unless_disconnected(request: Request, firsts: list[RequestOutput], outputs) -> list | None:
-    """The requests' finished outputs; None (the requests aborted) if the client disconnects first."""
+async def _lasts_unless_disconnected(request: Request, outputs: list[AsyncIterator]) -> tuple[list | None, object]:
+    """(the requests' finished outputs, None); (None, the exception) when one of them was refused (the others are
+    then aborted, before any byte is sent); (None, None), the requests aborted, if the client disconnects first."""
 
-    async def last(output, rest):
-        async for later in rest:
-            output = later
+    async def last(rest):
+        output = None
+        async for item in rest:
+            output = item
         return output
 
-    if all(first.finished for first in firsts):
-        return firsts
-    finishing = asyncio.ensure_future(asyncio.gather(*(last(f, o) for f, o in zip(firsts, outputs, strict=True))))
+    tasks = [asyncio.ensure_future(last(o)) for o in outputs]
     disconnected = asyncio.ensure_future(_disconnect(request))
-    done, _ = await asyncio.wait({finishing, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    waiting, failed = set(tasks), None
+    while waiting and failed is None and not disconnected.done():
+        done, waiting = await asyncio.wait(waiting | {disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.discard(disconnected)
+        failed = next((task.exception() for task in done if task is not disconnected and task.exception()), None)
     disconnected.cancel()
-    if finishing in done:
-        return finishing.result()
-    finishing.cancel()  # raised inside the requests' streams, which aborts them
-    with contextlib.suppress(asyncio.CancelledError):
-        await finishing
-    return None
+    if not waiting and failed is None:
+        return [task.result() for task in tasks], None
+    for task in waiting:
+        task.cancel()  # raised inside the requests' streams, which aborts them
+    await asyncio.gather(*waiting, return_exceptions=True)
+    return None, failed
 
 
 async def _disconnect(request: Request) -> None:
@@ -501,6 +508,7 @@ def serve(
     engine = LLMEngine.from_engine_args(model=model, **engine_args)
     if warmup:
         engine.warmup()
+    freeze_startup_heap()  # this process serves this engine for its life
     async_engine = AsyncEngine(engine, stall_timeout_s, max_waiting_requests).start()
     name = served_model_name or model or "SmolLM2-135M-Instruct"  # one name, or several (the first the main one)
     app = create_app(
