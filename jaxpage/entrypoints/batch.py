@@ -36,6 +36,7 @@ from jaxpage.entrypoints.openai_api import (
 )
 from jaxpage.entrypoints.openai_responses import response_body
 from jaxpage.entrypoints.served_models import LoRAModule, ModelNotFound, ServedModels
+from jaxpage.entrypoints.startup_heap import freeze_startup_heap
 
 PENDING_PER_SEQ = 2  # requests held in the engine per max_num_seqs: enough to keep every step full
 
@@ -73,11 +74,19 @@ class BatchSummary:
 
 
 def run_batch(
-    input_path, output_path, llm=None, *, quiet: bool = False, lora_modules: list[LoRAModule] = (), **engine_args
+    input_path,
+    output_path,
+    llm=None,
+    *,
+    quiet: bool = False,
+    lora_modules: list[LoRAModule] = (),
+    freeze_heap: bool = False,
+    **engine_args,
 ) -> BatchSummary:
     """Runs (or resumes) a batch job; returns its summary. Raises BatchError when the job cannot run (a LoRA adapter
     of `lora_modules` that cannot be served included). A line's body names the base model or an adapter in "model"
-    (absent: the base model); another name is that line's error (404)."""
+    (absent: the base model); another name is that line's error (404). freeze_heap: the engine this builds (no `llm`
+    given) is the process's for its life (jaxpage.entrypoints.startup_heap)."""
     input_path, output_path = Path(input_path), Path(output_path)
     try:
         total = _count_requests(input_path)
@@ -88,6 +97,8 @@ def run_batch(
         from jaxpage.entrypoints.llm import LLM
 
         llm = LLM(**engine_args)
+        if freeze_heap:
+            freeze_startup_heap()
     try:
         job = _Job(llm, done, quiet, lora_modules)
     except ValueError as e:  # ModelLoadError too: a LoRA adapter that cannot be served

@@ -377,7 +377,12 @@ def _batch(args) -> None:
     _check_lora_modules(args)
     try:
         summary = run_batch(
-            args.input, args.output, quiet=args.quiet, lora_modules=args.lora_modules, **engine_args(args)
+            args.input,
+            args.output,
+            quiet=args.quiet,
+            lora_modules=args.lora_modules,
+            freeze_heap=True,
+            **engine_args(args),
         )
     except BatchError as e:
         raise CommandError(str(e)) from e
