@@ -161,3 +161,24 @@ def test_bench_memory_window_report_gives_back_what_no_layer_reads():
     # of the context's 16
     assert every_layer["held_over_ideal"] <= 1 and every_layer["held_over_whole_context"] <= 4 / 16
     assert hybrid["kv_bytes_held_max"] <= hybrid["kv_bytes_whole_context"]
+
+
+def test_bench_host_times_every_phase_of_every_variant_and_profiles_one():
+    """The host benchmark's tiny run: every batch size and variant has its phases, the stub keeps the batch full,
+    and the profile names functions of each phase."""
+    command = [sys.executable, "scripts/bench_host.py", "--batches", "2,8", "--steps", "4", "--max-tokens", "8"]
+    command += ["--profile-batch", "8", "--profile-top", "3"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    variants = ("final", "stream", "stop", "logprobs", "no-prefix")
+    assert sorted((row["batch"], row["variant"]) for row in report["rows"]) == sorted(
+        (batch, variant) for batch in (2, 8) for variant in variants
+    )
+    for row in report["rows"]:
+        assert row["seqs_per_step"] == row["batch"]  # each finished request replaced at once
+        assert 0 < row["schedule_ms"] + row["arrays_ms"] + row["outputs_ms"] <= row["host_ms"]
+        assert row["text_chars_read"] > 0 and row["meets_target"] == (row["host_ms"] <= row["target_ms"])
+    assert report["profile"]["batch"] == 8
+    assert all(len(report["profile"][phase]) == 3 for phase in ("schedule", "arrays", "outputs"))
+    assert "| batch | variant |" in result.stdout
