@@ -399,11 +399,11 @@ class FakeHub:
         with self._lock:
             cut = self._cuts.pop((repo_id, filename), None)
         sent = body if cut is None else body[:cut]
-        handler.wfile.write(sent)
-        handler.wfile.flush()
-        with self._lock:
+        with self._lock:  # counted before the bytes go: a client that has read them may look at once
             self.bytes_served += len(sent)
             self.files_served.append((repo_id, filename))
+        handler.wfile.write(sent)
+        handler.wfile.flush()
         if cut is not None:  # the rest never comes: the client reads a body shorter than its Content-Length
             handler.close_connection = True
             handler.connection.shutdown(socket.SHUT_WR)
