@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from jaxpage.engine.step_stats import StepStats, attended_keys
+from jaxpage.engine.step_stats import StepStats, attended_keys_of
 
 
 def decode(computed: int) -> SimpleNamespace:
@@ -25,9 +27,15 @@ def model(layers: int, window: int | None, sliding: tuple[bool, ...]):
 
 
 def test_attended_keys_within_a_window():
-    chunk = SimpleNamespace(num_computed_tokens=2, num_new_tokens=3)  # tokens 3, 4, 5 see 3, 4, 5 keys
-    assert attended_keys(chunk, None) == 3 + 4 + 5
-    assert attended_keys(chunk, 4) == 3 + 4 + 4
+    computed, counts = np.array([2]), np.array([3])  # tokens 3, 4, 5 see 3, 4, 5 keys
+    assert attended_keys_of(computed, counts, None).tolist() == [3 + 4 + 5]
+    assert attended_keys_of(computed, counts, 4).tolist() == [3 + 4 + 4]
+    # Every case against the sum token by token: before the window, across its start, past it
+    cases = list(itertools.product(range(40), range(1, 20)))
+    computed, counts = (np.array(column) for column in zip(*cases, strict=True))
+    for window in (None, 1, 5, 16):
+        expected = [sum(min(c + i + 1, window or c + i + 1) for i in range(q)) for c, q in cases]
+        assert attended_keys_of(computed, counts, window).tolist() == expected
 
 
 @pytest.mark.parametrize(

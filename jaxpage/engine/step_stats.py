@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from jaxpage.config import ModelConfig
-from jaxpage.sequence import ScheduledSequence, SchedulerOutput, SequenceUpdate
+from jaxpage.sequence import SchedulerOutput, SequenceUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +71,11 @@ class StepStats:
 
 
 def attended_keys_of(computed: np.ndarray, counts: np.ndarray, sliding_window: int | None) -> np.ndarray:
-    """attended_keys of each item (its computed tokens and new tokens), at once."""
+    """Keys the step's new tokens of each item attend to (items given by their computed and new tokens): token i
+    (0-based) of q sees computed + i + 1 keys, at most sliding_window."""
     full = counts * computed + counts * (counts + 1) // 2  # keys computed + 1 .. computed + q
     if sliding_window is None:
         return full
     w, end = sliding_window, computed + counts
     inside_then_window = (w * (w + 1) // 2 - computed * (computed + 1) // 2) + (end - w) * w
     return np.where(end <= w, full, np.where(computed >= w, counts * w, inside_then_window))
-
-
-def attended_keys(item: ScheduledSequence, sliding_window: int | None) -> int:
-    """Keys the step's new tokens of one sequence attend to: token i (0-based) of q sees computed + i + 1 keys."""
-    computed, q = item.num_computed_tokens, item.num_new_tokens
-    if sliding_window is None:
-        return q * computed + q * (q + 1) // 2
-    return sum(min(computed + i + 1, sliding_window) for i in range(q))
