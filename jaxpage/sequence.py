@@ -69,7 +69,7 @@ class Sequence:
 
     @functools.cached_property
     def sampler_row(self) -> tuple[tuple, int]:
-        """(its sampler settings: jaxpage.sample.sampler.sampler_settings, its seed mod 2**32), as every step that
+        """(its sampler settings: jaxpage.sampling_params.sampler_settings, its seed mod 2**32), as every step that
         samples it takes them (worked out once: its sampling params and seed do not change once it is queued)."""
         return sampler_settings(self.sampling_params), self.seed % 2**32
 

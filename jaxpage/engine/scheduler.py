@@ -120,8 +120,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or (seq.num_pending_tokens and self._ends_by_length(seq)):
                 continue  # preempted earlier in this loop, or a pending token ends it
-            computed = seq.num_computed_tokens
-            num_new = len(seq.token_ids) + seq.num_pending_tokens - computed  # (to its end: it samples)
+            computed, num_new = seq.num_computed_tokens, seq.num_uncomputed_tokens  # (to its end: it samples)
             if not drafts and 0 < num_new <= budget and computed >= len(seq.prompt_token_ids) - 1:  # decoding
                 if allocate(seq, num_new):
                     scheduled.append(ScheduledSequence(seq, computed, num_new, (), True))
@@ -202,7 +201,7 @@ class Scheduler:
         """Tokens of seq to compute this step: what the budget allows, but a prompt stops before its last token
         while a sibling waits to fork it, and a prompt whose log-probs are asked for computes no more of them than
         the step has rows of prompt log-probs left (PROMPT_LOGPROB_TOKENS a step; it takes them)."""
-        num_new = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
+        num_new = min(seq.num_uncomputed_tokens, budget)
         shared = seq.num_prompt_tokens - 1
         if seq.num_computed_tokens >= shared:  # (decoding: most calls)
             return num_new

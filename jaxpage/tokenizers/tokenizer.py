@@ -208,35 +208,28 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text it completes (possibly empty)."""
-        self.num_tokens += 1
         if self._backend is None:
+            self.num_tokens += 1
             return self._add_decoding(token_id)
-        try:
-            delta = self._stream.step(self._backend, token_id)
-        except Exception as e:
-            if not str(e).startswith("Invalid prefix"):
-                raise
-            self._stream = self._new_stream(skip_special_tokens=self._skip_special)
-            delta = self._stream.step(self._backend, token_id)
-        if not delta:
-            return ""
-        self.text += delta
-        return delta
+        return self._stream_step(token_id, 1)
 
     def extend(self, token_ids: list[int]) -> str:
-        """Appends tokens, as many `add` calls would (with DecodeStream in one call, a fifth of the cost a token; a
-        stream out of step starts afresh before them, as `add`'s does at the token); returns the text they
-        complete."""
+        """Appends tokens, as many `add` calls would (with DecodeStream in one call, a fifth of the cost a token);
+        returns the text they complete."""
         if self._backend is None or not token_ids:
             return "".join([self.add(token) for token in token_ids])
+        return self._stream_step(list(token_ids), len(token_ids))
+
+    def _stream_step(self, ids: int | list[int], count: int) -> str:
+        """DecodeStream.step over `count` tokens `ids`; a stream out of step starts afresh before them."""
         try:
-            delta = self._stream.step(self._backend, list(token_ids))
+            delta = self._stream.step(self._backend, ids)
         except Exception as e:
             if not str(e).startswith("Invalid prefix"):
                 raise
             self._stream = self._new_stream(skip_special_tokens=self._skip_special)
-            return "".join([self.add(token) for token in token_ids])
-        self.num_tokens += len(token_ids)
+            delta = self._stream.step(self._backend, ids)
+        self.num_tokens += count
         if not delta:
             return ""
         self.text += delta

@@ -81,7 +81,7 @@ def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
     rows = [seq.sampler_row for seq in seqs]  # (settings, seed), worked out once per sequence
     return sampling_metadata_from_settings(
         [settings if item.samples else GREEDY_SETTINGS for item, (settings, _) in zip(items, rows, strict=True)],
-        steps=[len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs],  # num_output_tokens
+        steps=[seq.num_output_tokens for seq in seqs],
         seeds=[seed for _, seed in rows],
         num_rows=num_rows,
     )
@@ -194,7 +194,8 @@ class StepInputs:
         draft_tokens = np.zeros((shape.sample_rows, k), np.int32)
         num_drafts = np.zeros(shape.sample_rows, np.int32)
         if items:
-            computed = np.array([item.num_computed_tokens for item in items], np.int32)
+            computed_tokens = [item.num_computed_tokens for item in items]
+            computed = np.array(computed_tokens, np.int32)
             counts = np.array([item.num_new_tokens for item in items], np.int32)
             assert shape.max_q_len == 0 or counts.max() <= shape.max_q_len, shape
             drafted = np.array([len(item.draft_token_ids) for item in items], np.int32) if k else counts * 0
@@ -204,7 +205,7 @@ class StepInputs:
             kv_lens[:num_items] = computed + counts
             rows = np.repeat(np.arange(num_items), counts)  # each token's item
             positions[:total] = np.repeat(computed - starts, counts) + np.arange(total, dtype=np.int32)
-            self._fill_tokens(items, token_ids, feed_index, pending_rows, total)
+            self._fill_tokens(items, computed_tokens, starts, counts, token_ids, feed_index, pending_rows)
             tables, window_held = output.block_tables, output.window_block_tables
             if tables is None:  # an output made by hand: the sequences' lists
                 tables = table_rows([item.seq.block_table for item in items])
@@ -240,27 +241,22 @@ class StepInputs:
         return step, SampleInput(sampling, np.bool_(want_logprobs), draft_tokens, num_drafts, logits=logits)
 
     @staticmethod
-    def _fill_tokens(items: list[ScheduledSequence], token_ids, feed_index, pending_rows: dict | None, total: int):
-        """The step's tokens into token_ids: each item's known tokens, then a pending one (read on the device: its
-        feed_index is the row of the step before that samples it), then its drafts."""
-        computed = [item.num_computed_tokens for item in items]
+    def _fill_tokens(
+        items: list[ScheduledSequence], computed: list[int], starts, counts, token_ids, feed_index, pending
+    ):
+        """The step's tokens into token_ids (items' computed tokens, where each item's tokens start in the step, how
+        many it has): each item's known tokens, then a pending one (read on the device: its feed_index is the row of the
+        step before that samples it), then its drafts."""
         lists = [item.seq.token_ids for item in items]
         # Every item's first token (-1: pending), then the rest of the items with more (prompts, drafts).
         firsts = [t[c] if c < len(t) else -1 for t, c in zip(lists, computed, strict=True)]
-        if total == len(items):  # one token each
-            starts = np.arange(total)
-        else:
-            starts = np.zeros(len(items), np.int64)
-            starts[1:] = np.cumsum([item.num_new_tokens for item in items[:-1]])
         token_ids[starts] = firsts
-        if total == len(items) and -1 not in firsts:  # one token each, all known here (decoding)
-            return
-        for row in np.flatnonzero(token_ids[starts] == -1).tolist() if -1 in firsts else ():
+        for row in [row for row, token in enumerate(firsts) if token == -1] if -1 in firsts else ():
             item, start = items[row], int(starts[row])
             if item.num_new_tokens == 1:  # a pending token, read from the device
                 assert item.seq.controls is None, item  # controls need the tokens here
-                token_ids[start], feed_index[start] = 0, pending_rows[item.seq.seq_id]
-        for row in [i for i, item in enumerate(items) if item.num_new_tokens > 1]:
+                token_ids[start], feed_index[start] = 0, pending[item.seq.seq_id]
+        for row in np.flatnonzero(counts > 1).tolist():
             item, start = items[row], int(starts[row])
             seq, c, n, drafts = item.seq, computed[row], item.num_new_tokens, item.draft_token_ids
             known = n - len(drafts)  # the sequence's own tokens, then the drafts
@@ -268,7 +264,7 @@ class StepInputs:
             token_ids[start : start + host] = seq.token_ids[c : c + host]
             if host < known:
                 assert known - host == 1 and seq.controls is None, (item, host)  # controls need the tokens here
-                token_ids[start + host], feed_index[start + host] = 0, pending_rows[seq.seq_id]
+                token_ids[start + host], feed_index[start + host] = 0, pending[seq.seq_id]
             token_ids[start + known : start + n] = drafts
 
     def prompt_targets(self, output: SchedulerOutput) -> np.ndarray:
