@@ -48,21 +48,6 @@ import numpy as np
 
 VARIANTS = ("final", "stream", "stop", "logprobs", "no-prefix")
 PROMPT_TOKENS, SHARED_PREFIX = 32, 16
-# The default model's shape at its ends (vocabulary, tokenizer), two small layers: the device's work is nothing to
-# speak of, and the stub does it anyway.
-TINY_FULL_VOCAB = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    max_position_embeddings=2048,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def parse_args():
@@ -80,39 +65,6 @@ def parse_args():
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     return args
-
-
-class StubDevice:
-    """Replaces a ModelRunner's step (its forward pass and sampler) with tokens drawn on the host from `tokens`, and
-    counts its own seconds (`seconds`), which are not the engine's host work."""
-
-    def __init__(self, runner, tokens: np.ndarray, top_logprobs: int):
-        import jax
-
-        self.jax = jax
-        self.runner = runner
-        self.tokens = tokens
-        self.top = top_logprobs
-        self.rng = np.random.default_rng(0)
-        self.seconds = 0.0
-        runner._run_step = self.run_step
-
-    def run_step(self, shape, step, sample_input, level) -> tuple:
-        start = time.perf_counter()
-        rows, k = shape.sample_rows, shape.num_draft_positions
-        token_ids = self.tokens[self.rng.integers(0, len(self.tokens), (rows, k + 1))].astype(np.int32)
-        logprobs = (
-            -self.rng.random((rows, k + 1), np.float32),
-            self.rng.integers(0, 49152, (rows, k + 1, self.top), dtype=np.int32),
-            -self.rng.random((rows, k + 1, self.top), np.float32),
-        )
-        put = self.jax.device_put
-        results = (put(token_ids), put(np.zeros(rows, np.int32)), tuple(put(x) for x in logprobs))
-        last = np.zeros(self.runner.inputs.max_sample_rows, np.int32)
-        last[:rows] = token_ids[:, 0]
-        self.runner.last_tokens = put(last)
-        self.seconds += time.perf_counter() - start
-        return results
 
 
 class PhaseProfiles:
@@ -289,14 +241,12 @@ def main() -> None:
     import jax
 
     from jaxpage.benchmarks.progress import log
-    from jaxpage.benchmarks.workloads import corpus_text
+    from jaxpage.benchmarks.stub_device import install_stub_device, write_tiny_full_vocab
     from jaxpage.entrypoints.startup_heap import freeze_startup_heap
     from jaxpage.models.default_model import default_model_path
-    from jaxpage.sampling_params import SamplingParams
 
     gguf = str(default_model_path())
-    model_dir = tempfile.mkdtemp(prefix="jaxpage-bench-host-")
-    (Path(model_dir) / "config.json").write_text(json.dumps(TINY_FULL_VOCAB))
+    model_dir = write_tiny_full_vocab(tempfile.mkdtemp(prefix="jaxpage-bench-host-"))
     rows, profile_report = [], None
     for prefix_caching in (True, False):
         variants = [v for v in args.variants if (v == "no-prefix") != prefix_caching]
@@ -306,10 +256,8 @@ def main() -> None:
             log(f"batch {batch}, prefix caching {'on' if prefix_caching else 'off'}: {', '.join(variants)}")
             engine = make_engine(batch, args.max_tokens, prefix_caching, model_dir, gguf)
             freeze_startup_heap()  # as `jaxpage serve` and `jaxpage batch` do once their engine has started
-            eos = {engine.tokenizer.eos_token_id, *engine.model_config.eos_token_ids}
-            corpus = np.asarray(engine.tokenizer(corpus_text()).input_ids, np.int64)
-            corpus = corpus[~np.isin(corpus, list(eos))]
-            stub = StubDevice(engine.runner, corpus, SamplingParams.MAX_LOGPROBS)
+            stub = install_stub_device(engine)
+            corpus = stub.tokens
             for variant in variants:
                 rows.append(run_row(engine, stub, corpus, batch, variant, args.steps, args.max_tokens))
                 log(f"  {variant}: {rows[-1]['host_ms']} ms/step, {rows[-1]['per_seq_us']} us/seq")

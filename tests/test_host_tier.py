@@ -15,7 +15,7 @@ from tiny_models import TINY_FAMILIES
 from jaxpage.config import EngineConfig
 from jaxpage.entrypoints.cli import CommandError, _parser, engine_args
 from jaxpage.entrypoints.llm import LLM
-from jaxpage.entrypoints.metrics import EngineCounts
+from jaxpage.entrypoints.metrics import EngineCounts, engine_gauges
 from jaxpage.sampling_params import SamplingParams
 
 GQA = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")
@@ -93,7 +93,7 @@ def test_returning_turns_load_their_prefixes_from_host_memory_and_sample_the_sam
 def scrape(llm: LLM) -> dict[tuple[str, tuple], float]:
     """The engine's counts as /metrics gives them: {(sample name, labels): value}."""
     registry = CollectorRegistry()
-    registry.register(EngineCounts(llm.engine))
+    registry.register(EngineCounts(lambda: engine_gauges(llm.engine)))
     families = text_string_to_metric_families(generate_latest(registry).decode())
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
 

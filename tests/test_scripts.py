@@ -182,3 +182,17 @@ def test_bench_host_times_every_phase_of_every_variant_and_profiles_one():
     assert report["profile"]["batch"] == 8
     assert all(len(report["profile"][phase]) == 3 for phase in ("schedule", "arrays", "outputs"))
     assert "| batch | variant |" in result.stdout
+
+
+def test_bench_serve_loop_counts_the_loops_steps_in_every_arrangement():
+    """The serving loop benchmark's tiny run: each arrangement (the Python API, HTTP with the engine loop a thread of
+    the server, HTTP with the engine in a process of its own) has its steps per second and its requests' times."""
+    command = [sys.executable, "scripts/bench_serve_loop.py", "--clients", "4", "--max-tokens", "12", "--repeats", "1"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert sorted(report["rows"]) == ["http-process", "http-thread", "python-api"]
+    for rows in report["rows"].values():
+        assert len(rows) == 1 and rows[0]["steps_per_s"] > 0
+        assert 0 < rows[0]["request_s_median"] <= rows[0]["request_s_max"]
+    assert "| http-process |" in result.stdout

@@ -680,7 +680,7 @@ def test_jaxpage_serve_refuses_bad_options_in_one_line():
 
 
 def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
-    from jaxpage.entrypoints.metrics import ServerMetrics
+    from jaxpage.entrypoints.metrics import ServerMetrics, engine_gauges
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(full_vocab_dir, **ENGINE, speculative_config=spec)
@@ -688,7 +688,7 @@ def test_metrics_carry_the_speculative_decoding_counters(full_vocab_dir):
     llm.generate([{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}], SamplingParams(temperature=0, max_tokens=12))
     stats = llm.engine.spec_decoding_stats
     assert stats.num_drafts > 0
-    text = ServerMetrics(llm.engine).exposition().decode()
+    text = ServerMetrics(lambda: engine_gauges(llm.engine)).exposition().decode()
     assert metric(text, "jaxpage:spec_decode_num_drafts_total") == stats.num_drafts
     assert metric(text, "jaxpage:spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
     assert (

@@ -263,22 +263,14 @@ def test_the_state_says_what_it_decides_and_why():
 def test_metrics_show_the_policy():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from jaxpage.entrypoints.metrics import EngineCounts
+    from jaxpage.entrypoints.metrics import EngineCounts, EngineGauges
     from jaxpage.spec_decode.stats import SpecDecodingStats
 
     policy = SpeculationPolicy()
     run(policy, POOR, 100)
-
-    class Engine:
-        spec_decoding_stats = SpecDecodingStats(8)
-        spec_decoding_policy = policy.state()
-        replicas = ()  # no pages, no host tier
-
-        def prefix_cache_counts(self):
-            return 0, 0
-
+    gauges = EngineGauges(0, 0, 0.0, (0, 0), SpecDecodingStats(8), policy.state(), None, None)  # no host tier
     registry = CollectorRegistry()
-    registry.register(EngineCounts(Engine()))
+    registry.register(EngineCounts(lambda: gauges))
     text = generate_latest(registry).decode()
     assert "jaxpage:spec_decode_speculating 0.0" in text
     assert 'jaxpage:spec_decode_num_switches_total{to="off"} 1.0' in text

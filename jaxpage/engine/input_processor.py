@@ -120,6 +120,7 @@ class InputProcessor:
             [CompletionOutput(i, "", [], 0.0 if logprobs else None, [] if logprobs else None) for i in range(params.n)],
             RequestMetrics(arrival_time or time.time()),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(token_ids),
+            lora_request=lora_request,
         )
 
     def _check_params(self, params: SamplingParams) -> tuple[list[list[int]], object | None]:

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 from jaxpage.sequence import ScheduledSequence, Sequence, SequenceUpdate, prompt_logprob_rows
@@ -40,6 +41,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # a slot per prompt token when asked
     # RequestOutputKind.DELTA: per completion, (token ids, characters of text, logprobs) its outputs gave already
     sent: list[tuple[int, int, int]] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs through
 
     @property
     def detokenized_at_end(self) -> bool:

@@ -1,9 +1,10 @@
-"""AsyncEngine: one LLMEngine stepped by one background thread, for asyncio callers (the HTTP server).
+"""AsyncEngine: one LLMEngine's loop (jaxpage.entrypoints.engine_loop) for asyncio callers (the HTTP server).
 
-The engine loop (thread "jaxpage-engine") steps while any request is unfinished and otherwise sleeps until a request,
-an abort or the shutdown wakes it. Each request
-streams into an asyncio.Queue on its caller's event loop: the loop thread hands every RequestOutput over with
-`loop.call_soon_threadsafe`, so a handler never waits on the engine and the engine never waits on a handler.
+The loop runs beside the callers, in a thread of this process (AsyncEngine(an LLMEngine)), or with its engine in a
+process of its own (AsyncEngine(an EngineProcess): jaxpage.entrypoints.engine_process), where the callers' HTTP
+handling, tokenization and output delivery take no time from the loop that feeds the device. Each request streams into
+an asyncio.Queue on its caller's event loop: every RequestOutput is handed over with `loop.call_soon_threadsafe`, so a
+handler never waits on the engine and the engine never waits on a handler.
 
 Callers never wait for a step (a step holds the engine's lock throughout). A request is checked and tokenized in a
 worker thread (LLMEngine.prepare_request: ValueError naming the field, and nothing queued), then goes into the loop's
@@ -37,16 +38,15 @@ from typing import NamedTuple
 
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.engine.output_processor import Request
+from jaxpage.entrypoints.engine_loop import EngineDeadError, EngineLoop, LoopTurn
+from jaxpage.entrypoints.engine_process import EngineProcess
+from jaxpage.entrypoints.metrics import engine_gauges
 from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.validation import check_text
 
 logger = logging.getLogger("jaxpage")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped: no request can be served."""
 
 
 class ServerBusyError(RuntimeError):
@@ -60,8 +60,11 @@ class _Stream(NamedTuple):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stall_timeout_s: float = 120.0, max_waiting_requests: int | None = None):
-        self.engine = engine
+    def __init__(self, engine, stall_timeout_s: float = 120.0, max_waiting_requests: int | None = None):
+        """engine: an LLMEngine, stepped by a thread of this process (jaxpage.entrypoints.engine_loop), or an
+        EngineProcess (jaxpage.entrypoints.engine_process), whose engine steps in a process of its own."""
+        self._core = engine if isinstance(engine, EngineProcess) else LocalEngine(engine)
+        self.engine = self._core.engine  # what the server reads of it: its config, generation defaults, LoRA adapters
         self.stall_timeout_s = stall_timeout_s
         self.max_waiting_requests = max_waiting_requests
         # Each stream's request has its own id in the engine (request_id#serial): the final output of an aborted
@@ -69,22 +72,17 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # by the engine's request id
         self._engine_ids: dict[str, str] = {}  # request_id -> the engine's, for every open stream
         self._serial = itertools.count()
-        self._lock = threading.Lock()  # guards _streams, _engine_ids, _inbox and the counts; never held across a step
+        self._lock = threading.Lock()  # guards _streams, _engine_ids and the counts; never held across a step
         self._admitted: set[str] = set()  # the engine ids of requests admitted and not yet in the engine
         self._engine_waiting = 0  # requests waiting in the engine, as the loop last counted them
-        # ("add", Request) and ("abort", request_id), in the order asked for, for the loop's next turn.
-        self._inbox: list[tuple[str, Request | str]] = []
-        self._work = threading.Event()
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._last_progress = time.monotonic()  # when the loop last finished a step (or found nothing to do)
-        self._thread = threading.Thread(target=self._run, name="jaxpage-engine", daemon=True)
-        # Called in the loop thread with every output it hands over (the server's metrics); an observer's own failure
-        # is logged, never the loop's.
+        self._ended: BaseException | None = None  # why the loop stopped, once it has
+        self.num_turns = 0  # turns of the loop handed over: its steps, and the turns that found nothing to do
+        # Called with every output handed over (the server's metrics), in the thread that hands it over; an
+        # observer's own failure is logged, never the loop's.
         self.observers: list[Callable[[RequestOutput], None]] = []
 
     def start(self) -> AsyncEngine:
-        self._thread.start()
+        self._core.start(self._on_turn, self._on_exit)
         return self
 
     # ----- callers (any event loop) -----
@@ -115,15 +113,16 @@ class AsyncEngine:
             self._engine_ids[request_id] = engine_id
             self._streams[engine_id] = _Stream(asyncio.get_running_loop(), queue, request_id)
             self._admitted.add(engine_id)
-        finished = False
+        finished = sent = False
         try:
             self._check_alive()  # again: a loop that died before the stream was listed did not tell it
             # In a worker thread: tokenizing a long prompt would hold up every other stream of this event loop.
-            prepare = self.engine.prepare_request
-            request = await asyncio.to_thread(prepare, engine_id, prompt, params, lora_request=lora_request)
+            prepare = self._core.prepare
+            request = await asyncio.to_thread(prepare, engine_id, prompt, params, lora_request)
             if fit_context:
                 _check_fits_context(request, self.max_model_len)
-            self._send("add", request)
+            self._core.send("add", request)
+            sent = True
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -134,24 +133,28 @@ class AsyncEngine:
                     return
         finally:
             with self._lock:
-                if not finished:  # the caller went away (or the request was refused: aborting it then does nothing)
-                    self._inbox.append(("abort", engine_id))
                 del self._streams[engine_id], self._engine_ids[request_id]
                 self._admitted.discard(engine_id)
-            self._work.set()
+            if sent and not finished:  # the caller went away (or the engine refused it: the abort then does nothing)
+                self._core.send("abort", engine_id)
 
     @property
     def tokenizer(self):
         """The engine's tokenizer (None without one: skip_tokenizer_init)."""
-        return self.engine.tokenizer
+        return self._core.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._core.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self._core.vocab_size
+
+    def gauges(self):
+        """The engine's gauges for the metrics (jaxpage.entrypoints.metrics.EngineGauges): now, or as the engine
+        process last sent them."""
+        return self._core.gauges()
 
     @property
     def num_waiting_requests(self) -> int:
@@ -167,28 +170,23 @@ class AsyncEngine:
         with self._lock:
             engine_id = self._engine_ids.get(request_id)
         if engine_id is not None:
-            self._send("abort", engine_id)
+            self._core.send("abort", engine_id)
 
     def abort_all(self) -> None:
         """Aborts every request of an open stream at the loop's next turn (a server whose shutdown time is up)."""
         with self._lock:
             unfinished = list(self._streams)
         for engine_id in unfinished:
-            self._send("abort", engine_id)
-
-    def _send(self, kind: str, item) -> None:
-        with self._lock:
-            self._inbox.append((kind, item))
-        self._work.set()
+            self._core.send("abort", engine_id)
 
     def _busy(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self._inbox)
+        return self._core.busy()
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why): see the module docstring."""
-        if self._error is not None or not self._thread.is_alive():
-            return False, f"the engine loop is not running ({self._error!r})"
-        stalled = time.monotonic() - self._last_progress
+        if not self._core.alive():
+            return False, f"the engine loop is not running ({self._ended or self._core.error!r})"
+        stalled = time.monotonic() - self._core.last_progress
         if self._busy() and stalled > self.stall_timeout_s:
             return False, f"no step has finished for {stalled:.0f} s with requests pending"
         return True, "ok"
@@ -196,65 +194,38 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Lets the requests in flight finish within timeout_s, aborts the rest, and stops the loop."""
         deadline = time.monotonic() + timeout_s
-        while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
+        while self._busy() and time.monotonic() < deadline and self._core.alive():
             time.sleep(0.05)
         self.abort_all()
         deadline = time.monotonic() + 5.0
-        while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
+        while self._busy() and time.monotonic() < deadline and self._core.alive():
             time.sleep(0.01)
-        self._stop.set()
-        self._work.set()
-        self._thread.join(timeout=max(5.0, timeout_s))
+        self._core.stop(max(5.0, timeout_s))
 
     def _check_alive(self) -> None:
-        if self._error is not None or self._stop.is_set() or not self._thread.is_alive():
+        if self._ended is not None or not self._core.alive():
             raise EngineDeadError("the engine loop is not running")
 
-    # ----- the loop thread -----
+    # ----- the loop's turns (its thread, or the thread reading the engine process) -----
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._take_inbox()
-                idle = not self.engine.has_unfinished_requests()
-                self._deliver(self.engine.step())  # idle, it hands over the final outputs of requests aborted meanwhile
-                self._last_progress = time.monotonic()
-                waiting = self.engine.num_waiting_requests()
-                with self._lock:
-                    self._engine_waiting = waiting
-                if idle:  # until a request, an abort or the shutdown comes (each sets _work)
-                    self._work.wait()
-                    self._work.clear()
-            ended: BaseException = EngineDeadError("the engine has shut down")
-        except BaseException as e:  # noqa: BLE001 -- every stream must hear of it
-            self._error = e
-            ended = EngineDeadError(f"the engine loop stopped ({type(e).__name__}: {e})")
-            ended.__cause__ = e
-        with self._lock:  # nobody may wait for an output that will not come
+    def _on_turn(self, turn: LoopTurn) -> None:
+        self.num_turns += 1
+        with self._lock:  # counted in the engine now, no longer as admitted
+            self._admitted.difference_update(turn.added)
+            self._engine_waiting = turn.num_waiting
+            refused = [(self._streams.get(rid), e) for rid, e in turn.refused]
+        for stream, error in refused:
+            if stream is not None:
+                self._put(stream, error)
+        self._deliver(turn.outputs)
+
+    def _on_exit(self, ended: BaseException) -> None:
+        """The loop stopped (ended: EngineDeadError saying why): nobody may wait for an output that will not come."""
+        with self._lock:
+            self._ended = ended
             streams = list(self._streams.values())
         for stream in streams:
             self._put(stream, ended)
-
-    def _take_inbox(self) -> None:
-        """Queues the requests and applies the aborts sent since the last turn, in order. A request refused now (its
-        request_id taken by a user of the LLMEngine itself) is told to its caller."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
-            if kind == "abort":
-                self.engine.abort_request(item)
-                continue
-            try:
-                self.engine.add_prepared_requests([item])
-            except ValueError as e:
-                with self._lock:
-                    stream = self._streams.get(item.request_id)
-                if stream is not None:
-                    self._put(stream, e)
-            waiting = self.engine.num_waiting_requests()
-            with self._lock:  # counted in the engine now, no longer as admitted
-                self._admitted.discard(item.request_id)
-                self._engine_waiting = waiting
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -274,6 +245,57 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
+
+
+class LocalEngine:
+    """An LLMEngine stepped by a thread of this process (EngineLoop), as AsyncEngine drives it."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.loop: EngineLoop | None = None
+
+    def start(self, report: Callable[[LoopTurn], None], on_exit: Callable[[BaseException], None]) -> None:
+        self.loop = EngineLoop(self.engine, report, on_exit).start()
+
+    def prepare(self, request_id: str, prompt, params, lora_request) -> Request:
+        return self.engine.prepare_request(request_id, prompt, params, lora_request=lora_request)
+
+    def send(self, kind: str, item) -> None:
+        if self.loop is not None:
+            self.loop.send(kind, item)
+
+    def busy(self) -> bool:
+        return self.loop is not None and self.loop.busy()
+
+    def alive(self) -> bool:
+        return self.loop is not None and self.loop.alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return None if self.loop is None else self.loop.error
+
+    @property
+    def last_progress(self) -> float:
+        return time.monotonic() if self.loop is None else self.loop.last_progress
+
+    def stop(self, timeout_s: float) -> None:
+        if self.loop is not None:
+            self.loop.stop(timeout_s)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def gauges(self):
+        return engine_gauges(self.engine)
 
 
 def _check_fits_context(request: Request, max_model_len: int) -> None:

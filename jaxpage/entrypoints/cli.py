@@ -210,6 +210,13 @@ def _add_serve_command(commands) -> None:
         default=None,
         help="how the model writes tool calls: hermes (Qwen 2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine steps in a process of its own, apart from the HTTP handling and tokenization (default: yes, "
+        "but for several hosts, where it steps in a thread of the server's process)",
+    )
     add_engine_arguments(serve)
     _add_lora_modules_argument(serve)
 
@@ -404,6 +411,10 @@ def _serve(args) -> None:
         if args.model is not None and args.model != args.model_tag:
             raise CommandError(f"the model is given twice: {args.model_tag} and --model {args.model}; give one")
         args.model = args.model_tag
+    if args.engine_process and (args.num_processes or 1) > 1:
+        raise CommandError(
+            "--engine-process: not with several hosts (--num-processes > 1), whose engine runs beside the server"
+        )
     if _follows(args):
         return
     from jaxpage.entrypoints.server import serve
@@ -421,6 +432,7 @@ def _serve(args) -> None:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         lora_modules=args.lora_modules,
+        engine_process=args.engine_process,
         **engine_args(args),
     )
 

@@ -1,10 +1,11 @@
 """The server's Prometheus metrics, in vLLM's names under a `jaxpage:` prefix (GET /metrics).
 
-Gauges are read from the engine when scraped: sequences running and waiting (vLLM's requests: a request with n > 1
-runs as n sequences there too), and the KV cache's used share. Counters and histograms are fed by the engine loop
-(`observe`, with every RequestOutput it hands over): prompt and generation tokens, finished requests by reason, time
-to first token, inter-token latency (between a request's outputs, one observation per output: a step that gives a
-sequence several tokens, by speculative decoding, is one observation) and end-to-end latency; prefix-cache queries
+Gauges are read from the engine when scraped (EngineGauges; an engine in a process of its own sends them with its
+turns, at most a tenth of a second apart while it steps): sequences running and waiting (vLLM's requests: a request
+with n > 1 runs as n sequences there too), and the KV cache's used share. Counters and histograms are fed by the engine
+loop (`observe`, with every RequestOutput it hands over): prompt and generation tokens, finished requests by reason,
+time to first token, inter-token latency (between a request's outputs, one observation per output: a step that gives
+a sequence several tokens, by speculative decoding, is one observation) and end-to-end latency; prefix-cache queries
 and hits, the prefix cache's host tier (hit tokens, pages and bytes copied each way, the share of its slots in use),
 and the speculative decoding counters, are the engine's own counts; so is the speculation policy's state:
 whether it speculates now (a gauge, 1 or 0), its turns on and off, its probes of the arm not taken, and the estimates
@@ -13,13 +14,16 @@ of its latest decision (seconds per token of a verify step and of a decode step,
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxpage.engine.llm_engine import LLMEngine
-from jaxpage.engine.replica import host_tier_counts
+from jaxpage.engine.replica import HostTierCounts, host_tier_counts
 from jaxpage.outputs import RequestOutput
 
 PREFIX = "jaxpage:"
@@ -27,18 +31,49 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineGauges:
+    """What the metrics read of the engine, at one moment."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_counts: tuple[int, int]  # (queries, hits)
+    spec_decoding_stats: object  # jaxpage.spec_decode.stats.SpecDecodingStats, None without speculative decoding
+    spec_decoding_policy: object  # jaxpage.spec_decode.policy.PolicyState, None without speculative decoding
+    host_tier: HostTierCounts | None  # None without a host tier
+    host_bytes_moved: dict[str, int] | None  # by direction ("offload", "load")
+
+
+def engine_gauges(engine: LLMEngine) -> EngineGauges:
+    """engine's gauges now (copies: they do not change after)."""
+    host_tier = host_tier_counts(engine.replicas)
+    bytes_moved = dict(engine.runner.pool.host.bytes_moved) if host_tier is not None else None
+    return EngineGauges(
+        engine.num_running(),
+        engine.num_waiting(),
+        engine.kv_cache_usage(),
+        engine.prefix_cache_counts(),
+        copy.deepcopy(engine.spec_decoding_stats),
+        engine.spec_decoding_policy,
+        host_tier,
+        bytes_moved,
+    )
+
+
 class EngineCounts:
     """A collector of the engine's own running counts (prefix cache, speculative decoding)."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, gauges: Callable[[], EngineGauges]):
+        self.gauges = gauges
 
     def collect(self):
-        queries, hits = self.engine.prefix_cache_counts()
+        gauges = self.gauges()
+        queries, hits = gauges.prefix_cache_counts
         yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
-        yield from self._host_tier()
-        stats = self.engine.spec_decoding_stats
+        yield from self._host_tier(gauges)
+        stats = gauges.spec_decoding_stats
         if stats is not None:
             yield _counter("spec_decode_num_drafts", "Drafts verified", stats.num_drafts)
             yield _counter("spec_decode_num_draft_tokens", "Draft tokens verified", stats.num_draft_tokens)
@@ -51,7 +86,7 @@ class EngineCounts:
             for position, count in enumerate(stats.num_accepted_tokens_per_pos):
                 per_position.add_metric([str(position)], count)
             yield per_position
-        policy = self.engine.spec_decoding_policy
+        policy = gauges.spec_decoding_policy
         if policy is not None:
             yield _gauge("spec_decode_speculating", "1: drafts are verified now, 0: not", policy.speculating)
             switches = CounterMetricFamily(
@@ -71,9 +106,10 @@ class EngineCounts:
                 if value is not None:
                     yield _gauge("spec_decode_" + name, documentation, value)
 
-    def _host_tier(self):
+    @staticmethod
+    def _host_tier(gauges: EngineGauges):
         """The prefix cache's host tier (engine argument kv_offload_bytes): nothing without one."""
-        counts = host_tier_counts(self.engine.replicas)
+        counts = gauges.host_tier
         if counts is None:
             return
         yield _counter(
@@ -85,7 +121,7 @@ class EngineCounts:
         moved = CounterMetricFamily(
             PREFIX + "kv_offload_bytes", "Bytes copied between the device and host memory", labels=["direction"]
         )
-        bytes_moved = self.engine.runner.pool.host.bytes_moved
+        bytes_moved = gauges.host_bytes_moved
         for direction, count in (("offload", counts.offloaded_pages), ("load", counts.loaded_pages)):
             pages.add_metric([direction], count)
             moved.add_metric([direction], bytes_moved[direction])
@@ -105,14 +141,15 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, gauges: Callable[[], EngineGauges]):
+        """gauges: the engine's now (AsyncEngine.gauges)."""
         self.registry = registry = CollectorRegistry()
         running = Gauge(PREFIX + "num_requests_running", "Sequences running", registry=registry)
-        running.set_function(engine.num_running)
+        running.set_function(lambda: gauges().num_running)
         waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting", registry=registry)
-        waiting.set_function(engine.num_waiting)
+        waiting.set_function(lambda: gauges().num_waiting)
         usage = Gauge(PREFIX + "kv_cache_usage_perc", "Share of the KV pages in use (1 = all)", registry=registry)
-        usage.set_function(engine.kv_cache_usage)
+        usage.set_function(lambda: gauges().kv_cache_usage)
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of the requests served", registry=registry
         )
@@ -124,7 +161,7 @@ class ServerMetrics:
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token", **histogram)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Between a request's outputs", **histogram)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token", **histogram)
-        registry.register(EngineCounts(engine))
+        registry.register(EngineCounts(gauges))
         self._seen: dict[str, tuple[int, float]] = {}  # request_id -> (tokens generated, when the last came)
 
     def observe(self, output: RequestOutput) -> None:

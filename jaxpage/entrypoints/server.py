@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError, ServerBusyError
+from jaxpage.entrypoints.engine_process import EngineProcess
 from jaxpage.entrypoints.json_body import parse_json_body
 from jaxpage.entrypoints.metrics import ServerMetrics
 from jaxpage.entrypoints.openai_api import (
@@ -101,7 +102,7 @@ def create_app(
     )
     served = ServedModels(model_name, engine.engine, lora_modules, engine.engine.config.model)
     app = FastAPI(title="jaxpage", version=installed_version(), docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine.engine)
+    metrics = ServerMetrics(engine.gauges)
     engine.observers.append(metrics.observe)
 
     @app.exception_handler(StarletteHTTPException)
@@ -395,21 +396,28 @@ async def _events(streams: list[Stream], firsts: list[RequestOutput], outputs: l
     async def follow(i: int):
         output = firsts[i]
         await queue.put((i, output))
-        while not output.finished:
-            output = await anext(outputs[i])
-            await queue.put((i, output))
+        try:
+            while not output.finished:
+                output = await anext(outputs[i])
+                await queue.put((i, output))
+        except EngineDeadError as e:  # the engine stopped (its loop or its process died): the stream ends with it
+            await queue.put((i, e))
 
     followers = [asyncio.ensure_future(follow(i)) for i in range(len(streams))]
     lasts = list(firsts)
     try:
-        unfinished = len(streams)
+        unfinished, failure = len(streams), None
         while unfinished:
             i, output = await queue.get()
+            if isinstance(output, EngineDeadError):
+                failure = error_response(503, str(output), "server_error")
+                break
             lasts[i] = output
             for chunk in streams[i].chunks(output):
                 yield f"data: {json.dumps(chunk)}\n\n"
             unfinished -= output.finished
-        failure = _failure(lasts)
+        if failure is None:
+            failure = _failure(lasts)
         if failure is not None:
             yield f"data: {failure.body.decode()}\n\n"
         elif streams[0].request.include_usage:
@@ -499,15 +507,27 @@ def serve(
     enable_auto_tool_choice: bool = False,
     lora_modules: list[LoRAModule] = (),
     warmup: bool = True,
+    engine_process: bool | None = None,
     **engine_args,
 ) -> None:
     """Loads the model, compiles every step shape (warmup), and serves until SIGINT or SIGTERM: then it stops
-    accepting, lets running requests finish within shutdown_timeout_s, aborts the rest, and returns."""
-    from jaxpage.engine.llm_engine import LLMEngine
+    accepting, lets running requests finish within shutdown_timeout_s, aborts the rest, and returns. engine_process:
+    the engine steps in a process of its own (jaxpage.entrypoints.engine_process), so that the HTTP handling takes no
+    time from it; by default (None) it does, unless several hosts run the engine (whose processes replay process 0's
+    steps), where it steps in a thread of this process."""
+    several_hosts = (engine_args.get("num_processes") or 1) > 1
+    if engine_process and several_hosts:
+        raise ValueError("engine_process: not with several hosts (num_processes > 1), whose engine runs here")
+    if engine_process is None:
+        engine_process = not several_hosts
+    if engine_process:
+        engine = EngineProcess(dict(model=model, **engine_args), warmup)
+    else:
+        from jaxpage.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(model=model, **engine_args)
-    if warmup:
-        engine.warmup()
+        engine = LLMEngine.from_engine_args(model=model, **engine_args)
+        if warmup:
+            engine.warmup()
     freeze_startup_heap()  # this process serves this engine for its life
     async_engine = AsyncEngine(engine, stall_timeout_s, max_waiting_requests).start()
     name = served_model_name or model or "SmolLM2-135M-Instruct"  # one name, or several (the first the main one)

@@ -1,0 +1,128 @@
+"""The engine in a process of its own (jaxpage.entrypoints.engine_process), as `jaxpage serve` runs it: the `openai`
+client gets what LLM.generate gives, streamed or not; bad requests are refused in the server's process, before the
+engine hears of them; a client that leaves aborts its request in the engine process; /metrics reads the engine
+process's gauges; an engine process that dies ends every stream with an error and fails /health; one that cannot start
+fails with its own error. The model is tiny and random, with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+from tiny_models import FULL_VOCAB_ENGINE
+
+from jaxpage.entrypoints.async_engine import AsyncEngine
+from jaxpage.entrypoints.engine_process import EngineProcess
+from jaxpage.entrypoints.llm import LLM
+from jaxpage.entrypoints.server import create_app
+from jaxpage.sampling_params import SamplingParams
+
+ENGINE = FULL_VOCAB_ENGINE
+
+
+@pytest.fixture(scope="module")
+def served(full_vocab_dir):
+    engine = AsyncEngine(EngineProcess(dict(model=full_vocab_dir, **ENGINE), warmup=False)).start()
+    server = LiveServer(create_app(engine, "tiny"))
+    yield server, engine
+    server.stop()
+    engine.shutdown(timeout_s=5)
+
+
+@pytest.fixture
+def client(served):
+    server, engine = served
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    deadline = time.monotonic() + 10
+    while (engine.gauges().num_running or engine._core.busy()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.gauges().num_running == 0 and not engine._core.busy()
+
+
+def test_completions_through_the_engine_process_are_llm_generates(client, full_vocab_dir):
+    prompts = ["The quick brown fox", "Once upon a time", "Name three colors."]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(full_vocab_dir, **ENGINE).generate(prompts, params)]
+    extra = {"ignore_eos": True}
+    whole = client.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=10, extra_body=extra)
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == want
+    for prompt, text in zip(prompts, want, strict=True):
+        stream = client.completions.create(
+            model="tiny", prompt=prompt, temperature=0, max_tokens=10, stream=True, extra_body=extra
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_a_bad_request_is_refused_by_the_servers_process(client, served):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=500)  # beyond max_model_len: fit_context
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"top_k": 10**6})
+    assert served[1]._core._sent == served[1]._core._taken  # (nothing reached the engine but what it took)
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_engine_process(client, served):
+    _, engine = served
+    finals = []
+    engine.observers.append(lambda output: finals.extend(c.finish_reason for c in output.outputs if output.finished))
+    try:
+        stream = client.completions.create(
+            model="tiny", prompt="Once", max_tokens=90, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        stream.close()
+        deadline = time.monotonic() + 10
+        while not finals and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finals == ["abort"]  # (the client fixture then checks that nothing runs and nothing is pending)
+    finally:
+        engine.observers.pop()
+
+
+def test_metrics_read_the_engine_processes_gauges(client, served):
+    server, engine = served
+    client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4)
+    deadline = time.monotonic() + 5
+    while engine.gauges().prefix_cache_counts[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = httpx.get(f"{server.url}/metrics").text
+    queries = engine.gauges().prefix_cache_counts[0]
+    assert queries > 0 and f"jaxpage:prefix_cache_queries_total {float(queries)}" in text
+    assert "jaxpage:num_requests_running 0.0" in text
+
+
+def test_an_engine_process_that_dies_ends_every_stream_and_fails_health(full_vocab_dir):
+    engine = AsyncEngine(EngineProcess(dict(model=full_vocab_dir, **ENGINE), warmup=False)).start()
+    server = LiveServer(create_app(engine, "tiny"))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model="tiny", prompt="Once", max_tokens=80, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        os.kill(engine._core._process.pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="engine process exited"):  # the stream's last event is the error
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    break
+            else:
+                raise AssertionError("the stream ended without a finish_reason")
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "engine process exited" in health.text
+        with pytest.raises(openai.APIStatusError):
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    finally:
+        server.stop()
+        engine.shutdown(timeout_s=0)
+
+
+def test_an_engine_process_that_cannot_start_raises_its_error(full_vocab_dir):
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's"):
+        EngineProcess(dict(model=full_vocab_dir, **ENGINE | dict(max_model_len=100_000)), warmup=False)
