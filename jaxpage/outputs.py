@@ -48,3 +48,22 @@ class RequestOutput:
     # (log-probs of the model's distribution given the tokens before it); None unless asked.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (OpenAI's usage.cached_tokens)
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output of RequestOutputKind.DELTA and the `later` one of the same request, as one: each completion's
+        new text, token ids and log-probs in order, the rest (finish reasons, metrics, cumulative log-prob) as later
+        has them, the prompt's log-probs as the first that carries them (vLLM's RequestOutput.add)."""
+        outputs = [
+            CompletionOutput(
+                b.index,
+                a.text + b.text,
+                a.token_ids + b.token_ids,
+                b.cumulative_logprob,
+                None if b.logprobs is None else (a.logprobs or []) + b.logprobs,
+                b.finish_reason,
+                b.stop_reason,
+            )
+            for a, b in zip(self.outputs, later.outputs, strict=True)
+        ]
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return dataclasses.replace(later, outputs=outputs, prompt_logprobs=prompt_logprobs)

@@ -8,14 +8,16 @@ beside a chip. Each arrangement runs the same load: N requests at once (32-token
 temperature 0.8, top_p 0.9, --max-tokens each, ignore_eos), every one streamed (RequestOutputKind.DELTA, what the
 server asks for a stream):
 
-  python-api     AsyncEngine over an LLMEngine in this process, N asyncio consumers of AsyncEngine.generate
+  python-api     LLMEngine.add_request, then LLMEngine.step until every request has finished, reading each output
+  async-api      AsyncEngine over an LLMEngine in this process, N asyncio consumers of AsyncEngine.generate
   http-thread    `jaxpage serve --no-engine-process`: the engine loop a thread of the server's process
   http-process   `jaxpage serve` (the default): the engine in a process of its own (jaxpage.entrypoints.engine_process)
 
 The HTTP clients (httpx, one stream each, reading every server-sent event) run in a process of their own, not the
-server's. The loop's steps per second are counted while all N requests run (from the turn where the last one had its
-first token to the turn where the first one finished: AsyncEngine.num_turns over that time); each request is also
-timed whole, as its client sees it. The target (issue 56): http-process within 10% of python-api.
+server's. The loop's steps per second are those of its full steps, which give every one of the N requests a token (each
+timed from the end of the step before, by the clock of the process that steps: AsyncEngine.num_turns and last_turn_at,
+or LLMEngine.step's count); each request is also timed whole, as its caller or client sees it.
+The target (issue 56): http-process within 10% of python-api.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import threading
@@ -32,7 +35,7 @@ import time
 import numpy as np
 
 PROMPT_TOKENS = 32
-ARRANGEMENTS = ("python-api", "http-thread", "http-process")
+ARRANGEMENTS = ("python-api", "async-api", "http-thread", "http-process")
 
 
 def parse_args():
@@ -41,6 +44,11 @@ def parse_args():
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="each arrangement, in turns; the best counts")
     parser.add_argument("--arrangements", default=",".join(ARRANGEMENTS))
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the process that steps on core 0 alone, the server and clients on core 1: a host with a core to spare",
+    )
     args = parser.parse_args()
     args.arrangements = args.arrangements.split(",")
     if set(args.arrangements) - set(ARRANGEMENTS):
@@ -69,26 +77,53 @@ def prompts(clients: int) -> list[list[int]]:
 
 
 class LoopWindow:
-    """The loop's turns while every request runs: from the last first output to the first final one."""
+    """The loop's steps with every request running: the turns that gave each of the N requests an output, each timed
+    from the end of the turn before (turn counts and end times as `engine` hands them over: AsyncEngine.num_turns and
+    last_turn_at, by the clock of the process that steps)."""
 
     def __init__(self, engine, clients: int):
         self.engine, self.clients = engine, clients
-        self.started: set[str] = set()
-        self.start = self.end = None
-        engine.observers.append(self.observe)
+        self.outputs: dict[int, int] = {}  # turn -> outputs it gave
+        self.ends: dict[int, float] = {}  # turn -> when it ended
 
     def observe(self, output) -> None:
-        now = time.perf_counter()
-        if output.request_id not in self.started:
-            self.started.add(output.request_id)
-            if len(self.started) == self.clients:
-                self.start = (now, self.engine.num_turns)
-        if output.finished and self.end is None and self.start is not None:
-            self.end = (now, self.engine.num_turns)
+        turn = self.engine.num_turns
+        self.outputs[turn] = self.outputs.get(turn, 0) + 1
+        self.ends[turn] = self.engine.last_turn_at
 
     def steps_per_s(self) -> float:
-        (t0, n0), (t1, n1) = self.start, self.end
-        return (n1 - n0) / (t1 - t0)
+        full = [t for t, n in self.outputs.items() if n == self.clients and t - 1 in self.ends]
+        return len(full) / sum(self.ends[t] - self.ends[t - 1] for t in full)
+
+
+class StepCount:
+    """LLMEngine's steps as LoopWindow reads AsyncEngine's turns."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.num_turns, self.last_turn_at = 0, 0.0
+
+    def step(self) -> list:
+        outputs = self.engine.step()
+        self.num_turns, self.last_turn_at = self.num_turns + 1, time.monotonic()
+        return outputs
+
+
+def run_llm_engine(engine, clients: int, max_tokens: int, window: LoopWindow) -> list[float]:
+    from jaxpage.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    start, seconds, steps = time.perf_counter(), [], window.engine
+    for i, prompt in enumerate(prompts(clients)):
+        engine.add_request(f"llm-{i}-{time.time()}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for output in steps.step():
+            window.observe(output)
+            if output.finished:
+                seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def run_api(engine, clients: int, max_tokens: int) -> list[float]:
@@ -110,9 +145,16 @@ def run_api(engine, clients: int, max_tokens: int) -> list[float]:
     return asyncio.run(everyone())
 
 
-def http_clients(url: str, clients: int, max_tokens: int, results) -> None:
+def pin(pid: int, core: int | None) -> None:
+    if core is not None:
+        os.sched_setaffinity(pid, {core})
+
+
+def http_clients(url: str, clients: int, max_tokens: int, results, core: int | None) -> None:
     """The clients' process: every request streamed at once, each timed whole; their seconds into `results`."""
     import httpx
+
+    pin(0, core)
 
     async def one(http, prompt: list[int]) -> float:
         body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0.8, top_p=0.9, ignore_eos=True, stream=True)
@@ -132,7 +174,7 @@ def http_clients(url: str, clients: int, max_tokens: int, results) -> None:
     results.extend(asyncio.run(everyone()))
 
 
-def run_http(engine, clients: int, max_tokens: int) -> list[float]:
+def run_http(engine, clients: int, max_tokens: int, core: int | None) -> list[float]:
     import uvicorn
 
     from jaxpage.benchmarks.live_server import free_port
@@ -149,7 +191,8 @@ def run_http(engine, clients: int, max_tokens: int) -> list[float]:
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:
         results = manager.list()
-        process = context.Process(target=http_clients, args=(f"http://127.0.0.1:{port}", clients, max_tokens, results))
+        url = f"http://127.0.0.1:{port}"
+        process = context.Process(target=http_clients, args=(url, clients, max_tokens, results, core))
         process.start()
         process.join()
         seconds = list(results)
@@ -166,7 +209,29 @@ def make_engine(arrangement: str, args_: dict):
 
     if arrangement == "http-process":
         return AsyncEngine(EngineProcess(args_, warmup=False, make_engine=stubbed_engine)).start()
-    return AsyncEngine(stubbed_engine(EngineConfig(**args_))).start()
+    engine = stubbed_engine(EngineConfig(**args_))
+    return engine if arrangement == "python-api" else AsyncEngine(engine).start()
+
+
+def run_arrangement(
+    arrangement: str, engine, clients: int, max_tokens: int, pinned: bool
+) -> tuple[list[float], LoopWindow]:
+    """(each request's seconds, the loop's window) of one run of the load; pinned: see --pin."""
+    if pinned:  # this process steps, but for http-process, whose engine process is on core 0 alone
+        pin(0, 1 if arrangement == "http-process" else 0)
+        if arrangement == "http-process":
+            pin(engine._core._process.pid, 0)
+    if arrangement == "python-api":
+        window = LoopWindow(StepCount(engine), clients)
+        return run_llm_engine(engine, clients, max_tokens, window), window
+    window = LoopWindow(engine, clients)
+    engine.observers.append(window.observe)
+    try:
+        if arrangement == "async-api":
+            return run_api(engine, clients, max_tokens), window
+        return run_http(engine, clients, max_tokens, 1 if pinned else None), window
+    finally:
+        engine.observers.remove(window.observe)
 
 
 def main() -> None:
@@ -181,10 +246,7 @@ def main() -> None:
     for repeat in range(args.repeats + 1):  # the first round warms up (compiles the sampler's shapes)
         for arrangement in args.arrangements:
             engine = engines[arrangement]
-            window = LoopWindow(engine, args.clients)
-            run = run_api if arrangement == "python-api" else run_http
-            seconds = run(engine, args.clients, args.max_tokens)
-            engine.observers.remove(window.observe)
+            seconds, window = run_arrangement(arrangement, engine, args.clients, args.max_tokens, args.pin)
             if repeat == 0:
                 continue
             row = {
@@ -195,11 +257,13 @@ def main() -> None:
             rows[arrangement].append(row)
             log(f"{arrangement} (round {repeat}): {row}")
     for engine in engines.values():
-        engine.shutdown(timeout_s=5)
+        if hasattr(engine, "observers"):  # an AsyncEngine
+            engine.shutdown(timeout_s=5)
     best = {a: max(rs, key=lambda r: r["steps_per_s"]) for a, rs in rows.items()}
     api = best.get("python-api", {}).get("steps_per_s")
     streams = f"{args.clients} streams of {args.max_tokens} tokens"
-    print(f"\nthe engine loop with {streams} (device stubbed; best of {args.repeats})\n")
+    pinned = "; pinned: the process that steps on a core of its own" if args.pin else ""
+    print(f"\nthe engine loop with {streams} (device stubbed; best of {args.repeats}{pinned})\n")
     print("| arrangement | loop steps/s | vs python-api | request seconds (median) | (slowest) |")
     print("|---|---|---|---|---|")
     for arrangement, row in best.items():
@@ -207,7 +271,7 @@ def main() -> None:
         print(
             f"| {arrangement} | {row['steps_per_s']} | {ratio} | {row['request_s_median']} | {row['request_s_max']} |"
         )
-    print(json.dumps({"clients": args.clients, "max_tokens": args.max_tokens, "rows": rows}))
+    print(json.dumps({"clients": args.clients, "max_tokens": args.max_tokens, "pinned": args.pin, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_bench_serve_loop_counts_the_loops_steps_in_every_arrangement():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
-    assert sorted(report["rows"]) == ["http-process", "http-thread", "python-api"]
+    assert sorted(report["rows"]) == ["async-api", "http-process", "http-thread", "python-api"]
     for rows in report["rows"].values():
         assert len(rows) == 1 and rows[0]["steps_per_s"] > 0
         assert 0 < rows[0]["request_s_median"] <= rows[0]["request_s_max"]

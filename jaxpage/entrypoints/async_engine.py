@@ -2,9 +2,10 @@
 
 The loop runs beside the callers, in a thread of this process (AsyncEngine(an LLMEngine)), or with its engine in a
 process of its own (AsyncEngine(an EngineProcess): jaxpage.entrypoints.engine_process), where the callers' HTTP
-handling, tokenization and output delivery take no time from the loop that feeds the device. Each request streams into
-an asyncio.Queue on its caller's event loop: every RequestOutput is handed over with `loop.call_soon_threadsafe`, so a
-handler never waits on the engine and the engine never waits on a handler.
+handling, tokenization and output delivery take no time from the loop that feeds the device. Each request's outputs
+go to its caller's event loop (`loop.call_soon_threadsafe`, once a turn for all of that loop's streams), where they
+wait for the caller, merged while it lags (_Outputs): a handler never waits on the engine and the engine never waits
+on a handler.
 
 Callers never wait for a step (a step holds the engine's lock throughout). A request is checked and tokenized in a
 worker thread (LLMEngine.prepare_request: ValueError naming the field, and nothing queued), then goes into the loop's
@@ -43,7 +44,7 @@ from jaxpage.entrypoints.engine_process import EngineProcess
 from jaxpage.entrypoints.metrics import engine_gauges
 from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 from jaxpage.validation import check_text
 
 logger = logging.getLogger("jaxpage")
@@ -53,9 +54,50 @@ class ServerBusyError(RuntimeError):
     """max_waiting_requests requests are waiting already: try again later."""
 
 
+class _Outputs:
+    """A stream's outputs its caller has not taken yet, in the caller's event loop. The engine gives a streamed request
+    what is new at each step (RequestOutputKind.DELTA); here they add up to what the caller asked for: everything so far
+    (CUMULATIVE), or what is new since the caller last took one (DELTA: merged while the caller lags, vLLM's
+    RequestOutputCollector); a FINAL_ONLY request's one output is taken as it is. A slow caller costs neither the
+    engine nor memory an item per step. An exception (the request refused, the engine stopped) comes after the output
+    waiting."""
+
+    def __init__(self, kind: RequestOutputKind):
+        self.kind = kind
+        self.output: RequestOutput | None = None  # waiting for the caller
+        self.total: RequestOutput | None = None  # everything so far (CUMULATIVE)
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        elif self.kind is RequestOutputKind.CUMULATIVE:
+            self.total = self.output = item if self.total is None else self.total.followed_by(item)
+        elif self.kind is RequestOutputKind.DELTA and self.output is not None:
+            self.output = self.output.followed_by(item)
+        else:
+            self.output = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if self.output is None:
+            raise self.error
+        output, self.output = self.output, None
+        return output
+
+
+def _put_all(items: list[tuple[_Outputs, RequestOutput | BaseException]]) -> None:
+    for outputs, item in items:
+        outputs.put(item)
+
+
 class _Stream(NamedTuple):
     loop: asyncio.AbstractEventLoop  # the caller's
-    queue: asyncio.Queue  # its outputs, then maybe an exception
+    outputs: _Outputs  # what its caller has not taken yet
     request_id: str  # the caller's
 
 
@@ -77,7 +119,9 @@ class AsyncEngine:
         self._engine_waiting = 0  # requests waiting in the engine, as the loop last counted them
         self._ended: BaseException | None = None  # why the loop stopped, once it has
         self.num_turns = 0  # turns of the loop handed over: its steps, and the turns that found nothing to do
-        # Called with every output handed over (the server's metrics), in the thread that hands it over; an
+        self.last_turn_at = 0.0  # time.monotonic() at the end of the latest turn handed over
+        # Called with every output of the engine (the server's metrics), in the thread that hands it over: a streamed
+        # request's outputs hold what each step added (DELTA), a whole one's its one final output (FINAL_ONLY). An
         # observer's own failure is logged, never the loop's.
         self.observers: list[Callable[[RequestOutput], None]] = []
 
@@ -102,7 +146,13 @@ class AsyncEngine:
         OpenAI's API refuses it; otherwise generation stops there, finish_reason "length"); ServerBusyError when
         max_waiting_requests wait; EngineDeadError when the loop has stopped. Leaving the iteration early aborts it."""
         self._check_alive()
-        queue: asyncio.Queue = asyncio.Queue()
+        kind = RequestOutputKind.CUMULATIVE
+        if isinstance(params, SamplingParams | None):  # (anything else is refused below, by prepare)
+            params = params or self._core.default_params
+            kind = params.output_kind
+            if kind is RequestOutputKind.CUMULATIVE:  # the engine gives what is new; _Outputs adds it up
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        outputs = _Outputs(kind)
         with self._lock:
             if request_id in self._engine_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -111,7 +161,7 @@ class AsyncEngine:
                 raise ServerBusyError(f"the server is busy: {limit} requests are waiting already")
             engine_id = f"{request_id}#{next(self._serial)}"
             self._engine_ids[request_id] = engine_id
-            self._streams[engine_id] = _Stream(asyncio.get_running_loop(), queue, request_id)
+            self._streams[engine_id] = _Stream(asyncio.get_running_loop(), outputs, request_id)
             self._admitted.add(engine_id)
         finished = sent = False
         try:
@@ -124,9 +174,7 @@ class AsyncEngine:
             self._core.send("add", request)
             sent = True
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await outputs.get()
                 finished = item.finished
                 yield item
                 if finished:
@@ -210,25 +258,12 @@ class AsyncEngine:
 
     def _on_turn(self, turn: LoopTurn) -> None:
         self.num_turns += 1
+        self.last_turn_at = turn.ended_at
         with self._lock:  # counted in the engine now, no longer as admitted
             self._admitted.difference_update(turn.added)
             self._engine_waiting = turn.num_waiting
-            refused = [(self._streams.get(rid), e) for rid, e in turn.refused]
-        for stream, error in refused:
-            if stream is not None:
-                self._put(stream, error)
-        self._deliver(turn.outputs)
-
-    def _on_exit(self, ended: BaseException) -> None:
-        """The loop stopped (ended: EngineDeadError saying why): nobody may wait for an output that will not come."""
-        with self._lock:
-            self._ended = ended
-            streams = list(self._streams.values())
-        for stream in streams:
-            self._put(stream, ended)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
+            items = [(self._streams.get(rid), e) for rid, e in turn.refused]
+        for output in turn.outputs:
             for observe in self.observers:
                 try:
                     observe(output)
@@ -237,14 +272,28 @@ class AsyncEngine:
             with self._lock:
                 stream = self._streams.get(output.request_id)
             if stream is not None:
-                self._put(stream, dataclasses.replace(output, request_id=stream.request_id))
+                items.append((stream, dataclasses.replace(output, request_id=stream.request_id)))
+        self._hand_over(items)
+
+    def _on_exit(self, ended: BaseException) -> None:
+        """The loop stopped (ended: EngineDeadError saying why): nobody may wait for an output that will not come."""
+        with self._lock:
+            self._ended = ended
+            streams = list(self._streams.values())
+        self._hand_over([(stream, ended) for stream in streams])
 
     @staticmethod
-    def _put(stream: _Stream, item) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+    def _hand_over(items: list[tuple[_Stream | None, RequestOutput | BaseException]]) -> None:
+        """Puts each item into its stream's outputs, in its caller's event loop: one call a loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                pass
 
 
 class LocalEngine:
@@ -259,6 +308,11 @@ class LocalEngine:
 
     def prepare(self, request_id: str, prompt, params, lora_request) -> Request:
         return self.engine.prepare_request(request_id, prompt, params, lora_request=lora_request)
+
+    @property
+    def default_params(self) -> SamplingParams:
+        """What a request without sampling params gets."""
+        return self.engine.input_processor.default_params
 
     def send(self, kind: str, item) -> None:
         if self.loop is not None:

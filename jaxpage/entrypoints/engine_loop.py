@@ -35,6 +35,7 @@ class LoopTurn:
     refused: list[tuple[str, BaseException]]  # (request id, why) of requests the engine would not queue
     outputs: list[RequestOutput]  # of its step
     num_waiting: int  # requests waiting in the engine after it
+    ended_at: float = 0.0  # time.monotonic() at its end (the clock is the machine's: any process may compare)
     gauges: object = None  # the engine's gauges (jaxpage.entrypoints.metrics.EngineGauges) where asked for
 
 
@@ -94,7 +95,7 @@ class EngineLoop:
                 gauges = None
                 if self._gauges is not None and (idle or now - self._gauges_at >= self._gauges_every_s):
                     gauges, self._gauges_at = self._gauges(self.engine), now
-                self._report(LoopTurn(added, refused, outputs, self.engine.num_waiting_requests(), gauges))
+                self._report(LoopTurn(added, refused, outputs, self.engine.num_waiting_requests(), now, gauges))
                 if idle:  # until a request, an abort or the stop comes (each sets _work)
                     self._work.wait()
                     self._work.clear()

@@ -7,9 +7,10 @@ tokenization of new requests, so none of them takes the GIL from the loop that f
 and tokenized here, by an InputProcessor of this process over the same tokenizer, model facts and arguments (every
 ValueError a caller would get, it gets here, before anything is sent); the engine process then makes it its own from
 the prompt's token ids (the same checks again, cheap without text; its sampling seeds, grammar and LoRA adapter).
-The pipe carries ("add", ...), ("abort", request id) and ("forget_lora", id) one way, and each turn of the loop
-(its queued and refused requests, its step's outputs, the count waiting, the gauges for the metrics at most every
-GAUGES_EVERY_S) the other way, where a thread of this process hands them to the AsyncEngine.
+The pipe carries ("add", ...), ("abort", request id) and ("forget_lora", id) one way, and the turns of the loop
+(each its queued and refused requests, its step's outputs, the count waiting, the gauges for the metrics at most every
+GAUGES_EVERY_S) the other way, sent by a thread of the engine process (the loop never waits for this process to read
+them: turns that come meanwhile go together), where a thread of this process hands them to the AsyncEngine.
 
 If the engine process dies (killed, out of memory), the thread reading its pipe finds the pipe closed: every open
 stream hears EngineDeadError, and /health fails. A model that does not load fails the EngineProcess's construction with
@@ -137,11 +138,11 @@ class EngineProcess:
                 if kind == "exit":
                     ended = payload
                     break
-                turn, taken, busy = payload
-                self.last_progress, self._taken, self._busy = time.monotonic(), taken, busy
-                if turn.gauges is not None:
-                    self._gauges = turn.gauges
-                report(turn)
+                for turn, taken, busy in payload:  # ("turns", the turns since the last)
+                    self.last_progress, self._taken, self._busy = time.monotonic(), taken, busy
+                    if turn.gauges is not None:
+                        self._gauges = turn.gauges
+                    report(turn)
         except (EOFError, OSError):
             self._process.join(timeout=5)
             ended = EngineDeadError(f"the engine process exited (exit code {self._process.exitcode})")
@@ -151,6 +152,11 @@ class EngineProcess:
     def prepare(self, request_id: str, prompt, params, lora_request) -> Request:
         """The checked and tokenized request (LLMEngine.prepare_request's checks), which `send` sends."""
         return self.input_processor.prepare(request_id, prompt, params, None, lora_request)
+
+    @property
+    def default_params(self):
+        """What a request without sampling params gets."""
+        return self.input_processor.default_params
 
     def send(self, kind: str, item) -> None:
         """("add", a Request from prepare) or ("abort", request id), for the engine loop's next turn."""
@@ -217,16 +223,14 @@ def _run_engine(engine_args: dict, warmup: bool, conn, make_engine: Callable | N
         engine_gauges(engine),
     )
     conn.send(("ready", facts))
-    send_lock = threading.Lock()  # the loop's turns, and refusals from this thread
+    sender = _TurnSender(conn)
     taken = 0  # messages put into the loop's inbox
 
     def report(turn: LoopTurn) -> None:
-        with send_lock:
-            conn.send(("turn", (turn, taken, loop.busy())))
+        sender.put((turn, taken, loop.busy()))
 
     def on_exit(ended: BaseException) -> None:
-        with send_lock:
-            conn.send(("exit", _picklable(ended)))
+        sender.close(_picklable(ended))
 
     loop = EngineLoop(engine, report, on_exit, engine_gauges, GAUGES_EVERY_S)
     loop.start()  # (after `loop` is bound: its first turn reports at once)
@@ -243,7 +247,7 @@ def _run_engine(engine_args: dict, warmup: bool, conn, make_engine: Callable | N
             try:
                 request = engine.prepare_request(request_id, prompt, params, arrival_time, lora_request)
             except Exception as e:  # noqa: BLE001 -- its caller hears why
-                report(LoopTurn([], [(request_id, e)], [], engine.num_waiting_requests()))
+                report(LoopTurn([], [(request_id, e)], [], engine.num_waiting_requests(), time.monotonic()))
                 continue
             loop.send("add", request)
         elif kind == "abort":
@@ -251,7 +255,51 @@ def _run_engine(engine_args: dict, warmup: bool, conn, make_engine: Callable | N
         elif kind == "forget_lora":
             engine.input_processor.lora_adapters.forget(item)
     loop.stop()
+    sender.close(None)
     engine.shutdown()
+
+
+class _TurnSender:
+    """Sends the loop's turns through the pipe from a thread of its own, so that the loop never waits for the server's
+    process to read them: the turns that come while a send is under way go together in the next."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.pending: list[tuple] = []
+        self.ended: tuple | None = None  # ("exit", why) once the loop has stopped
+        self.ready = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="jaxpage-engine-sender", daemon=True)
+        self.thread.start()
+
+    def put(self, report: tuple) -> None:
+        """(a LoopTurn, messages taken so far, whether the loop is busy)."""
+        with self.ready:
+            self.pending.append(report)
+            self.ready.notify()
+
+    def close(self, why: BaseException | None) -> None:
+        """Sends what is pending, then ("exit", why) if why is not None, and ends (at once if it ended already)."""
+        with self.ready:
+            if self.ended is None:
+                self.ended = ("exit", why)
+            self.ready.notify()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                while not self.pending and self.ended is None:
+                    self.ready.wait()
+                pending, self.pending, ended = self.pending, [], self.ended
+            try:
+                if pending:
+                    self.conn.send(("turns", pending))
+                if ended is not None:
+                    if ended[1] is not None:
+                        self.conn.send(ended)
+                    return
+            except (BrokenPipeError, OSError):  # the server's process has gone
+                return
 
 
 def _picklable(error: BaseException) -> BaseException:

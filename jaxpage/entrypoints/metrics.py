@@ -162,21 +162,22 @@ class ServerMetrics:
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Between a request's outputs", **histogram)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token", **histogram)
         registry.register(EngineCounts(gauges))
-        self._seen: dict[str, tuple[int, float]] = {}  # request_id -> (tokens generated, when the last came)
+        self._seen: dict[str, float] = {}  # request_id -> when its latest tokens came, while it runs
 
     def observe(self, output: RequestOutput) -> None:
-        """Called by the engine loop with every output it hands over."""
+        """Called by the engine loop with every output of the engine: a streamed request's each hold what its step
+        added (RequestOutputKind.DELTA), a whole request's one its whole completions (FINAL_ONLY)."""
         now = time.time()
         tokens = sum(len(c.token_ids) for c in output.outputs)
-        seen, last = self._seen.get(output.request_id, (0, None))
-        if tokens > seen:
-            self.generation_tokens.inc(tokens - seen)
+        last = self._seen.get(output.request_id)
+        if tokens:
+            self.generation_tokens.inc(tokens)
             if last is None:
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
                 self.ttft.observe(max(now - output.metrics.arrival_time, 0.0))
             else:
                 self.itl.observe(now - last)
-            self._seen[output.request_id] = (tokens, now)
+            self._seen[output.request_id] = now
         if output.finished:
             self._seen.pop(output.request_id, None)
             for completion in output.outputs:
