@@ -14,7 +14,7 @@ from tiny_models import TINY_ENGINE
 
 from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from jaxpage.entrypoints.llm import LLM
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,34 @@ def test_concurrent_streams_give_generates_tokens(llm, engine):
     engine.shutdown(timeout_s=5)
     want = llm.generate(requests, params)
     assert [s[-1].outputs[0].token_ids for s in streams] == [w.outputs[0].token_ids for w in want]
+
+
+def test_a_slow_caller_gets_the_steps_merged_as_its_output_kind_asks(llm, engine):
+    """The engine gives what each step adds; a caller that lags gets it merged: DELTA pieces that add up to the
+    whole, CUMULATIVE outputs each holding everything so far, the last LLM.generate's."""
+    base = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    kinds = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE)
+
+    async def slow(request_id: str, kind: RequestOutputKind) -> list:
+        outputs = []
+        async for output in engine.generate(request_id, prompt(1), SamplingParams(**base, output_kind=kind)):
+            outputs.append(output)
+            await asyncio.sleep(0.03)  # several steps go by
+        return outputs
+
+    async def main():
+        return await asyncio.gather(*(slow(f"slow-{kind.name}", kind) for kind in kinds))
+
+    delta, cumulative = asyncio.run(main())
+    engine.shutdown(timeout_s=5)
+    want = llm.generate([prompt(1)], SamplingParams(**base))[0].outputs[0].token_ids
+    assert len(want) == 24
+    assert 1 < len(delta) < 24  # merged while the caller slept
+    assert [t for o in delta for t in o.outputs[0].token_ids] == want
+    counts = [len(o.outputs[0].token_ids) for o in cumulative]
+    assert 1 < len(cumulative) < 24 and counts == sorted(counts)
+    assert all(o.outputs[0].token_ids == want[: len(o.outputs[0].token_ids)] for o in cumulative)
+    assert cumulative[-1].outputs[0].token_ids == want and cumulative[-1].finished and delta[-1].finished
 
 
 def test_a_caller_that_leaves_aborts_its_request(llm, engine, monkeypatch):

@@ -236,3 +236,35 @@ def test_lora_modules_forms_and_the_commands_refusals(capsys, tmp_path):
     assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
     assert main(["batch", "in", "out", "--enable-lora", "--lora-modules", "sql"]) != 0
     assert "expected name=path or a JSON object" in capsys.readouterr().err
+
+
+def test_an_engine_process_serves_adapters_and_hears_of_one_unloaded(model, llm):
+    """jaxpage serve's engine process: a request through an adapter gives PEFT's greedy text; an adapter unloaded
+    in the server's process is forgotten by the engine process too (one message, which it takes)."""
+    from jaxpage.entrypoints.engine_process import EngineProcess
+
+    directory, paths, references = model
+    args = dict(model=directory, enable_lora=True, max_loras=2, **TINY_ENGINE)
+    engine = AsyncEngine(EngineProcess(args, warmup=False)).start()
+    server = LiveServer(
+        create_app(engine, "tiny", api_key="sesame", lora_modules=[LoRAModule("all-r8", paths["all-r8"])])
+    )
+    try:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body(PROMPTS[0], "all-r8"), headers=KEY, timeout=120)
+        assert reply.json()["choices"][0]["text"] == greedy_text(llm, references["all-r8"], PROMPTS[0])
+        sent = engine._core._sent
+        assert (
+            httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "all-r8"}, headers=KEY).status_code
+            == 200
+        )
+        assert engine._core._sent == sent + 1  # ("forget_lora", its id)
+        reply = httpx.post(
+            f"{server.url}/v1/completions", json=body(PROMPTS[0]), headers=KEY, timeout=120
+        )  # taken in turn
+        assert reply.status_code == 200 and engine._core._taken == engine._core._sent
+        assert (
+            httpx.post(f"{server.url}/v1/completions", json=body(PROMPTS[0], "all-r8"), headers=KEY).status_code == 404
+        )
+    finally:
+        server.stop()
+        engine.shutdown(timeout_s=5)

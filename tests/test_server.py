@@ -453,14 +453,22 @@ def test_metrics_count_what_clients_received(served, client):
     replies = [
         client.completions.create(model="tiny", prompt=f"Count {i}", max_tokens=3 + i, temperature=0) for i in range(4)
     ]
+    for i in range(2):  # streamed: the engine's outputs hold what each step added
+        stream = client.completions.create(
+            model="tiny", prompt=f"Stream {i}", max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        replies += [chunk for chunk in stream if chunk.usage is not None]
     after = httpx.get(f"{server.url}/metrics").text
     for name in ("jaxpage:generation_tokens_total", "jaxpage:prompt_tokens_total"):
         field = "completion_tokens" if "generation" in name else "prompt_tokens"
         received = sum(getattr(r.usage, field) for r in replies)
         assert metric(after, name) - metric(before, name) == received, name
     count = "jaxpage:time_to_first_token_seconds_count"
-    assert metric(after, count) - metric(before, count) == 4
-    assert metric(after, "jaxpage:e2e_request_latency_seconds_count") >= 4
+    assert metric(after, count) - metric(before, count) == 6
+    assert metric(after, "jaxpage:e2e_request_latency_seconds_count") >= 6
+    itl = "jaxpage:inter_token_latency_seconds_count"
+    assert metric(after, itl) - metric(before, itl) >= 2  # a streamed request's outputs after its first
     assert metric(after, "jaxpage:num_requests_running") == 0 and metric(after, "jaxpage:kv_cache_usage_perc") == 0
     assert metric(after, "jaxpage:prefix_cache_queries_total") >= metric(after, "jaxpage:prefix_cache_hits_total")
 
