@@ -20,6 +20,8 @@ Variants (each a row per batch):
   stop       stream, and each request has two stop strings (that never occur)
   logprobs   stream, and each request asks for logprobs=5
   no-prefix  stream, with prefix caching off
+  engine-process  stream as `jaxpage serve`'s engine process steps it: token ids alone (no detokenizers), the text
+             made in the server's process (jaxpage.engine.output_texts), apart from the loop
 
 Per row: the phases' mean milliseconds per step from LLMEngine.last_step_stats (schedule, the step's arrays,
 outputs = results into the sequences + detokenization, stop checks and RequestOutputs), the garbage collector's
@@ -46,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("final", "stream", "stop", "logprobs", "no-prefix")
+VARIANTS = ("final", "stream", "stop", "logprobs", "no-prefix", "engine-process")
 PROMPT_TOKENS, SHARED_PREFIX = 32, 16
 
 
@@ -180,7 +182,10 @@ def run_row(engine, stub, corpus, batch: int, variant: str, steps: int, max_toke
         start = int(rng.integers(SHARED_PREFIX, len(corpus) - PROMPT_TOKENS))
         prompt = shared + corpus[start : start + PROMPT_TOKENS - SHARED_PREFIX].tolist()
         params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=length, output_kind=kind, **extra)
-        engine.add_request(f"{variant}-{next(serial)}", {"prompt_token_ids": prompt}, params)
+        request = engine.prepare_request(f"{variant}-{next(serial)}", {"prompt_token_ids": prompt}, params)
+        if variant == "engine-process":  # as jaxpage.entrypoints.engine_process makes it its own
+            request.detokenizers = [None] * len(request.seqs)
+        engine.add_prepared_requests([request])
 
     for i in range(batch):  # staggered ends, so that a few requests arrive at every step from the start
         add(1 + (i * max_tokens) // batch)

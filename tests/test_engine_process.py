@@ -34,6 +34,12 @@ def served(full_vocab_dir):
     engine.shutdown(timeout_s=5)
 
 
+@pytest.fixture(scope="module")
+def reference(full_vocab_dir):
+    """An engine of this process on the same model, for LLM.generate's outputs."""
+    return LLM(full_vocab_dir, **ENGINE)
+
+
 @pytest.fixture
 def client(served):
     server, engine = served
@@ -44,10 +50,10 @@ def client(served):
     assert engine.gauges().num_running == 0 and not engine._core.busy()
 
 
-def test_completions_through_the_engine_process_are_llm_generates(client, full_vocab_dir):
+def test_completions_through_the_engine_process_are_llm_generates(client, reference):
     prompts = ["The quick brown fox", "Once upon a time", "Name three colors."]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [o.outputs[0].text for o in LLM(full_vocab_dir, **ENGINE).generate(prompts, params)]
+    want = [o.outputs[0].text for o in reference.generate(prompts, params)]
     extra = {"ignore_eos": True}
     whole = client.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=10, extra_body=extra)
     assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == want
@@ -58,6 +64,33 @@ def test_completions_through_the_engine_process_are_llm_generates(client, full_v
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_text_made_beside_the_engine_process_is_the_engines_own(client, served, reference, stream):
+    """The server's process makes the text of the engine process's token ids (OutputTexts) as LLMEngine makes it:
+    n samples, a stop string that ends one sample early (the engine process is told to stop it), log-probs."""
+    prompt = "The quick brown fox"
+    greedy = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    stop = greedy[0].outputs[0].text[12:15]  # occurs in the greedy sample
+    fields = dict(n=3, seed=7, temperature=0.7, max_tokens=30, stop=[stop], logprobs=2)
+    want = reference.generate([prompt], SamplingParams(**fields, ignore_eos=True))[0].outputs
+    assert "stop" in {w.finish_reason for w in want}
+    sent = served[1]._core._sent
+    got = client.completions.create(
+        model="tiny", prompt=prompt, stream=stream, extra_body={"ignore_eos": True}, **fields
+    )
+    texts, reasons, logprobs = {}, {}, {}
+    for choice in (c for chunk in got for c in chunk.choices) if stream else got.choices:
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+        logprobs.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs if choice.logprobs else [])
+    assert [texts[i] for i in range(3)] == [w.text for w in want]
+    assert [reasons[i] for i in range(3)] == [w.finish_reason for w in want]
+    for i, w in enumerate(want):
+        expected = [entry[t].logprob for entry, t in zip(w.logprobs, w.token_ids, strict=True)]
+        assert logprobs[i] == pytest.approx(expected, abs=1e-5)
+    assert served[1]._core._sent >= sent + 2  # the request, and the samples its stop string ended, told to stop
 
 
 def test_a_bad_request_is_refused_by_the_servers_process(client, served):
@@ -126,3 +159,22 @@ def test_an_engine_process_that_dies_ends_every_stream_and_fails_health(full_voc
 def test_an_engine_process_that_cannot_start_raises_its_error(full_vocab_dir):
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's"):
         EngineProcess(dict(model=full_vocab_dir, **ENGINE | dict(max_model_len=100_000)), warmup=False)
+
+
+def test_stop_samples_ends_the_samples_named_and_the_request_with_the_last(reference):
+    """LLMEngine.stop_samples (a stop string found in the server's process): the samples named end now ("stop",
+    their pages freed), the others run on, and the request's final output comes with the last of them."""
+    engine = reference.engine
+    params = SamplingParams(n=2, seed=1, temperature=0.8, max_tokens=20, ignore_eos=True)
+    engine.add_request("two", "Once", params)
+    for _ in range(3):
+        assert not any(o.finished for o in engine.step())
+    engine.stop_samples("two", [0])
+    engine.stop_samples("nobody", [0])  # passed over
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["stop", "length"]
+    assert len(final.outputs[0].token_ids) < 20 == len(final.outputs[1].token_ids)
+    assert engine.block_manager.num_used_pages == 0

@@ -171,14 +171,15 @@ def test_bench_host_times_every_phase_of_every_variant_and_profiles_one():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
-    variants = ("final", "stream", "stop", "logprobs", "no-prefix")
+    variants = ("final", "stream", "stop", "logprobs", "no-prefix", "engine-process")
     assert sorted((row["batch"], row["variant"]) for row in report["rows"]) == sorted(
         (batch, variant) for batch in (2, 8) for variant in variants
     )
     for row in report["rows"]:
         assert row["seqs_per_step"] == row["batch"]  # each finished request replaced at once
         assert 0 < row["schedule_ms"] + row["arrays_ms"] + row["outputs_ms"] <= row["host_ms"]
-        assert row["text_chars_read"] > 0 and row["meets_target"] == (row["host_ms"] <= row["target_ms"])
+        assert row["meets_target"] == (row["host_ms"] <= row["target_ms"])
+        assert (row["text_chars_read"] > 0) == (row["variant"] != "engine-process")  # whose text is made elsewhere
     assert report["profile"]["batch"] == 8
     assert all(len(report["profile"][phase]) == 3 for phase in ("schedule", "arrays", "outputs"))
     assert "| batch | variant |" in result.stdout

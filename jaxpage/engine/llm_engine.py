@@ -259,6 +259,13 @@ class LLMEngine:
                 if request is not None:
                     self._end_request(request, "abort")
 
+    def stop_samples(self, request_id: str, samples: list[int]) -> None:
+        """Ends samples (indexes) of a request now, "stop": a stop string found where the text is made (the engine
+        process's server: jaxpage.engine.output_texts). Unknown ids and ended samples are passed over."""
+        with self._lock:
+            if request_id in self.output_processor.requests:
+                self._end_request(self.output_processor.requests[request_id], "stop", samples=samples)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
@@ -309,17 +316,12 @@ class LLMEngine:
     # ----- the step -----
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step, schedule -> execute -> update; returns the outputs of the requests that progressed or ended
-        (aborted ones included).
-
-        With asynchronous scheduling (see `async_scheduling`) a step schedules and launches the next one before it
-        waits for the one launched by the call before, whose outputs it returns: the host works while the device
-        does, and outputs come a call later (the first call returns none).
-
-        A request whose own post-processing fails (its detokenization, say) ends with finish_reason "error" and
-        RequestOutput.error saying why; the others go on. If the device step itself fails, no request can be
-        blamed: every unfinished request ends with that error, the pool is made anew, and the engine serves on.
-        """
+        """Runs one step (schedule, execute, update); returns the outputs of the requests that progressed or ended
+        (aborted ones too). With asynchronous scheduling (`async_scheduling`) it launches the next step before it waits
+        for the one the call before launched, whose outputs it returns: the host works while the device does (the
+        first call returns none). A request whose own post-processing fails (its detokenization, say) ends with
+        finish_reason "error" and RequestOutput.error saying why; if the device step fails, no request can be blamed:
+        every unfinished request ends with that error, the pool is made anew, and the engine serves on."""
         with self._lock:
             self._check_leader("step")
             try:
@@ -349,10 +351,10 @@ class LLMEngine:
         )
         return outputs
 
-    def _end_request(self, request: Request, finish_reason: str, error: str | None = None) -> None:
-        """Ends a request outside the normal flow ("abort" or "error"): its unfinished samples stop, its pages are
-        freed, and its final output waits for the next `step()` to return it."""
-        for seq in self.output_processor.end(request, finish_reason, error):
+    def _end_request(self, request: Request, finish_reason: str, error: str | None = None, samples=None) -> None:
+        """Ends a request (or its `samples`) outside the normal flow ("abort", "error", "stop"): its unfinished samples
+        stop, their pages are freed, and its final output waits for the next `step()` to return it."""
+        for seq in self.output_processor.end(request, finish_reason, error, samples):
             self._finish_seq(request.replica, seq)
 
     def _fail_all(self, error: str) -> None:

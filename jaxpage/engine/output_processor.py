@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxpage.lora_request import LoRARequest
@@ -110,6 +111,72 @@ def _delta(completion: CompletionOutput, tokens: int, chars: int, logprobs: int)
     )
 
 
+def add_tokens(
+    completion: CompletionOutput,
+    detokenizer: IncrementalDetokenizer | None,
+    params: SamplingParams,
+    tokens: list[int],
+    finish_reason: str | None,
+    stop_reason: int | None,
+    record_logprobs: Callable[[CompletionOutput, int, int], None] | None = None,
+) -> bool:
+    """Adds a sample's new tokens to its completion, their text (unless detokenizer is None), and the finish reason the
+    engine gave; whether a stop string in the text ended it, where the engine had not (the completion is then cut
+    before the string, finish_reason "stop"). record_logprobs(completion, position, token): the log-probs of each
+    token (None: none asked)."""
+    stops = params.stop
+    if not (stops or record_logprobs):  # tokens and text alone (most steps)
+        completion.token_ids.extend(tokens)
+        if detokenizer is not None:
+            for token in tokens:
+                detokenizer.add(token)
+            completion.text = detokenizer.text
+    else:
+        ended_by_token = finish_reason == "stop"  # a stop token id or EOS: no stop string is looked for
+        last = len(tokens) - 1
+        for position, token in enumerate(tokens):
+            completion.token_ids.append(token)
+            if record_logprobs is not None:
+                record_logprobs(completion, position, token)
+            if detokenizer is None:
+                continue
+            delta = detokenizer.add(token)
+            if not (stops and delta) or (ended_by_token and position == last):
+                continue
+            completion.text = detokenizer.text
+            # vLLM: no stop string ends it before min_tokens
+            early = len(completion.token_ids) <= params.min_tokens
+            if not early and stop_string(completion, params, delta):
+                return finish_reason is None
+        if detokenizer is not None:
+            completion.text = detokenizer.text
+    if finish_reason is not None:
+        completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+    elif stops:
+        # Hold back what could be the start of a stop string, so a stream never shows text it takes back.
+        held = max(map(len, stops)) - 1
+        completion.text = completion.text[: len(completion.text) - held] if held else completion.text
+    return False
+
+
+def stop_string(completion: CompletionOutput, params: SamplingParams, delta: str) -> bool:
+    """Whether the text, grown by `delta`, now holds a stop string: then it is cut before it, and the completion ends
+    ("stop", the string)."""
+    if not delta or not params.stop:
+        return False
+    # A stop string can only be new if it overlaps the delta: search the tail that could hold it.
+    longest = max(map(len, params.stop))
+    tail_start = max(0, len(completion.text) - len(delta) - longest + 1)
+    hits = [(completion.text.find(s, tail_start), s) for s in params.stop]
+    hits = [(pos, s) for pos, s in hits if pos >= 0]
+    if not hits:
+        return False
+    pos, stop = min(hits)
+    completion.text = completion.text[:pos]
+    completion.finish_reason, completion.stop_reason = "stop", stop
+    return True
+
+
 class OutputProcessor:
     """The unfinished requests, by request_id and by their sequences' ids, and their outputs."""
 
@@ -194,66 +261,19 @@ class OutputProcessor:
         not)."""
         index = request.seqs.index(update.seq) if len(request.seqs) > 1 else 0
         completion = request.completions[index]
-        detokenizer = request.detokenizers[index]
+        detokenizer = None if request.detokenized_at_end else request.detokenizers[index]  # (then made at the end)
         params = request.params
         metrics = request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
-        logprobs = result.logprobs is not None and params.logprobs is not None
-        stops = params.stop
-        tokens = update.token_ids
-        if request.detokenized_at_end:
-            detokenizer = None  # its text is made at the end, all at once (final_text)
-        if not (stops or logprobs):  # tokens and text alone (most steps)
-            completion.token_ids.extend(tokens)
-            if detokenizer is not None:
-                for token in tokens:
-                    detokenizer.add(token)
-                completion.text = detokenizer.text
-        else:
-            ended_by_token = update.finish_reason == "stop"  # a stop token id or EOS: no stop string is looked for
-            last = len(update.token_ids) - 1
-            for position, token in enumerate(update.token_ids):
-                completion.token_ids.append(token)
-                if logprobs:
-                    self._record_logprobs(completion, params.logprobs, token, result, (update.row, position))
-                if detokenizer is None:
-                    continue
-                delta = detokenizer.add(token)
-                if not (stops and delta) or (ended_by_token and position == last):
-                    continue
-                completion.text = detokenizer.text
-                # vLLM: no stop string ends it before min_tokens
-                early = len(completion.token_ids) <= params.min_tokens
-                if not early and self._stop_string(completion, params, delta):
-                    return update.finish_reason is None
-            if detokenizer is not None:
-                completion.text = detokenizer.text
-        if update.finish_reason is not None:
-            completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
-        elif stops:
-            # Hold back what could be the start of a stop string, so a stream never shows text it takes back.
-            held = max(map(len, stops)) - 1
-            completion.text = completion.text[: len(completion.text) - held] if held else completion.text
-        return False
+        record = None
+        if result.logprobs is not None and params.logprobs is not None:
 
-    @staticmethod
-    def _stop_string(completion: CompletionOutput, params: SamplingParams, delta: str) -> bool:
-        """Whether the text, grown by `delta`, now holds a stop string: then it is cut before it, and the
-        completion ends ("stop", the string)."""
-        if not delta or not params.stop:
-            return False
-        # A stop string can only be new if it overlaps the delta: search the tail that could hold it.
-        longest = max(map(len, params.stop))
-        tail_start = max(0, len(completion.text) - len(delta) - longest + 1)
-        hits = [(completion.text.find(s, tail_start), s) for s in params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        completion.text = completion.text[:pos]
-        completion.finish_reason, completion.stop_reason = "stop", stop
-        return True
+            def record(completion: CompletionOutput, position: int, token: int) -> None:
+                self._record_logprobs(completion, params.logprobs, token, result, (update.row, position))
+
+        reasons = (update.finish_reason, update.stop_reason)
+        return add_tokens(completion, detokenizer, params, update.token_ids, *reasons, record)
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, at: tuple) -> None:
         logprobs, top_ids, top_values = self._step_logprobs(result)
@@ -286,14 +306,19 @@ class OutputProcessor:
             text = self._token_texts[token] = self.tokenizer.decode([token])
         return text
 
-    def end(self, request: Request, finish_reason: str, error: str | None = None) -> list[Sequence]:
-        """Ends a request outside the normal flow ("abort" or "error"); its final output waits for the next
-        `take_ended`. Returns its unfinished sequences, which the engine must finish."""
+    def end(
+        self, request: Request, finish_reason: str, error: str | None = None, samples: list[int] | None = None
+    ) -> list[Sequence]:
+        """Ends a request outside the normal flow ("abort" or "error"), or only its `samples` (indexes; "stop": a stop
+        string found where the text is made, beside an engine process); its final output waits for the next
+        `take_ended` once every sample has ended. Returns the sequences it ended, which the engine must finish."""
         unfinished = []
-        for seq, completion in zip(request.seqs, request.completions, strict=True):
-            if completion.finish_reason is None:
+        for index, (seq, completion) in enumerate(zip(request.seqs, request.completions, strict=True)):
+            if completion.finish_reason is None and (samples is None or index in samples):
                 completion.finish_reason = finish_reason
                 unfinished.append(seq)
+        if any(completion.finish_reason is None for completion in request.completions):
+            return unfinished
         request.error = error
         request.metrics.finished_time = time.time()
         self._forget(request)

@@ -1,11 +1,12 @@
 """EngineLoop: one LLMEngine stepped by a thread of its own ("jaxpage-engine"), fed through an inbox.
 
 The loop steps while any request is unfinished and otherwise sleeps until something arrives in its inbox: ("add",
-Request) -- a request checked and tokenized already (LLMEngine.prepare_request) -- and ("abort", request_id), in the
-order they were sent, or the stop. Between two steps it takes everything in its inbox, so every request that arrived
-during a step joins the next one. Each turn ends with a LoopTurn handed to `report` in the loop thread: the requests it
-queued or refused, the outputs of its step, and how many requests wait in the engine. If the loop itself dies,
-`on_exit` hears why; after a stop it hears EngineDeadError("the engine has shut down").
+Request) -- a request checked and tokenized already (LLMEngine.prepare_request) --, ("abort", request_id) and
+("stop_samples", (request_id, indexes)), in the order they were sent, or the stop. Between two steps it takes everything
+in its inbox, so every request that arrived during a step joins the next one. Each turn ends with a LoopTurn handed to
+`report` in the loop thread: the requests it queued or refused, the outputs of its step, and how many requests wait in
+the engine. If the loop itself dies, `on_exit` hears why; after a stop it hears EngineDeadError("the engine has shut
+down").
 
 The loop runs where its engine is: beside the server (jaxpage.entrypoints.async_engine) or in an engine process of its
 own (jaxpage.entrypoints.engine_process), whose report sends each turn to the server's process.
@@ -115,6 +116,9 @@ class EngineLoop:
         for kind, item in inbox:
             if kind == "abort":
                 self.engine.abort_request(item)
+                continue
+            if kind == "stop_samples":  # (request_id, indexes): stop strings found where the text is made
+                self.engine.stop_samples(*item)
                 continue
             try:
                 self.engine.add_prepared_requests([item])

@@ -5,16 +5,19 @@ The engine process (spawned, "jaxpage-engine") loads the model, warms it up, and
 (jaxpage.entrypoints.engine_loop) over it; the server's process keeps the HTTP handling, the chat templates and the
 tokenization of new requests, so none of them takes the GIL from the loop that feeds the device. A request is checked
 and tokenized here, by an InputProcessor of this process over the same tokenizer, model facts and arguments (every
-ValueError a caller would get, it gets here, before anything is sent); the engine process then makes it its own from
-the prompt's token ids (the same checks again, cheap without text; its sampling seeds, grammar and LoRA adapter).
-The pipe carries ("add", ...), ("abort", request id) and ("forget_lora", id) one way, and the turns of the loop
-(each its queued and refused requests, its step's outputs, the count waiting, the gauges for the metrics at most every
-GAUGES_EVERY_S) the other way, sent by a thread of the engine process (the loop never waits for this process to read
-them: turns that come meanwhile go together), where a thread of this process hands them to the AsyncEngine.
+ValueError a caller would get, it gets here, before anything is sent); the engine process then makes it its own from the
+prompt's token ids (the same checks again, cheap without text; its sampling seeds, grammar and LoRA adapter). The engine
+gives token ids alone (its requests have no detokenizers), and what each step added; the text is made here, as the turns
+come (jaxpage.engine.output_texts: detokenization, stop strings, the outputs as each caller asks), so detokenization
+takes no time from the loop either; a sample a stop string ends here is stopped in the engine. The pipe carries ("add",
+...), ("abort", request id), ("stop_samples", (request id, indexes)) and ("forget_lora", id) one way, and the turns of
+the loop (each its queued and refused requests, its step's outputs, the count waiting, the gauges for the metrics at
+most every GAUGES_EVERY_S) the other way, sent by a thread of the engine process (the loop never waits for this process
+to read them: turns that come meanwhile go together), where a thread of this process hands them to the AsyncEngine.
 
-If the engine process dies (killed, out of memory), the thread reading its pipe finds the pipe closed: every open
-stream hears EngineDeadError, and /health fails. A model that does not load fails the EngineProcess's construction with
-the engine process's own error.
+If the engine process dies (killed, out of memory), the thread reading its pipe finds the pipe closed: every open stream
+hears EngineDeadError, and /health fails. A model that does not load fails the EngineProcess's construction with the
+engine process's own error.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from jaxpage.config import EngineConfig
 from jaxpage.engine.lora_adapters import LoRAAdapters
 from jaxpage.engine.output_processor import Request
+from jaxpage.engine.output_texts import OutputTexts, engine_output_kind
 from jaxpage.entrypoints.engine_loop import EngineDeadError, EngineLoop, LoopTurn
 from jaxpage.entrypoints.metrics import EngineGauges, engine_gauges
 
@@ -103,6 +107,7 @@ class EngineProcess:
         self._sent = self._taken = 0  # messages sent to the engine process; of them, taken into its loop's inbox
         self._busy = False  # whether the engine had unfinished requests at its latest turn
         self._reader: threading.Thread | None = None
+        self.texts = OutputTexts()  # the text of the engine's outputs, made here
 
     @property
     def engine(self) -> EngineProcess:
@@ -142,12 +147,25 @@ class EngineProcess:
                     self.last_progress, self._taken, self._busy = time.monotonic(), taken, busy
                     if turn.gauges is not None:
                         self._gauges = turn.gauges
-                    report(turn)
+                    report(self._with_texts(turn))
         except (EOFError, OSError):
             self._process.join(timeout=5)
             ended = EngineDeadError(f"the engine process exited (exit code {self._process.exitcode})")
         self.error = ended
         on_exit(ended)
+
+    def _with_texts(self, turn: LoopTurn) -> LoopTurn:
+        """The turn with its outputs' text made (OutputTexts), the samples a stop string ended told to stop."""
+        for request_id, _ in turn.refused:
+            self.texts.forget(request_id)
+        outputs = []
+        for output in turn.outputs:
+            with_text, stopped = self.texts.apply(output)
+            if stopped:
+                self._send(("stop_samples", (output.request_id, stopped)))
+            if with_text is not None:
+                outputs.append(with_text)
+        return dataclasses.replace(turn, outputs=outputs)
 
     def prepare(self, request_id: str, prompt, params, lora_request) -> Request:
         """The checked and tokenized request (LLMEngine.prepare_request's checks), which `send` sends."""
@@ -160,9 +178,11 @@ class EngineProcess:
 
     def send(self, kind: str, item) -> None:
         """("add", a Request from prepare) or ("abort", request id), for the engine loop's next turn."""
-        if kind == "add":
+        if kind == "add":  # the engine gives its token ids; its text is made here (OutputTexts)
+            self.texts.add(item)
             prompt = {"prompt_token_ids": item.prompt_token_ids, "prompt": item.prompt}
-            item = (item.request_id, prompt, item.params, item.metrics.arrival_time, item.lora_request)
+            params = dataclasses.replace(item.params, output_kind=engine_output_kind(item))
+            item = (item.request_id, prompt, params, item.metrics.arrival_time, item.lora_request)
         self._send((kind, item))
 
     def _send(self, message: tuple) -> None:
@@ -249,9 +269,10 @@ def _run_engine(engine_args: dict, warmup: bool, conn, make_engine: Callable | N
             except Exception as e:  # noqa: BLE001 -- its caller hears why
                 report(LoopTurn([], [(request_id, e)], [], engine.num_waiting_requests(), time.monotonic()))
                 continue
+            request.detokenizers = [None] * len(request.seqs)  # token ids alone: the server's process makes the text
             loop.send("add", request)
-        elif kind == "abort":
-            loop.send("abort", item)
+        elif kind in ("abort", "stop_samples"):
+            loop.send(kind, item)
         elif kind == "forget_lora":
             engine.input_processor.lora_adapters.forget(item)
     loop.stop()
