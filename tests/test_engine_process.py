@@ -178,3 +178,32 @@ def test_stop_samples_ends_the_samples_named_and_the_request_with_the_last(refer
     assert final.finished and [c.finish_reason for c in final.outputs] == ["stop", "length"]
     assert len(final.outputs[0].token_ids) < 20 == len(final.outputs[1].token_ids)
     assert engine.block_manager.num_used_pages == 0
+
+
+def test_a_request_whose_text_fails_beside_the_engine_process_ends_with_the_error(reference):
+    """OutputTexts: a request whose detokenizer raises ends with finish_reason "error" (its samples told to stop in
+    the engine, its late outputs passed over); the others go on."""
+    from jaxpage.engine.output_texts import OutputTexts
+    from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from jaxpage.sampling_params import RequestOutputKind
+
+    texts = OutputTexts()
+    params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA)
+    good, bad = (reference.engine.prepare_request(rid, "Once", params) for rid in ("good", "bad"))
+    for request in (good, bad):
+        texts.add(request)
+
+    def broken(token):
+        raise RuntimeError("no text for it")
+
+    bad.detokenizers[0].add = broken
+
+    def engine_output(request_id: str) -> RequestOutput:  # token ids alone, as the engine process gives them
+        return RequestOutput(request_id, None, [1], [CompletionOutput(0, "", [1159, 1553])], False, RequestMetrics(0.0))
+
+    output, stopped = texts.apply(engine_output("bad"))
+    assert output.finished and output.outputs[0].finish_reason == "error" and "no text for it" in output.error
+    assert stopped == [0] and texts.apply(engine_output("bad")) == (None, [])
+    output, stopped = texts.apply(engine_output("good"))
+    assert not output.finished and output.outputs[0].token_ids == [1159, 1553] and output.outputs[0].text
+    assert stopped == [] and output.error is None

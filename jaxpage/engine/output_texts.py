@@ -6,14 +6,19 @@ FINAL_ONLY request without stop strings, its one final output): token ids, their
 the server's process, each request's own detokenizers turn them into text, stop strings are looked for in it (a
 sample a stop string ends is cut there, and the engine must stop it: `apply` says which), and the request's outputs
 are built as its output_kind asks, the same as the engine's own OutputProcessor would build them (the same
-`add_tokens`). Outputs the engine gives after a sample or request ended here are passed over.
+`add_tokens`). Outputs the engine gives after a sample or request ended here are passed over. A request whose own
+text fails here (its detokenizer raising) ends with finish_reason "error" and the engine stops it; the others go on.
 """
 
 from __future__ import annotations
 
+import logging
+
 from jaxpage.engine.output_processor import Request, add_tokens, final_text
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import RequestOutputKind
+
+logger = logging.getLogger("jaxpage")
 
 
 def engine_output_kind(request: Request) -> RequestOutputKind:
@@ -39,6 +44,18 @@ class OutputTexts:
         request = self.requests.get(output.request_id)
         if request is None:  # it ended here already
             return None, []
+        try:
+            return self._apply(request, output)
+        except Exception as e:  # this request's own failure (its detokenization, say): it ends, the others go on
+            logger.exception("request %r failed", request.request_id)
+            unfinished = [i for i, c in enumerate(request.completions) if c.finish_reason is None]
+            for index in unfinished:
+                request.completions[index].finish_reason = "error"
+            request.error = f"{type(e).__name__}: {e}"
+            del self.requests[request.request_id]
+            return request.output(), unfinished
+
+    def _apply(self, request: Request, output: RequestOutput) -> tuple[RequestOutput | None, list[int]]:
         request.metrics, request.error = output.metrics, output.error
         if output.prompt_logprobs is not None:
             request.prompt_logprobs = output.prompt_logprobs

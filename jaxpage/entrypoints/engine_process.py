@@ -23,6 +23,7 @@ engine process's own error.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import signal
 import threading
@@ -36,6 +37,7 @@ from jaxpage.engine.output_texts import OutputTexts, engine_output_kind
 from jaxpage.entrypoints.engine_loop import EngineDeadError, EngineLoop, LoopTurn
 from jaxpage.entrypoints.metrics import EngineGauges, engine_gauges
 
+logger = logging.getLogger("jaxpage")
 GAUGES_EVERY_S = 0.1  # while the engine steps, its gauges come at most this often
 
 
@@ -151,6 +153,10 @@ class EngineProcess:
         except (EOFError, OSError):
             self._process.join(timeout=5)
             ended = EngineDeadError(f"the engine process exited (exit code {self._process.exitcode})")
+        except Exception as e:  # noqa: BLE001 -- a fault of this side: nothing more can be read, nobody may wait
+            logger.exception("reading the engine process's turns failed; it is stopped")
+            self._process.kill()
+            ended = EngineDeadError(f"reading the engine process failed ({type(e).__name__}: {e})")
         self.error = ended
         on_exit(ended)
 
