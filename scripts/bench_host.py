@@ -2,7 +2,7 @@
 detokenizing, stop checks, logprobs), with the device's work stubbed out.
 
     python scripts/bench_host.py [--batches 1,64,256,1024] [--steps 100] [--max-tokens 96] [--variants ...]
-        [--profile-batch 256] [--profile-top 8]
+        [--profile-batch 256] [--profile-top 8] [--profile-variant stream]
 
 The engine is the real LLMEngine over a 2-layer model of the default model's shape at its ends (its full 49,152-token
 vocabulary and its tokenizer, random weights: load_format="dummy"), with the model runner's step replaced by a stub
@@ -28,8 +28,9 @@ outputs = results into the sequences + detokenization, stop checks and RequestOu
 milliseconds per step (gc.callbacks; they fall in any phase), the host's whole time per step (engine.step()'s wall
 time less the stub's own), per sequence in microseconds, and the issue's target (5 us a sequence + 0.2 ms). `stream`
 asks for RequestOutputKind.DELTA, what a server streaming to its clients takes. Then a profile (cProfile) of
---profile-batch's `stream` workload, run once more after the timed rows (a profile slows what it watches), the top
-functions of each phase by their own time. The last line of stdout is one JSON object with every figure.
+--profile-batch's --profile-variant workload (default `stream`), run once more after the timed rows (a profile slows
+what it watches), the top functions of each phase by their own time. The last line of stdout is one JSON object with
+every figure.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def parse_args():
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--profile-batch", type=int, default=256, help="0: no profile")
     parser.add_argument("--profile-top", type=int, default=8)
+    parser.add_argument("--profile-variant", default="stream", choices=[v for v in VARIANTS if v != "no-prefix"])
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.variants = args.variants.split(",")
@@ -269,8 +271,8 @@ def main() -> None:
             if prefix_caching and batch == args.profile_batch:  # again, profiled (a profile slows what it watches)
                 profiles = PhaseProfiles()
                 with profiles.installed():
-                    run_row(engine, stub, corpus, batch, "stream", args.steps, args.max_tokens, profiles)
-                profile_report = {"batch": batch, "variant": "stream", **profiles.report(args.profile_top)}
+                    run_row(engine, stub, corpus, batch, args.profile_variant, args.steps, args.max_tokens, profiles)
+                profile_report = {"batch": batch, "variant": args.profile_variant, **profiles.report(args.profile_top)}
             del engine
     print(f"host work per step ({jax.default_backend()}, device stubbed; ms per step, mean of {args.steps} steps)\n")
     print(
