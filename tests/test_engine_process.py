@@ -156,9 +156,13 @@ def test_an_engine_process_that_dies_ends_every_stream_and_fails_health(full_voc
         engine.shutdown(timeout_s=0)
 
 
-def test_an_engine_process_that_cannot_start_raises_its_error(full_vocab_dir):
+def test_an_engine_process_that_cannot_start_raises_its_error(full_vocab_dir, monkeypatch):
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's"):
         EngineProcess(dict(model=full_vocab_dir, **ENGINE | dict(max_model_len=100_000)), warmup=False)
+    # Arguments EngineConfig refuses fail before any process starts.
+    monkeypatch.setattr("multiprocessing.context.SpawnProcess.start", lambda self: pytest.fail("a process started"))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineProcess(dict(model=full_vocab_dir, **ENGINE | dict(max_num_seqs=0)), warmup=False)
 
 
 def test_stop_samples_ends_the_samples_named_and_the_request_with_the_last(reference):

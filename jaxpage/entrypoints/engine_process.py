@@ -82,6 +82,9 @@ class EngineProcess:
         from jaxpage.engine.input_processor import InputProcessor  # (imports the tokenizers: not for the child's sake)
         from jaxpage.engine.llm_engine import engine_tokenizer
 
+        config = EngineConfig(**engine_args)  # bad arguments fail here, before any process starts
+        self.error: BaseException | None = None
+        self._send_lock = threading.Lock()
         context = multiprocessing.get_context("spawn")  # a fork would copy whatever jax state this process has
         self._conn, child_end = context.Pipe()
         self._process = context.Process(
@@ -89,10 +92,11 @@ class EngineProcess:
         )
         self._process.start()
         child_end.close()
-        self._send_lock = threading.Lock()
-        config = EngineConfig(**engine_args)
-        # The tokenizer loads here while the engine process loads the model.
-        self.tokenizer = None if config.skip_tokenizer_init else engine_tokenizer(config)
+        try:  # the tokenizer loads here while the engine process loads the model
+            self.tokenizer = None if config.skip_tokenizer_init else engine_tokenizer(config)
+        except BaseException:
+            self._process.kill()
+            raise
         facts = self._started(start_timeout_s)
         self.config, self.generation_defaults = facts.config, facts.generation_defaults
         self.max_model_len, self.vocab_size = facts.max_model_len, facts.model_config.vocab_size
@@ -104,7 +108,6 @@ class EngineProcess:
         self.input_processor = InputProcessor(
             self.tokenizer, *sizes, facts.config, facts.eos_token_ids, adapters, defaults
         )
-        self.error: BaseException | None = None
         self.last_progress = time.monotonic()  # when the engine last reported a turn
         self._sent = self._taken = 0  # messages sent to the engine process; of them, taken into its loop's inbox
         self._busy = False  # whether the engine had unfinished requests at its latest turn
