@@ -62,16 +62,21 @@ class Sequence:
     lora_adapter: object = dataclasses.field(default=None, repr=False)
     lora_slot: int = -1
     prefix_root: bytes | None = None
+    # Set by the scheduler when it queues the sequence (Scheduler.add), for its steps' quick checks: the token count
+    # at which its length ends it (max_tokens, max_model_len), and the tokens that end it as soon as they come (EOS
+    # unless ignore_eos, its stop token ids), or None where no token can be judged alone (min_tokens, a grammar).
+    max_num_tokens: int = dataclasses.field(default=2**62, repr=False)
+    ending_tokens: frozenset[int] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
     @functools.cached_property
-    def sampler_row(self) -> tuple[tuple, int]:
-        """(its sampler settings: jaxpage.sampling_params.sampler_settings, its seed mod 2**32), as every step that
-        samples it takes them (worked out once: its sampling params and seed do not change once it is queued)."""
-        return sampler_settings(self.sampling_params), self.seed % 2**32
+    def sampler_row(self) -> tuple[float, int, float, float, int]:
+        """(its sampler settings: jaxpage.sampling_params.sampler_settings, then its seed mod 2**32), as every step
+        that samples it takes them (worked out once: its sampling params and seed do not change once it is queued)."""
+        return (*sampler_settings(self.sampling_params), self.seed % 2**32)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -165,6 +170,13 @@ class SchedulerOutput:
     block_tables: object = None
     window_block_tables: object = None
     num_admitted: int = 0  # the last items of `scheduled` are the sequences admitted from the waiting queue this step
+    # False where the scheduler knows that no item computes prompt log-probs this step (so none are looked for).
+    prompt_logprobs_asked: bool = True
+
+    @functools.cached_property
+    def prompt_logprob_rows(self) -> list[tuple[int, int, int]]:
+        """prompt_logprob_rows(self.scheduled), worked out once."""
+        return prompt_logprob_rows(self.scheduled) if self.prompt_logprobs_asked else []
 
     @property
     def num_batched_tokens(self) -> int:

@@ -137,14 +137,21 @@ class BlockManager:
         All or nothing: returns False and changes nothing if there are not enough pages.
         """
         assert num_new_tokens >= 0, num_new_tokens
-        if _into_own_last_page(self, seq, num_new_tokens):  # (most decode steps)
-            return True
-        if not self.can_allocate(seq, num_new_tokens):
-            return False
-        self._register(seq)
         ps, table = self.page_size, self._table(seq)
         start = seq.num_computed_tokens
         end = start + num_new_tokens
+        last = len(table) - 1
+        if num_new_tokens and start // ps == last and end <= (last + 1) * ps:  # (most decode steps) into its last page:
+            page = table[last]
+            if self._ref_counts[page] == 1 and page not in self._page_key:  # its alone, not in the prefix cache
+                slots, filled = end - last * ps, self._filled_slots  # (_set_filled's, inline)
+                if slots > filled[page]:
+                    self._num_filled_slots += slots - filled[page]
+                    filled[page] = slots
+                return True
+        if not self.can_allocate(seq, num_new_tokens):
+            return False
+        self._register(seq)
         for i in self._shared_pages(seq, num_new_tokens):
             src, dst = table[i], self._take_page()
             if i * ps < start:
@@ -362,21 +369,6 @@ def _register_pages(bm: BlockManager, seq: Sequence, hashes: list[bytes], full_p
             bm._page_key[page] = (key, tokens)
         hashes.append(key)
         parent = key
-
-
-def _into_own_last_page(bm: BlockManager, seq: Sequence, num_new_tokens: int) -> bool:
-    """allocate_slots' short way: when the tokens go into seq's last page, which it alone holds and which is not in
-    the prefix cache, they only fill its slots (True); else nothing is done (False)."""
-    ps, table = bm.page_size, bm._table(seq)
-    start, last = seq.num_computed_tokens, len(table) - 1
-    end = start + num_new_tokens
-    if not num_new_tokens or start // ps != last or end > len(table) * ps:
-        return False
-    page = table[last]
-    if bm._ref_counts[page] != 1 or page in bm._page_key:
-        return False
-    bm._set_filled(page, end - last * ps)
-    return True
 
 
 def _cached_chain(bm: BlockManager, token_ids: list[int], root: bytes | None) -> list[tuple]:

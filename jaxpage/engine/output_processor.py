@@ -8,6 +8,7 @@ A stop string it finds ends a sample: it says which sequences, and the engine ha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ class Request:
     sent: list[tuple[int, int, int]] | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs through
 
-    @property
+    @functools.cached_property  # (its params do not change)
     def detokenized_at_end(self) -> bool:
         """Whether its text is made when it ends, not token by token: nothing reads it before (FINAL_ONLY) and no
         stop string is looked for in it."""
@@ -54,14 +55,18 @@ class Request:
         """Its output now, as its params' output_kind says: everything so far (CUMULATIVE, FINAL_ONLY), or what is
         new since the last output (DELTA)."""
         completions = self.completions
-        finished = all(c.finish_reason is not None for c in completions)
+        if len(completions) == 1:
+            finished = completions[0].finish_reason is not None
+        else:
+            finished = all([c.finish_reason is not None for c in completions])
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         if self.params.output_kind is RequestOutputKind.DELTA:
-            if self.sent is not None:  # the prompt's log-probs came with the first output
+            sent = self.sent
+            if sent is not None:  # the prompt's log-probs came with the first output
                 prompt_logprobs = None
-            sent = self.sent or [(0, 0, 0)] * len(completions)
-            outputs = [_delta(c, *since) for c, since in zip(completions, sent, strict=True)]
-            self.sent = [(len(c.token_ids), len(c.text), len(c.logprobs or ())) for c in completions]
+            else:
+                sent = self.sent = [(0, 0, 0)] * len(completions)
+            outputs = [_delta(c, sent, i) for i, c in enumerate(completions)]
         else:
             outputs = [
                 CompletionOutput(
@@ -96,18 +101,16 @@ def final_text(request: Request) -> None:
             completion.text = detokenizer.text
 
 
-def _delta(completion: CompletionOutput, tokens: int, chars: int, logprobs: int) -> CompletionOutput:
-    """What `completion` holds past its first `tokens` token ids, `chars` characters and `logprobs` log-probs."""
+def _delta(completion: CompletionOutput, sent: list[tuple[int, int, int]], index: int) -> CompletionOutput:
+    """What `completion` holds past what `sent[index]` says its outputs gave already (token ids, characters of text,
+    log-probs), which it then counts as given."""
     c = completion
-    new_logprobs = None if c.logprobs is None else c.logprobs[logprobs:]
+    tokens, chars, logprobs = sent[index]
+    token_ids, text, all_logprobs = c.token_ids, c.text, c.logprobs
+    sent[index] = (len(token_ids), len(text), len(all_logprobs) if all_logprobs else 0)
+    new_logprobs = None if all_logprobs is None else all_logprobs[logprobs:]
     return CompletionOutput(
-        c.index,
-        c.text[chars:],
-        c.token_ids[tokens:],
-        c.cumulative_logprob,
-        new_logprobs,
-        c.finish_reason,
-        c.stop_reason,
+        c.index, text[chars:], token_ids[tokens:], c.cumulative_logprob, new_logprobs, c.finish_reason, c.stop_reason
     )
 
 
@@ -259,21 +262,22 @@ class OutputProcessor:
     def _add_tokens(self, request: Request, update: SequenceUpdate, result, now: float) -> bool:
         """Adds a sample's new tokens to its completion; whether a stop string ended it (where the scheduler had
         not)."""
-        index = request.seqs.index(update.seq) if len(request.seqs) > 1 else 0
+        seqs = request.seqs
+        index = seqs.index(update.seq) if len(seqs) > 1 else 0
         completion = request.completions[index]
         detokenizer = None if request.detokenized_at_end else request.detokenizers[index]  # (then made at the end)
         params = request.params
         metrics = request.metrics
-        metrics.first_token_time = metrics.first_token_time or now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
         metrics.last_token_time = now
         record = None
-        if result.logprobs is not None and params.logprobs is not None:
+        if params.logprobs is not None and result.logprobs is not None:
 
             def record(completion: CompletionOutput, position: int, token: int) -> None:
                 self._record_logprobs(completion, params.logprobs, token, result, (update.row, position))
 
-        reasons = (update.finish_reason, update.stop_reason)
-        return add_tokens(completion, detokenizer, params, update.token_ids, *reasons, record)
+        return add_tokens(completion, detokenizer, params, update.token_ids, update.finish_reason, update.stop_reason, record)
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, at: tuple) -> None:
         logprobs, top_ids, top_values = self._step_logprobs(result)

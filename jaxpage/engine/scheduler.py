@@ -77,6 +77,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        params, max_model_len = seq.sampling_params, self.config.max_model_len
+        seq.max_num_tokens = max_model_len if max_model_len is not None else seq.max_num_tokens
+        if params is not None and params.max_tokens is not None:
+            seq.max_num_tokens = min(seq.max_num_tokens, seq.num_prompt_tokens + params.max_tokens)
+        if seq.controls is None and (params is None or not params.min_tokens):
+            eos = frozenset() if params is not None and params.ignore_eos else self.config.eos_token_ids
+            seq.ending_tokens = frozenset(eos) | frozenset(params.stop_token_ids if params is not None else ())
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -115,12 +122,18 @@ class Scheduler:
         assert not drafts or self.can_draft(), "drafts are for steps without prefill"
 
         allocate = self.block_manager.allocate_slots
+        running_status = SequenceStatus.RUNNING
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or (seq.num_pending_tokens and self._ends_by_length(seq)):
-                continue  # preempted earlier in this loop, or a pending token ends it
-            computed, num_new = seq.num_computed_tokens, seq.num_uncomputed_tokens  # (to its end: it samples)
+            if seq.status is not running_status:
+                continue  # preempted earlier in this loop
+            pending = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + pending
+            if pending and num_tokens >= seq.max_num_tokens:
+                continue  # a pending token ends it by its length
+            computed = seq.num_computed_tokens
+            num_new = num_tokens - computed  # (to its end: it samples)
             if not drafts and 0 < num_new <= budget and computed >= len(seq.prompt_token_ids) - 1:  # decoding
                 if allocate(seq, num_new):
                     scheduled.append(ScheduledSequence(seq, computed, num_new, (), True))
@@ -150,7 +163,9 @@ class Scheduler:
         manager = self.block_manager
         copies = (manager.take_copies(), manager.take_window_copies())
         tables = manager.block_tables([item.seq for item in scheduled]) if scheduled else (None, None)
-        return SchedulerOutput(scheduled, *copies, self._lora_loads, manager.take_transfers(), *tables, len(admitted))
+        asked = self._prompt_logprob_rows < PROMPT_LOGPROB_TOKENS  # (an item that computes some took rows for them)
+        transfers = manager.take_transfers()
+        return SchedulerOutput(scheduled, *copies, self._lora_loads, transfers, *tables, len(admitted), asked)
 
     def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""
@@ -241,16 +256,6 @@ class Scheduler:
             item.seq.num_computed_tokens += item.num_new_tokens
             item.seq.num_pending_tokens += item.samples
 
-    def _ends_by_length(self, seq: Sequence) -> bool:
-        """Whether a pending token ends seq by max_tokens or max_model_len, whatever its value."""
-        return seq.num_pending_tokens > 0 and self._reaches_length(seq, seq.num_tokens + seq.num_pending_tokens)
-
-    def _reaches_length(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether seq with num_tokens tokens (its prompt's included) is at max_tokens or max_model_len."""
-        max_tokens = seq.sampling_params.max_tokens if seq.sampling_params is not None else None
-        if max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens:
-            return True
-        return self.config.max_model_len is not None and num_tokens >= self.config.max_model_len
 
     def update_from_output(
         self,
@@ -271,8 +276,8 @@ class Scheduler:
         K/V a draft model's pool holds after this step (jaxpage.spec_decode), kept at most the computed tokens.
         Returns an update per item that sampled, in order."""
         updates = []
-        rows = token_ids.tolist()  # one conversion, not one a row
         drafting = token_ids.shape[1] > 1  # a verify step (else each row's one token, no drafts)
+        rows = token_ids.tolist() if drafting else token_ids[:, 0].tolist()  # one conversion, not one a row
         accepted_rows = num_accepted.tolist() if drafting and num_accepted is not None else None
         manager = self.block_manager
         windowed = manager.sliding_window is not None
@@ -294,14 +299,23 @@ class Scheduler:
                         manager.free_outside_window(seq)
                 continue
             seq.num_pending_tokens -= 1
-            new_tokens = rows[i][: accepted + 1]
-            finish_reason = stop_reason = None
-            for position, token in enumerate(new_tokens):
+            if drafting:
+                new_tokens = rows[i][: accepted + 1]
+                for position, token in enumerate(new_tokens):
+                    seq.append_token(token)
+                    finish_reason, stop_reason = self._finished_by(seq, token)
+                    if finish_reason is not None:
+                        del new_tokens[position + 1 :]
+                        break
+            else:  # (most steps: one token, which most often ends nothing)
+                token = rows[i]
+                new_tokens = [token]
                 seq.append_token(token)
-                finish_reason, stop_reason = self._finished_by(seq, token)
-                if finish_reason is not None:
-                    del new_tokens[position + 1 :]
-                    break
+                ending = seq.ending_tokens
+                if ending is None or token in ending or len(seq.token_ids) >= seq.max_num_tokens:
+                    finish_reason, stop_reason = self._finished_by(seq, token)
+                else:
+                    finish_reason = stop_reason = None
             if running:
                 manager.cache_full_pages(seq)
                 if windowed:
@@ -337,7 +351,7 @@ class Scheduler:
         if params is not None and not (params.stop_token_ids or params.min_tokens or seq.controls is not None):
             if token in self.config.eos_token_ids and not params.ignore_eos:  # (most tokens: none of these)
                 return "stop", None
-            return ("length", None) if self._reaches_length(seq, len(seq.token_ids)) else (None, None)
+            return ("length", None) if len(seq.token_ids) >= seq.max_num_tokens else (None, None)
         # stop ids cannot end it before min_tokens
         early = params is not None and params.min_tokens and seq.num_known_output_tokens < params.min_tokens
         if params is not None and token in params.stop_token_ids and not early:
@@ -346,6 +360,6 @@ class Scheduler:
             return "stop", None
         if seq.controls is not None and seq.controls.grammar_ended:
             return "stop", None
-        if self._reaches_length(seq, len(seq.token_ids)):
+        if len(seq.token_ids) >= seq.max_num_tokens:
             return "length", None
         return None, None

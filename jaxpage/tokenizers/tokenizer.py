@@ -211,7 +211,15 @@ class IncrementalDetokenizer:
         if self._backend is None:
             self.num_tokens += 1
             return self._add_decoding(token_id)
-        return self._stream_step(token_id, 1)
+        try:  # (_stream_step's, inline: once a token)
+            delta = self._stream.step(self._backend, token_id)
+        except Exception as e:
+            delta = self._afresh(e, token_id)
+        self.num_tokens += 1
+        if not delta:
+            return ""
+        self.text += delta
+        return delta
 
     def extend(self, token_ids: list[int]) -> str:
         """Appends tokens, as many `add` calls would (with DecodeStream in one call, a fifth of the cost a token);
@@ -225,15 +233,20 @@ class IncrementalDetokenizer:
         try:
             delta = self._stream.step(self._backend, ids)
         except Exception as e:
-            if not str(e).startswith("Invalid prefix"):
-                raise
-            self._stream = self._new_stream(skip_special_tokens=self._skip_special)
-            delta = self._stream.step(self._backend, ids)
+            delta = self._afresh(e, ids)
         self.num_tokens += count
         if not delta:
             return ""
         self.text += delta
         return delta
+
+    def _afresh(self, error: Exception, ids: int | list[int]) -> str | None:
+        """After DecodeStream.step raised `error`: a stream out of step starts afresh at `ids` (its delta); any other
+        error is raised again."""
+        if not str(error).startswith("Invalid prefix"):
+            raise error
+        self._stream = self._new_stream(skip_special_tokens=self._skip_special)
+        return self._stream.step(self._backend, ids)
 
     def _add_decoding(self, token_id: int) -> str:
         self._ids.append(token_id)

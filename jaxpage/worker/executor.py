@@ -188,7 +188,7 @@ class Executor:
     def _prompt_logprobs(self, outputs: list[SchedulerOutput]) -> tuple | None:
         """After a step's launch: the program of the prompt log-probs its items asked for (see
         StepOutput.prompt_logprobs), launched; None when no item asked (nothing is launched)."""
-        if not any(prompt_logprob_rows(output.scheduled) for output in outputs):
+        if not any(output.prompt_logprob_rows for output in outputs):
             return None
         runner = self.runners[0]
         targets = runner.inputs.stacked([runner.inputs.prompt_targets(output) for output in outputs])

@@ -14,9 +14,9 @@ import numpy as np
 from jaxpage.attention import PagedBatch
 from jaxpage.sample.logits_controls import bitmask_words
 from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
-from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_settings
+from jaxpage.sample.sampler import SamplingMetadata
 from jaxpage.sampling_params import GREEDY_SETTINGS, SamplingParams
-from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput, prompt_logprob_rows
+from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput
 from jaxpage.structured.bitmask import fill_grammar_bitmasks
 from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK
 from jaxpage.worker.kv_pool import COPY_CHUNK
@@ -77,14 +77,20 @@ def split_step_flag(flag: int) -> tuple[int, bool, bool]:
 def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
     """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
     padded to num_rows."""
-    seqs = [item.seq for item in items]
-    rows = [seq.sampler_row for seq in seqs]  # (settings, seed), worked out once per sequence
-    return sampling_metadata_from_settings(
-        [settings if item.samples else GREEDY_SETTINGS for item, (settings, _) in zip(items, rows, strict=True)],
-        steps=[seq.num_output_tokens for seq in seqs],
-        seeds=[seed for _, seed in rows],
-        num_rows=num_rows,
-    )
+    count = len(items)
+    if count > num_rows:
+        raise ValueError(f"{count} rows do not fit in num_rows={num_rows}")
+    table = np.empty((num_rows, 5), np.float64)  # each row's settings, then its seed (exact: below 2**32)
+    table[:] = (*GREEDY_SETTINGS, 0)
+    steps = np.zeros(num_rows, np.int32)
+    if count:
+        seqs = [item.seq for item in items]
+        table[:count] = [seq.sampler_row for seq in seqs]  # worked out once per sequence
+        idle = [row for row, item in enumerate(items) if not item.samples]
+        table[idle, :4] = GREEDY_SETTINGS
+        steps[:count] = [len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs]
+    temperature, top_p, min_p = (table[:, column].astype(np.float32) for column in (0, 2, 3))
+    return SamplingMetadata(temperature, table[:, 1].astype(np.int32), top_p, min_p, table[:, 4].astype(np.uint32), steps)
 
 
 def token_lora_slots(items: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
@@ -230,7 +236,7 @@ class StepInputs:
             slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)), window_slots, window_tables
         )
         prompt_indices = np.zeros(PROMPT_LOGPROB_TOKENS, np.int32)
-        rows = prompt_logprob_rows(items)
+        rows = output.prompt_logprob_rows
         assert len(rows) <= PROMPT_LOGPROB_TOKENS, len(rows)  # the scheduler keeps them within
         prompt_indices[: len(rows)] = [token for _, token, _ in rows]
         fed_tokens = np.zeros(self.max_sample_rows, np.int32)
@@ -271,7 +277,7 @@ class StepInputs:
         """[PROMPT_LOGPROB_TOKENS] int32: the prompt token each row of prompt log-probs is asked about (0 past
         them), in prompt_logprob_rows' order."""
         targets = np.zeros(PROMPT_LOGPROB_TOKENS, np.int32)
-        rows = prompt_logprob_rows(output.scheduled)
+        rows = output.prompt_logprob_rows
         targets[: len(rows)] = [output.scheduled[i].seq.token_ids[position] for i, _, position in rows]
         return targets
 
