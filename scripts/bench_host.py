@@ -20,8 +20,9 @@ Variants (each a row per batch):
   stop       stream, and each request has two stop strings (that never occur)
   logprobs   stream, and each request asks for logprobs=5
   no-prefix  stream, with prefix caching off
-  engine-process  stream as `jaxpage serve`'s engine process steps it: token ids alone (no detokenizers), the text
-             made in the server's process (jaxpage.engine.output_texts), apart from the loop
+  engine-process  stream as `jaxpage serve`'s engine process steps it: token ids alone (no detokenizers; outputs
+             after a request's first as TokenDeltas), each step's outputs pickled as its turn is sent (counted: the
+             engine process's work); the text is made in the server's process (jaxpage.engine.output_texts)
 
 Per row: the phases' mean milliseconds per step from LLMEngine.last_step_stats (schedule, the step's arrays,
 outputs = results into the sequences + detokenization, stop checks and RequestOutputs), the garbage collector's
@@ -41,6 +42,7 @@ import cProfile
 import gc
 import io
 import json
+import pickle
 import pstats
 import statistics
 import tempfile
@@ -187,6 +189,7 @@ def run_row(engine, stub, corpus, batch: int, variant: str, steps: int, max_toke
         request = engine.prepare_request(f"{variant}-{next(serial)}", {"prompt_token_ids": prompt}, params)
         if variant == "engine-process":  # as jaxpage.entrypoints.engine_process makes it its own
             request.detokenizers = [None] * len(request.seqs)
+            request.token_deltas = True
         engine.add_prepared_requests([request])
 
     for i in range(batch):  # staggered ends, so that a few requests arrive at every step from the start
@@ -203,11 +206,15 @@ def run_row(engine, stub, corpus, batch: int, variant: str, steps: int, max_toke
         stub_before = stub.seconds
         start = time.perf_counter()
         outputs = engine.step()
+        if variant == "engine-process":  # its turn pickled, as the engine process sends it (under the same GIL)
+            pickle.dumps(outputs, protocol=pickle.HIGHEST_PROTOCOL)
         wall = time.perf_counter() - start
         if profiles is not None:
             profiles.enabled = False
         finished = 0
         for output in outputs:  # the caller: what it reads
+            if isinstance(output, tuple):  # a TokenDelta (engine-process): never a request's last output
+                continue
             consumed += len(output.outputs[0].text)
             finished += output.finished
         for _ in range(finished):

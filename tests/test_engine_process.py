@@ -6,6 +6,7 @@ fails with its own error. The model is tiny and random, with SmolLM2's tokenizer
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -211,3 +212,44 @@ def test_a_request_whose_text_fails_beside_the_engine_process_ends_with_the_erro
     output, stopped = texts.apply(engine_output("good"))
     assert not output.finished and output.outputs[0].token_ids == [1159, 1553] and output.outputs[0].text
     assert stopped == [] and output.error is None
+
+
+def test_token_deltas_make_the_engines_own_text(reference):
+    """An engine process's request (token ids alone, Request.token_deltas) gives its first and last outputs as
+    RequestOutputs and those between as TokenDeltas; OutputTexts makes of them the text and tokens the engine gives
+    a request of its own (n = 2, a stop string, streamed), the samples a stop string ends told to stop."""
+    from jaxpage.engine.output_texts import OutputTexts, engine_output_kind
+    from jaxpage.outputs import RequestOutput
+    from jaxpage.sampling_params import RequestOutputKind
+
+    engine = reference.engine
+    greedy = reference.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    fields = dict(n=2, seed=5, temperature=0.8, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(**fields, stop=[greedy[0].outputs[0].text[6:8]])
+
+    def run(request_id: str, texts: OutputTexts | None) -> tuple[dict, dict, list]:
+        mine = engine.prepare_request(request_id, "Once upon", params)
+        if texts is not None:  # as EngineProcess.send and the engine process make it
+            texts.add(mine)
+            engine_params = dataclasses.replace(params, output_kind=engine_output_kind(mine))
+            request = engine.prepare_request(request_id, "Once upon", engine_params)
+            request.detokenizers, request.token_deltas = [None] * 2, True
+        engine.add_prepared_requests([request if texts is not None else mine])
+        text, tokens, kinds = {0: "", 1: ""}, {0: [], 1: []}, []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                kinds.append(type(output))
+                if texts is not None:
+                    output, stopped = texts.apply(output)
+                    if stopped:
+                        engine.stop_samples(request_id, stopped)
+                for c in output.outputs if output is not None else ():
+                    text[c.index] += c.text
+                    tokens[c.index] += c.token_ids
+        return text, tokens, kinds
+
+    own = run("own", None)
+    beside = run("beside", OutputTexts())
+    assert beside[:2] == own[:2] and any(own[0].values())
+    assert beside[2][0] is RequestOutput and beside[2][-1] is RequestOutput and tuple in beside[2]
+    assert set(own[2]) == {RequestOutput}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpage.engine.step_stats import StepStats, attended_keys_of
+from jaxpage.worker.step_shapes import StepShape
 
 
 def decode(computed: int) -> SimpleNamespace:
@@ -18,7 +19,7 @@ def decode(computed: int) -> SimpleNamespace:
 
 def stats(items: list, model) -> StepStats:
     step = SimpleNamespace(scheduled=items, num_batched_tokens=len(items))
-    result = SimpleNamespace(shape="decode(T=2, S=2, R=8)", prepare_s=0.0, device_s=0.0)
+    result = SimpleNamespace(shape=StepShape(2, 2, 8, 1), prepare_s=0.0, device_s=0.0)
     return StepStats.of([step], [result], [], len(items), 0.0, 0.0, model)
 
 

@@ -140,15 +140,8 @@ class BlockManager:
         ps, table = self.page_size, self._table(seq)
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        last = len(table) - 1
-        if num_new_tokens and start // ps == last and end <= (last + 1) * ps:  # (most decode steps) into its last page:
-            page = table[last]
-            if self._ref_counts[page] == 1 and page not in self._page_key:  # its alone, not in the prefix cache
-                slots, filled = end - last * ps, self._filled_slots  # (_set_filled's, inline)
-                if slots > filled[page]:
-                    self._num_filled_slots += slots - filled[page]
-                    filled[page] = slots
-                return True
+        if num_new_tokens and _into_own_last_page(self, table, start, end):  # (most decode steps)
+            return True
         if not self.can_allocate(seq, num_new_tokens):
             return False
         self._register(seq)
@@ -369,6 +362,23 @@ def _register_pages(bm: BlockManager, seq: Sequence, hashes: list[bytes], full_p
             bm._page_key[page] = (key, tokens)
         hashes.append(key)
         parent = key
+
+
+def _into_own_last_page(bm: BlockManager, table: list[int], start: int, end: int) -> bool:
+    """allocate_slots' short way, for tokens [start, end) of a sequence with block table `table`: when they go into
+    its last page, which it alone holds and which is not in the prefix cache, they only fill its slots (True); else
+    nothing is done (False)."""
+    ps, last = bm.page_size, len(table) - 1
+    if start // ps != last or end > (last + 1) * ps:
+        return False
+    page = table[last]
+    if bm._ref_counts[page] != 1 or page in bm._page_key:
+        return False
+    slots, filled = end - last * ps, bm._filled_slots  # (_set_filled's, inline)
+    if slots > filled[page]:
+        bm._num_filled_slots += slots - filled[page]
+        filled[page] = slots
+    return True
 
 
 def _cached_chain(bm: BlockManager, token_ids: list[int], root: bytes | None) -> list[tuple]:

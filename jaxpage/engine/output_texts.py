@@ -2,7 +2,9 @@
 the text: jaxpage.entrypoints.engine_process). Host-only (no jax).
 
 The engine runs each request without detokenizers and gives what each step added (RequestOutputKind.DELTA; a
-FINAL_ONLY request without stop strings, its one final output): token ids, their log-probs, finish reasons. Here, in
+FINAL_ONLY request without stop strings, its one final output): token ids, their log-probs, finish reasons, as a
+RequestOutput where it carries more than token ids (a request's first and last outputs, log-probs), else as a
+TokenDelta (jaxpage.engine.output_processor: plain values, cheap to build and to pickle). Here, in
 the server's process, each request's own detokenizers turn them into text, stop strings are looked for in it (a
 sample a stop string ends is cut there, and the engine must stop it: `apply` says which), and the request's outputs
 are built as its output_kind asks, the same as the engine's own OutputProcessor would build them (the same
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxpage.engine.output_processor import Request, add_tokens, final_text
+from jaxpage.engine.output_processor import Request, TokenDelta, add_tokens, final_text
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import RequestOutputKind
 
@@ -37,11 +39,11 @@ class OutputTexts:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def apply(self, output: RequestOutput) -> tuple[RequestOutput | None, list[int]]:
+    def apply(self, output: RequestOutput | TokenDelta) -> tuple[RequestOutput | None, list[int]]:
         """(the request's output with its text, as its output_kind asks, or None where there is none to give; the
         samples, by index, that a stop string ended here, which the engine must stop). `output`: the engine's, of
-        token ids alone."""
-        request = self.requests.get(output.request_id)
+        token ids alone (a TokenDelta after a request's first)."""
+        request = self.requests.get(output[0] if isinstance(output, tuple) else output.request_id)
         if request is None:  # it ended here already
             return None, []
         try:
@@ -55,22 +57,27 @@ class OutputTexts:
             del self.requests[request.request_id]
             return request.output(), unfinished
 
-    def _apply(self, request: Request, output: RequestOutput) -> tuple[RequestOutput | None, list[int]]:
-        request.metrics, request.error = output.metrics, output.error
-        if output.prompt_logprobs is not None:
-            request.prompt_logprobs = output.prompt_logprobs
-        for seq in request.seqs:
-            seq.num_cached_tokens = output.num_cached_tokens
+    def _apply(self, request: Request, output: RequestOutput | TokenDelta) -> tuple[RequestOutput | None, list[int]]:
+        if isinstance(output, tuple):  # a TokenDelta: (request_id, (token ids, finish_reason, stop_reason) a sample)
+            given = [(index, *delta, None) for index, delta in enumerate(output[1])]
+        else:
+            request.metrics, request.error = output.metrics, output.error
+            if output.prompt_logprobs is not None:
+                request.prompt_logprobs = output.prompt_logprobs
+            for seq in request.seqs:
+                seq.num_cached_tokens = output.num_cached_tokens
+            given = [
+                (c.index, c.token_ids, c.finish_reason, c.stop_reason, None if c.logprobs is None else _recorder(c))
+                for c in output.outputs
+            ]
         stopped = []
-        for given in output.outputs:
-            completion = request.completions[given.index]
+        for index, token_ids, finish_reason, stop_reason, record in given:
+            completion = request.completions[index]
             if completion.finish_reason is not None:  # ended here by a stop string: the engine's late tokens
                 continue
-            detokenizer = None if request.detokenized_at_end else request.detokenizers[given.index]
-            record = None if given.logprobs is None else _recorder(given)
-            reasons = (given.finish_reason, given.stop_reason)
-            if add_tokens(completion, detokenizer, request.params, given.token_ids, *reasons, record):
-                stopped.append(given.index)
+            detokenizer = None if request.detokenized_at_end else request.detokenizers[index]
+            if add_tokens(completion, detokenizer, request.params, token_ids, finish_reason, stop_reason, record):
+                stopped.append(index)
         if all(c.finish_reason is not None for c in request.completions):
             del self.requests[request.request_id]
             final_text(request)

@@ -303,7 +303,7 @@ class Scheduler:
                 new_tokens = rows[i][: accepted + 1]
                 for position, token in enumerate(new_tokens):
                     seq.append_token(token)
-                    finish_reason, stop_reason = self._finished_by(seq, token)
+                    finish_reason, stop_reason = _finished_by(seq, token, self.config.eos_token_ids)
                     if finish_reason is not None:
                         del new_tokens[position + 1 :]
                         break
@@ -313,7 +313,7 @@ class Scheduler:
                 seq.append_token(token)
                 ending = seq.ending_tokens
                 if ending is None or token in ending or len(seq.token_ids) >= seq.max_num_tokens:
-                    finish_reason, stop_reason = self._finished_by(seq, token)
+                    finish_reason, stop_reason = _finished_by(seq, token, self.config.eos_token_ids)
                 else:
                     finish_reason = stop_reason = None
             if running:
@@ -342,24 +342,22 @@ class Scheduler:
         if rejected and running:
             self.block_manager.release_slots(seq, seq.num_computed_tokens)
 
-    def _finished_by(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
-        """(finish_reason, stop_reason) of a sequence whose last token is `token`: ("stop", token) for a stop token
-        id, ("stop", None) for EOS (neither while the output is shorter than min_tokens) or a complete grammar,
-        ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings
-        are the output processor's (jaxpage.engine.output_processor)."""
-        params = seq.sampling_params
-        if params is not None and not (params.stop_token_ids or params.min_tokens or seq.controls is not None):
-            if token in self.config.eos_token_ids and not params.ignore_eos:  # (most tokens: none of these)
-                return "stop", None
-            return ("length", None) if len(seq.token_ids) >= seq.max_num_tokens else (None, None)
-        # stop ids cannot end it before min_tokens
-        early = params is not None and params.min_tokens and seq.num_known_output_tokens < params.min_tokens
-        if params is not None and token in params.stop_token_ids and not early:
-            return "stop", token
-        if (params is None or not params.ignore_eos) and token in self.config.eos_token_ids and not early:
-            return "stop", None
-        if seq.controls is not None and seq.controls.grammar_ended:
-            return "stop", None
-        if len(seq.token_ids) >= seq.max_num_tokens:
-            return "length", None
-        return None, None
+
+def _finished_by(seq: Sequence, token: int, eos_token_ids: frozenset[int]) -> tuple[str | None, int | None]:
+    """(finish_reason, stop_reason) of a sequence whose last token is `token`: ("stop", token) for a stop token
+    id, ("stop", None) for EOS (neither while the output is shorter than min_tokens) or a complete grammar,
+    ("length", None) at max_tokens or max_model_len, else (None, None). Stop strings are the output processor's
+    (jaxpage.engine.output_processor). update_from_output asks only where the token may end it (Sequence.ending_tokens,
+    max_num_tokens)."""
+    params = seq.sampling_params
+    # stop ids cannot end it before min_tokens
+    early = params is not None and params.min_tokens and seq.num_known_output_tokens < params.min_tokens
+    if params is not None and token in params.stop_token_ids and not early:
+        return "stop", token
+    if (params is None or not params.ignore_eos) and token in eos_token_ids and not early:
+        return "stop", None
+    if seq.controls is not None and seq.controls.grammar_ended:
+        return "stop", None
+    if len(seq.token_ids) >= seq.max_num_tokens:
+        return "length", None
+    return None, None

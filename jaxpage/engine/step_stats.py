@@ -54,12 +54,13 @@ class StepStats:
         sliding = sum(model.sliding_layers)  # layers that see the window, the others every key
         windows = [(model.sliding_window, sliding), (None, model.num_layers - sliding)]
         keys = sum(n * int(attended_keys_of(computed, counts, window).sum()) for window, n in windows if n)
+        verified = any(result.shape.num_draft_positions for result in results)  # (else no item has drafts)
         return cls(
             num_seqs=len(every),
             num_tokens=int(counts.sum()),
             num_decodes=int(np.count_nonzero(counts == 1)),
-            num_draft_tokens=sum(len(item.draft_token_ids) for item in every if item.draft_token_ids),
-            num_accepted_tokens=sum(update.num_accepted for update in updates if update.num_accepted),
+            num_draft_tokens=sum(len(item.draft_token_ids) for item in every) if verified else 0,
+            num_accepted_tokens=sum(update.num_accepted for update in updates) if verified else 0,
             num_sampled=num_sampled,
             num_attended_keys=keys / model.num_layers,
             shape=str(results[0].shape),

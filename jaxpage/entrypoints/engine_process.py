@@ -7,7 +7,8 @@ tokenization of new requests, so none of them takes the GIL from the loop that f
 and tokenized here, by an InputProcessor of this process over the same tokenizer, model facts and arguments (every
 ValueError a caller would get, it gets here, before anything is sent); the engine process then makes it its own from the
 prompt's token ids (the same checks again, cheap without text; its sampling seeds, grammar and LoRA adapter). The engine
-gives token ids alone (its requests have no detokenizers), and what each step added; the text is made here, as the turns
+gives token ids alone (its requests have no detokenizers), and what each step added (a request's outputs after its
+first as TokenDeltas, plain values, where they carry nothing more); the text is made here, as the turns
 come (jaxpage.engine.output_texts: detokenization, stop strings, the outputs as each caller asks), so detokenization
 takes no time from the loop either; a sample a stop string ends here is stopped in the engine. The pipe carries ("add",
 ...), ("abort", request id), ("stop_samples", (request id, indexes)) and ("forget_lora", id) one way, and the turns of
@@ -168,10 +169,10 @@ class EngineProcess:
         for request_id, _ in turn.refused:
             self.texts.forget(request_id)
         outputs = []
-        for output in turn.outputs:
+        for output in turn.outputs:  # RequestOutputs and TokenDeltas
             with_text, stopped = self.texts.apply(output)
             if stopped:
-                self._send(("stop_samples", (output.request_id, stopped)))
+                self._send(("stop_samples", (output[0] if isinstance(output, tuple) else output.request_id, stopped)))
             if with_text is not None:
                 outputs.append(with_text)
         return dataclasses.replace(turn, outputs=outputs)
@@ -279,6 +280,7 @@ def _run_engine(engine_args: dict, warmup: bool, conn, make_engine: Callable | N
                 report(LoopTurn([], [(request_id, e)], [], engine.num_waiting_requests(), time.monotonic()))
                 continue
             request.detokenizers = [None] * len(request.seqs)  # token ids alone: the server's process makes the text
+            request.token_deltas = True  # (and its outputs mostly TokenDeltas, cheap to pickle)
             loop.send("add", request)
         elif kind in ("abort", "stop_samples"):
             loop.send(kind, item)

@@ -19,7 +19,7 @@ GC_THRESHOLDS = (50_000, 20, 100)  # (the defaults: 700, 10, 10)
 
 def freeze_startup_heap() -> None:
     """Collects what is garbage now, then freezes every object left (gc.freeze), and collects the young generation
-less often (GC_THRESHOLDS)."""
+    less often (GC_THRESHOLDS)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
