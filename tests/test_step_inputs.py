@@ -97,10 +97,11 @@ def test_step_arrays_equal_the_row_by_row_reference(step):
     inputs = StepInputs(shapes, PAGE_SIZE, MAX_MODEL_LEN, 1, stack=False, vocab_size=VOCAB)
     tables = BlockTables(rows=2, width=2)  # (grows as it must)
     for item in items:
+        tables.assign(item.seq.seq_id, item.seq.sampler_row)
         tables.write(item.seq.seq_id, item.seq.block_table)
-    gathered = tables.gather([item.seq.seq_id for item in items]) if items else None
-    for block_tables in (None, gathered):  # the sequences' lists, or the block manager's rows
-        output = SchedulerOutput(items, [], block_tables=block_tables)
+    gathered = tables.gather_with_sampling([item.seq.seq_id for item in items]) if items else (None, None)
+    for block_tables, sampler_rows in ((None, None), gathered):  # the sequences' lists, or the block manager's rows
+        output = SchedulerOutput(items, [], block_tables=block_tables, sampler_rows=sampler_rows)
         shape = inputs.shape_for(output)
         step, sample_input = inputs.prepare(output, shape, pending_rows=pending_rows)
         expected = reference_arrays(items, shape, pending_rows, inputs.block_table_width)
@@ -137,3 +138,20 @@ def test_block_tables_grow_and_give_back_their_rows():
     tables.write(9, [1, 2])  # takes the row 7 gave back
     tables.check({8: [6], 9: [1, 2]})
     assert tables.array.shape[0] == 2
+
+
+def test_block_tables_hold_each_rows_sampler_settings_until_it_is_given_back():
+    """A row's sampler settings and seed (Sequence.sampler_row) stay in place from step to step; a row given back
+    and taken again holds none (a gather then gives None, so a step reads the sequences) until assigned again."""
+    tables = BlockTables(rows=1, width=1)
+    tables.assign(7, (0.8, 40, 0.9, 0.0, 7))
+    tables.write(7, [3, 4])
+    tables.assign(8, (0.0, 0, 1.0, 0.0, 2**32 - 1))  # a second row (the arrays grow)
+    tables.assign(7, (1.5, 0, 1.0, 0.0, 9))  # it has a row: kept as it was
+    rows, sampling = tables.gather_with_sampling([8, 7])
+    np.testing.assert_array_equal(rows, [[0, 0], [3, 4]])
+    np.testing.assert_array_equal(sampling, [[0.0, 0, 1.0, 0.0, 2**32 - 1], [0.8, 40, 0.9, 0.0, 7]])
+    tables.release(7)
+    tables.write(9, [5])  # row 7's, without settings
+    assert tables.gather_with_sampling([8, 9])[1] is None
+    tables.check({8: [], 9: [5]})

@@ -264,8 +264,10 @@ class BlockManager:
             self.tables.release(seq.seq_id)
 
     def block_tables(self, seqs: list[Sequence]) -> tuple:
-        """(the sequences' tables, a row each: BlockTables.gather; None, a grouped pool's window group's)."""
-        return self.tables.gather([seq.seq_id for seq in seqs]), None
+        """(the sequences' tables, a row each; None, a grouped pool's window group's; their sampler rows):
+        BlockTables.gather_with_sampling."""
+        tables, sampling = self.tables.gather_with_sampling([seq.seq_id for seq in seqs])
+        return tables, None, sampling
 
     def take_window_copies(self) -> list[tuple[int, int]]:
         """A grouped pool's window group's copies (jaxpage.engine.kv_cache_groups): none, here."""
@@ -298,6 +300,7 @@ class BlockManager:
         known = self._seqs.setdefault(seq.seq_id, seq)
         assert known is seq, f"two live sequences with seq_id {seq.seq_id}"
         self._seq_hashes.setdefault(seq.seq_id, [])
+        self.tables.assign(seq.seq_id, seq.sampler_row)
 
     def _shared_pages(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Block-table indices of shared pages that num_new_tokens new tokens of seq would be written into."""

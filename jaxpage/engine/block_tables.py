@@ -1,12 +1,15 @@
 """The block tables of a page pool's live sequences as one int32 numpy array, a row per sequence, which the block
 manager writes into as it changes a sequence's pages: a step's tables are then one gather of its sequences' rows
-(`gather`), not a Python list copied per sequence. Host-only (no jax)."""
+(`gather`), not a Python list copied per sequence. Each row also holds its sequence's sampler settings and seed, written
+once when the block manager first sees it (`assign`): a step's sampling rows are a gather too (vLLM's persistent batch:
+what does not change from step to step stays in place). Host-only (no jax)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 NULL_PAGE = 0
+SAMPLER_COLUMNS = 5  # Sequence.sampler_row: temperature, top_k, top_p, min_p, seed
 
 
 class BlockTables:
@@ -15,17 +18,23 @@ class BlockTables:
 
     def __init__(self, rows: int = 64, width: int = 16):
         self.array = np.zeros((rows, width), np.int32)
+        # Each row's Sequence.sampler_row (settings, then seed: exact in float64), NaN where none was assigned.
+        self.sampling = np.full((rows, SAMPLER_COLUMNS), np.nan)
         self._rows: dict[int, int] = {}  # seq_id -> its row
         self._lengths: dict[int, int] = {}  # seq_id -> the entries its row holds
         self._free_rows = list(range(rows - 1, -1, -1))
+
+    def assign(self, seq_id: int, sampler_row: tuple) -> None:
+        """A row for seq_id (if it has none yet), with its sampler settings and seed (Sequence.sampler_row)."""
+        if seq_id not in self._rows:
+            row = self._take_row(seq_id)  # (first: it may grow the arrays)
+            self.sampling[row] = sampler_row
 
     def write(self, seq_id: int, table: list[int]) -> None:
         """Sets seq_id's row to `table` (a row taken for it if it has none)."""
         row = self._rows.get(seq_id)
         if row is None:
-            if not self._free_rows:
-                self._grow_rows()
-            row = self._rows[seq_id] = self._free_rows.pop()
+            row = self._take_row(seq_id)
         length, before = len(table), self._lengths.get(seq_id, 0)
         if length > self.array.shape[1]:
             self._grow_width(length)
@@ -39,13 +48,29 @@ class BlockTables:
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self.array[row, : self._lengths.pop(seq_id)] = NULL_PAGE
+            self.sampling[row] = np.nan
             self._free_rows.append(row)
+
+    def _take_row(self, seq_id: int) -> int:
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._rows[seq_id] = self._free_rows.pop()
+        self._lengths.setdefault(seq_id, 0)
+        return row
 
     def gather(self, seq_ids: list[int]) -> np.ndarray:
         """[len(seq_ids), width] int32: the tables of seq_ids (each must hold one) in order, null pages past their
         ends (width: at least the longest table's)."""
         rows = self._rows
         return self.array[[rows[seq_id] for seq_id in seq_ids]]
+
+    def gather_with_sampling(self, seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """(gather(seq_ids), [len(seq_ids), SAMPLER_COLUMNS] float64: their sampler rows, or None where one has none
+        assigned)."""
+        rows = self._rows
+        index = [rows[seq_id] for seq_id in seq_ids]
+        sampling = self.sampling[index]
+        return self.array[index], None if np.isnan(sampling).any() else sampling
 
     def check(self, tables: dict[int, list[int]]) -> None:
         """Asserts that the rows hold exactly `tables` (seq_id -> its block table; one that is empty may have no
@@ -61,6 +86,7 @@ class BlockTables:
     def _grow_rows(self) -> None:
         rows = self.array.shape[0]
         self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+        self.sampling = np.concatenate([self.sampling, np.full_like(self.sampling, np.nan)])
         self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
 
     def _grow_width(self, length: int) -> None:

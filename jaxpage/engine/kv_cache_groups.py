@@ -87,8 +87,10 @@ class KVCacheGroups:
             group.free(seq)
 
     def block_tables(self, seqs: list[Sequence]) -> tuple:
-        """(the full group's block tables of the sequences, the window group's): BlockManager.block_tables."""
-        return self.full.block_tables(seqs)[0], self.window.block_tables(seqs)[0]
+        """(the full group's block tables of the sequences, the window group's, their sampler rows):
+        BlockManager.block_tables."""
+        tables, _, sampling = self.full.block_tables(seqs)
+        return tables, self.window.tables.gather([seq.seq_id for seq in seqs]), sampling
 
     def take_copies(self) -> list[tuple[int, int]]:
         return self.full.take_copies()

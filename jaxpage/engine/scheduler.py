@@ -162,7 +162,7 @@ class Scheduler:
         scheduled += admitted
         manager = self.block_manager
         copies = (manager.take_copies(), manager.take_window_copies())
-        tables = manager.block_tables([item.seq for item in scheduled]) if scheduled else (None, None)
+        tables = manager.block_tables([item.seq for item in scheduled]) if scheduled else (None, None, None)
         asked = self._prompt_logprob_rows < PROMPT_LOGPROB_TOKENS  # (an item that computes some took rows for them)
         transfers = manager.take_transfers()
         return SchedulerOutput(scheduled, *copies, self._lora_loads, transfers, *tables, len(admitted), asked)

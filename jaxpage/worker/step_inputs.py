@@ -74,9 +74,10 @@ def split_step_flag(flag: int) -> tuple[int, bool, bool]:
     return level, bool(rest & 2), bool(rest & 1)
 
 
-def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
+def row_sampling(items: list, num_rows: int, sampler_rows: np.ndarray | None = None) -> SamplingMetadata:
     """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
-    padded to num_rows."""
+    padded to num_rows. sampler_rows: the items' Sequence.sampler_row as the block manager holds them (None: read
+    from the sequences)."""
     count = len(items)
     if count > num_rows:
         raise ValueError(f"{count} rows do not fit in num_rows={num_rows}")
@@ -85,7 +86,7 @@ def row_sampling(items: list, num_rows: int) -> SamplingMetadata:
     steps = np.zeros(num_rows, np.int32)
     if count:
         seqs = [item.seq for item in items]
-        table[:count] = [seq.sampler_row for seq in seqs]  # worked out once per sequence
+        table[:count] = [seq.sampler_row for seq in seqs] if sampler_rows is None else sampler_rows
         idle = [row for row, item in enumerate(items) if not item.samples]
         table[idle, :4] = GREEDY_SETTINGS
         steps[:count] = [len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs]
@@ -229,7 +230,7 @@ class StepInputs:
             num_drafts[:num_items] = drafted
             for row in np.flatnonzero(drafted).tolist():
                 draft_tokens[row, : drafted[row]] = items[row].draft_token_ids
-        sampling = row_sampling(items, shape.sample_rows)
+        sampling = row_sampling(items, shape.sample_rows, output.sampler_rows)
         params = [item.seq.sampling_params for item in items if item.samples]
         want_logprobs = any([p is not None and p.logprobs is not None for p in params])
         attention = PagedBatch(
