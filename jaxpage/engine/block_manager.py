@@ -189,10 +189,8 @@ class BlockManager:
         Computed tokens not yet in seq.token_ids (accepted draft tokens, before the engine appends them) wait for
         a later call."""
         hashes = self._seq_hashes.get(seq.seq_id)
-        if hashes is None or not self.enable_prefix_caching:
-            return
         full_pages = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size
-        if full_pages > len(hashes):  # (most calls: no page filled since the last)
+        if hashes is not None and self.enable_prefix_caching and full_pages > len(hashes):  # (most calls: none filled)
             _register_pages(self, seq, hashes, full_pages)
 
     def free_outside_window(self, seq: Sequence) -> None:
@@ -264,8 +262,7 @@ class BlockManager:
             self.tables.release(seq.seq_id)
 
     def block_tables(self, seqs: list[Sequence]) -> tuple:
-        """(the sequences' tables, a row each; None, a grouped pool's window group's; their sampler rows):
-        BlockTables.gather_with_sampling."""
+        """(the sequences' tables, a row each; None, a grouped pool's window group's; their sampler rows)."""
         tables, sampling = self.tables.gather_with_sampling([seq.seq_id for seq in seqs])
         return tables, None, sampling
 

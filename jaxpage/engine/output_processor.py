@@ -91,7 +91,6 @@ class Request:
             cached or 0,
         )
 
-
     def token_delta(self) -> TokenDelta:
         """Its DELTA output as a TokenDelta: its first output given already, no log-probs asked (token_deltas)."""
         sent, deltas = self.sent, []
@@ -299,7 +298,8 @@ class OutputProcessor:
             def record(completion: CompletionOutput, position: int, token: int) -> None:
                 self._record_logprobs(completion, params.logprobs, token, result, (update.row, position))
 
-        return add_tokens(completion, detokenizer, params, update.token_ids, update.finish_reason, update.stop_reason, record)
+        reasons = (update.finish_reason, update.stop_reason)
+        return add_tokens(completion, detokenizer, params, update.token_ids, *reasons, record)
 
     def _record_logprobs(self, completion: CompletionOutput, num: int, token: int, result, at: tuple) -> None:
         logprobs, top_ids, top_values = self._step_logprobs(result)

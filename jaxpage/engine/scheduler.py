@@ -256,7 +256,6 @@ class Scheduler:
             item.seq.num_computed_tokens += item.num_new_tokens
             item.seq.num_pending_tokens += item.samples
 
-
     def update_from_output(
         self,
         output: SchedulerOutput,

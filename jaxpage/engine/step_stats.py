@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import numpy as np
 
@@ -10,34 +10,12 @@ from jaxpage.config import ModelConfig
 from jaxpage.sequence import SchedulerOutput, SequenceUpdate
 
 
-@dataclasses.dataclass(frozen=True)
 class StepStats:
-    """What one engine step held and where its time went (seconds, wall clock)."""
+    """What one engine step held and where its time went (seconds, wall clock). Its counts are worked out when read
+    (benchmarks read them; serving does not), from the step's parts it keeps."""
 
-    num_seqs: int
-    num_tokens: int  # scheduled tokens (before padding to the bucket)
-    num_decodes: int  # sequences with one new token
-    num_draft_tokens: int  # speculative tokens verified (0 without speculative decoding)
-    num_accepted_tokens: int  # ... and accepted
-    num_sampled: int  # sequences whose logits give a token this step (the rows of the LM head)
-    # query-key pairs of the step's causal attention (sum over its tokens of keys seen), per layer: a hybrid's sliding
-    # and full layers see different keys, and this is their mean
-    num_attended_keys: float
-    shape: str  # the step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"
-    schedule_s: float  # host: the scheduler
-    prepare_s: float  # host: the step's arrays
-    # dispatch until the sampled tokens are on the host (with asynchronous scheduling this spans the launch of the
-    # next step and the device's tail of the step before)
-    device_s: float
-    postprocess_s: float  # host: commit, appending tokens, detokenizing, stop checks, outputs
-
-    @property
-    def host_s(self) -> float:
-        return self.schedule_s + self.prepare_s + self.postprocess_s
-
-    @classmethod
-    def of(
-        cls,
+    def __init__(
+        self,
         steps: list[SchedulerOutput],
         results: list,
         updates: list[SequenceUpdate],
@@ -45,30 +23,66 @@ class StepStats:
         schedule_s: float,
         postprocess_s: float,
         model: ModelConfig,
-    ) -> StepStats:
+    ):
         """A step's stats: its replicas' scheduled steps, their StepOutputs and the scheduler's updates; num_sampled
         counted before the update; postprocess_s: from the results on the host to the outputs."""
-        every = [item for o in steps for item in o.scheduled]
+        self._steps, self._results, self._updates, self._model = steps, results, updates, model
+        self.num_sampled = num_sampled  # sequences whose logits give a token this step (the rows of the LM head)
+        self.schedule_s = schedule_s  # host: the scheduler
+        self.prepare_s = results[0].prepare_s  # host: the step's arrays
+        # dispatch until the sampled tokens are on the host (with asynchronous scheduling this spans the launch of the
+        # next step and the device's tail of the step before)
+        self.device_s = results[0].device_s
+        self.postprocess_s = postprocess_s  # host: commit, appending tokens, detokenizing, stop checks, outputs
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.postprocess_s
+
+    @functools.cached_property
+    def _items(self) -> tuple[list, np.ndarray, np.ndarray]:
+        every = [item for o in self._steps for item in o.scheduled]
         computed = np.array([item.num_computed_tokens for item in every], np.int64)
-        counts = np.array([item.num_new_tokens for item in every], np.int64)
+        return every, computed, np.array([item.num_new_tokens for item in every], np.int64)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._items[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Scheduled tokens (before padding to the bucket)."""
+        return int(self._items[2].sum())
+
+    @property
+    def num_decodes(self) -> int:
+        """Sequences with one new token."""
+        return int(np.count_nonzero(self._items[2] == 1))
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative tokens verified (0 without speculative decoding)."""
+        return sum(len(item.draft_token_ids) for item in self._items[0])
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Speculative tokens verified and accepted."""
+        return sum(update.num_accepted for update in self._updates)
+
+    @functools.cached_property
+    def num_attended_keys(self) -> float:
+        """Query-key pairs of the step's causal attention (sum over its tokens of keys seen), per layer: a hybrid's
+        sliding and full layers see different keys, and this is their mean."""
+        model, (_, computed, counts) = self._model, self._items
         sliding = sum(model.sliding_layers)  # layers that see the window, the others every key
         windows = [(model.sliding_window, sliding), (None, model.num_layers - sliding)]
         keys = sum(n * int(attended_keys_of(computed, counts, window).sum()) for window, n in windows if n)
-        verified = any(result.shape.num_draft_positions for result in results)  # (else no item has drafts)
-        return cls(
-            num_seqs=len(every),
-            num_tokens=int(counts.sum()),
-            num_decodes=int(np.count_nonzero(counts == 1)),
-            num_draft_tokens=sum(len(item.draft_token_ids) for item in every) if verified else 0,
-            num_accepted_tokens=sum(update.num_accepted for update in updates) if verified else 0,
-            num_sampled=num_sampled,
-            num_attended_keys=keys / model.num_layers,
-            shape=str(results[0].shape),
-            schedule_s=schedule_s,
-            prepare_s=results[0].prepare_s,
-            device_s=results[0].device_s,
-            postprocess_s=postprocess_s,
-        )
+        return keys / model.num_layers
+
+    @property
+    def shape(self) -> str:
+        """The step shape it was padded to, e.g. "decode(T=8, S=8, R=16)"."""
+        return str(self._results[0].shape)
 
 
 def attended_keys_of(computed: np.ndarray, counts: np.ndarray, sliding_window: int | None) -> np.ndarray:

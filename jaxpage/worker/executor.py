@@ -23,7 +23,7 @@ import jax
 
 from jaxpage.attention import AttentionBackend
 from jaxpage.config import EngineConfig
-from jaxpage.sequence import SchedulerOutput, prompt_logprob_rows
+from jaxpage.sequence import SchedulerOutput
 from jaxpage.worker.compilation_cache import CompilationCache, CompiledShape
 from jaxpage.worker.draft_runner import DraftModelRunner
 from jaxpage.worker.host_kv_pool import transfer_calls

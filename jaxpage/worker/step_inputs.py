@@ -91,7 +91,8 @@ def row_sampling(items: list, num_rows: int, sampler_rows: np.ndarray | None = N
         table[idle, :4] = GREEDY_SETTINGS
         steps[:count] = [len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs]
     temperature, top_p, min_p = (table[:, column].astype(np.float32) for column in (0, 2, 3))
-    return SamplingMetadata(temperature, table[:, 1].astype(np.int32), top_p, min_p, table[:, 4].astype(np.uint32), steps)
+    top_k, seeds = table[:, 1].astype(np.int32), table[:, 4].astype(np.uint32)
+    return SamplingMetadata(temperature, top_k, top_p, min_p, seeds, steps)
 
 
 def token_lora_slots(items: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
