@@ -181,15 +181,20 @@ def sampling_metadata_from_settings(
     count = len(settings)
     if count > num_rows:
         raise ValueError(f"{count} rows do not fit in num_rows={num_rows}")
-    table = np.array([GREEDY_SETTINGS] * num_rows, np.float64)
+    table = np.array([(*GREEDY_SETTINGS, 0)] * num_rows, np.float64)
     if count:
-        table[:count] = settings
-    temperature, top_p, min_p = (table[:, column].astype(np.float32) for column in (0, 2, 3))
-    row_seeds = np.zeros(num_rows, np.uint32)
-    row_seeds[:count] = seeds
+        table[:count, :4], table[:count, 4] = settings, seeds
     row_steps = np.zeros(num_rows, np.int32)
     row_steps[:count] = steps
-    return SamplingMetadata(temperature, table[:, 1].astype(np.int32), top_p, min_p, row_seeds, row_steps)
+    return sampling_metadata_from_table(table, row_steps)
+
+
+def sampling_metadata_from_table(table: np.ndarray, steps: np.ndarray) -> SamplingMetadata:
+    """SamplingMetadata of [rows, 5] float64 rows (temperature, top_k, top_p, min_p, seed in [0, 2**32)) and each
+    row's steps ([rows] int32)."""
+    temperature, top_p, min_p = (table[:, column].astype(np.float32) for column in (0, 2, 3))
+    top_k, seeds = table[:, 1].astype(np.int32), table[:, 4].astype(np.uint32)
+    return SamplingMetadata(temperature, top_k, top_p, min_p, seeds, steps)
 
 
 def _relative_probs(

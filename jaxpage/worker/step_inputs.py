@@ -14,7 +14,7 @@ import numpy as np
 from jaxpage.attention import PagedBatch
 from jaxpage.sample.logits_controls import bitmask_words
 from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
-from jaxpage.sample.sampler import SamplingMetadata
+from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_table
 from jaxpage.sampling_params import GREEDY_SETTINGS, SamplingParams
 from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput
 from jaxpage.structured.bitmask import fill_grammar_bitmasks
@@ -90,9 +90,7 @@ def row_sampling(items: list, num_rows: int, sampler_rows: np.ndarray | None = N
         idle = [row for row, item in enumerate(items) if not item.samples]
         table[idle, :4] = GREEDY_SETTINGS
         steps[:count] = [len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs]
-    temperature, top_p, min_p = (table[:, column].astype(np.float32) for column in (0, 2, 3))
-    top_k, seeds = table[:, 1].astype(np.int32), table[:, 4].astype(np.uint32)
-    return SamplingMetadata(temperature, top_k, top_p, min_p, seeds, steps)
+    return sampling_metadata_from_table(table, steps)
 
 
 def token_lora_slots(items: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
