@@ -23,6 +23,11 @@ from jaxpage.sampling_params import RequestOutputKind
 logger = logging.getLogger("jaxpage")
 
 
+def request_id_of(output: RequestOutput | TokenDelta) -> str:
+    """The request an output of the engine (a RequestOutput or a TokenDelta) is of."""
+    return output[0] if isinstance(output, tuple) else output.request_id
+
+
 def engine_output_kind(request: Request) -> RequestOutputKind:
     """What the engine is asked to give for `request`: its final output alone where the text is wanted only at its
     end and no stop string is looked for in it, else what each step added."""
@@ -43,7 +48,7 @@ class OutputTexts:
         """(the request's output with its text, as its output_kind asks, or None where there is none to give; the
         samples, by index, that a stop string ended here, which the engine must stop). `output`: the engine's, of
         token ids alone (a TokenDelta after a request's first)."""
-        request = self.requests.get(output[0] if isinstance(output, tuple) else output.request_id)
+        request = self.requests.get(request_id_of(output))
         if request is None:  # it ended here already
             return None, []
         try:

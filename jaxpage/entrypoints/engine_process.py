@@ -34,7 +34,7 @@ from collections.abc import Callable
 from jaxpage.config import EngineConfig
 from jaxpage.engine.lora_adapters import LoRAAdapters
 from jaxpage.engine.output_processor import Request
-from jaxpage.engine.output_texts import OutputTexts, engine_output_kind
+from jaxpage.engine.output_texts import OutputTexts, engine_output_kind, request_id_of
 from jaxpage.entrypoints.engine_loop import EngineDeadError, EngineLoop, LoopTurn
 from jaxpage.entrypoints.metrics import EngineGauges, engine_gauges
 
@@ -172,7 +172,7 @@ class EngineProcess:
         for output in turn.outputs:  # RequestOutputs and TokenDeltas
             with_text, stopped = self.texts.apply(output)
             if stopped:
-                self._send(("stop_samples", (output[0] if isinstance(output, tuple) else output.request_id, stopped)))
+                self._send(("stop_samples", (request_id_of(output), stopped)))
             if with_text is not None:
                 outputs.append(with_text)
         return dataclasses.replace(turn, outputs=outputs)
