@@ -214,17 +214,19 @@ def test_a_request_whose_text_fails_beside_the_engine_process_ends_with_the_erro
     assert stopped == [] and output.error is None
 
 
-def test_token_deltas_make_the_engines_own_text(reference):
+@pytest.mark.parametrize("n", [1, 2])
+def test_token_deltas_make_the_engines_own_text(reference, n):
     """An engine process's request (token ids alone, Request.token_deltas) gives its first and last outputs as
     RequestOutputs and those between as TokenDeltas; OutputTexts makes of them the text and tokens the engine gives
-    a request of its own (n = 2, a stop string, streamed), the samples a stop string ends told to stop."""
+    a request of its own (n = 1: the output processor's short way, n = 2; a stop string, streamed), the samples a
+    stop string ends told to stop."""
     from jaxpage.engine.output_texts import OutputTexts, engine_output_kind
     from jaxpage.outputs import RequestOutput
     from jaxpage.sampling_params import RequestOutputKind
 
     engine = reference.engine
     greedy = reference.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    fields = dict(n=2, seed=5, temperature=0.8, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    fields = dict(n=n, seed=5, temperature=0.8, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     params = SamplingParams(**fields, stop=[greedy[0].outputs[0].text[6:8]])
 
     def run(request_id: str, texts: OutputTexts | None) -> tuple[dict, dict, list]:
@@ -233,9 +235,9 @@ def test_token_deltas_make_the_engines_own_text(reference):
             texts.add(mine)
             engine_params = dataclasses.replace(params, output_kind=engine_output_kind(mine))
             request = engine.prepare_request(request_id, "Once upon", engine_params)
-            request.detokenizers, request.token_deltas = [None] * 2, True
+            request.detokenizers, request.token_deltas = [None] * n, True
         engine.add_prepared_requests([request if texts is not None else mine])
-        text, tokens, kinds = {0: "", 1: ""}, {0: [], 1: []}, []
+        text, tokens, kinds = dict.fromkeys(range(n), ""), {i: [] for i in range(n)}, []
         while engine.has_unfinished_requests():
             for output in engine.step():
                 kinds.append(type(output))

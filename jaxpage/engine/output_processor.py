@@ -47,6 +47,9 @@ class Request:
     # An engine process's request (token ids alone: no detokenizers, output_kind DELTA), whose outputs after its first
     # may go as TokenDeltas (token_delta), not RequestOutputs, where they carry nothing more: no log-probs, not its end.
     token_deltas: bool = False
+    # Set by OutputProcessor.add: a request of token_deltas with one sample and no log-probs, whose steps that neither
+    # start nor end it give a TokenDelta straight from the scheduler's update (OutputProcessor.process's short way).
+    lean_deltas: bool = False
 
     @functools.cached_property  # (its params do not change)
     def detokenized_at_end(self) -> bool:
@@ -211,6 +214,8 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        one_sample = len(request.seqs) == 1 and request.detokenizers[0] is None
+        request.lean_deltas = request.token_deltas and one_sample and request.params.logprobs is None
         for seq in request.seqs:
             self.request_of_seq[seq.seq_id] = request
 
@@ -246,10 +251,18 @@ class OutputProcessor:
         replicas). `updates`: each with its step's StepOutput (for log-probs)."""
         progressed: dict[str, Request] = {}
         ended: list[tuple[int, Sequence]] = []
+        deltas: list[TokenDelta] = []
         request_of_seq = self.request_of_seq
         for update, result in updates:
             request = request_of_seq.get(update.seq.seq_id)
             if request is None:  # the request failed earlier in this loop
+                continue
+            if request.lean_deltas and update.finish_reason is None and request.sent is not None:  # (most of them)
+                tokens, token_ids = update.token_ids, request.completions[0].token_ids
+                token_ids += tokens
+                request.sent[0] = (len(token_ids), 0, 0)
+                request.metrics.last_token_time = now
+                deltas.append((request.request_id, [(tokens, None, None)]))
                 continue
             try:
                 if self._add_tokens(request, update, result, now):
@@ -261,6 +274,7 @@ class OutputProcessor:
                 continue
             progressed[request.request_id] = request
         outputs = self.take_ended()
+        outputs += deltas
         final_only = RequestOutputKind.FINAL_ONLY
         for request in progressed.values():
             completions = request.completions
