@@ -45,7 +45,7 @@ def processor_with_request(params: SamplingParams, detokenizer=None):
 
 def process(processor, seq, text: str, finish_reason=None, stop_reason=None):
     update = SequenceUpdate(seq, 0, [ord(c) for c in text], 0, 0, finish_reason, stop_reason)
-    return processor.process([(update, NoLogprobs())], now=1.0)
+    return processor.process([([update], NoLogprobs())], now=1.0)
 
 
 def test_a_stop_string_inside_the_step_s_tokens_ends_the_completion_at_the_token_that_completes_it():

@@ -346,8 +346,8 @@ class LLMEngine:
         outputs, ended = self.output_processor.process(updates, time.time())
         for replica, seq in ended:  # ended by a stop string or their request's failure
             self._finish_seq(replica, seq)
-        seq_updates, postprocess_s = [update for update, _ in updates], time.perf_counter() - start
-        parts = (step.steps, results, seq_updates, step.num_sampled, step.schedule_s, postprocess_s, self.model_config)
+        postprocess_s = time.perf_counter() - start
+        parts = (step.steps, results, updates, step.num_sampled, step.schedule_s, postprocess_s, self.model_config)
         self.last_step_stats = StepStats(*parts)  # (its counts worked out only if read)
         return outputs
 

@@ -244,35 +244,36 @@ class OutputProcessor:
             request.prompt_logprobs[position] = entry
 
     def process(
-        self, updates: list[tuple[SequenceUpdate, object]], now: float
+        self, step_updates: list[tuple[list[SequenceUpdate], object]], now: float
     ) -> tuple[list[RequestOutput | TokenDelta], list[tuple[int, Sequence]]]:
         """(the outputs of the requests that progressed or ended, as their output_kind asks (TokenDeltas where a request
         has token_deltas), the sequences a stop string or a failure ended, which the engine must finish, with their
-        replicas). `updates`: each with its step's StepOutput (for log-probs)."""
+        replicas). `step_updates`: each replica's updates with its StepOutput (for log-probs)."""
         progressed: dict[str, Request] = {}
         ended: list[tuple[int, Sequence]] = []
         deltas: list[TokenDelta] = []
         request_of_seq = self.request_of_seq
-        for update, result in updates:
-            request = request_of_seq.get(update.seq.seq_id)
-            if request is None:  # the request failed earlier in this loop
-                continue
-            if request.lean_deltas and update.finish_reason is None and request.sent is not None:  # (most of them)
-                tokens, token_ids = update.token_ids, request.completions[0].token_ids
-                token_ids += tokens
-                request.sent[0] = (len(token_ids), 0, 0)
-                request.metrics.last_token_time = now
-                deltas.append((request.request_id, [(tokens, None, None)]))
-                continue
-            try:
-                if self._add_tokens(request, update, result, now):
-                    ended.append((request.replica, update.seq))
-            except Exception as e:  # this request's own failure: it ends, the others go on
-                logger.exception("request %r failed", request.request_id)
-                ended += [(request.replica, seq) for seq in self.end(request, "error", f"{type(e).__name__}: {e}")]
-                progressed.pop(request.request_id, None)
-                continue
-            progressed[request.request_id] = request
+        for updates, result in step_updates:
+            for update in updates:
+                request = request_of_seq.get(update.seq.seq_id)
+                if request is None:  # the request failed earlier in this loop
+                    continue
+                if request.lean_deltas and update.finish_reason is None and request.sent is not None:  # (most of them)
+                    tokens, token_ids = update.token_ids, request.completions[0].token_ids
+                    token_ids += tokens
+                    request.sent[0] = (len(token_ids), 0, 0)
+                    request.metrics.last_token_time = now
+                    deltas.append((request.request_id, [(tokens, None, None)]))
+                    continue
+                try:
+                    if self._add_tokens(request, update, result, now):
+                        ended.append((request.replica, update.seq))
+                except Exception as e:  # this request's own failure: it ends, the others go on
+                    logger.exception("request %r failed", request.request_id)
+                    ended += [(request.replica, seq) for seq in self.end(request, "error", f"{type(e).__name__}: {e}")]
+                    progressed.pop(request.request_id, None)
+                    continue
+                progressed[request.request_id] = request
         outputs = self.take_ended()
         outputs += deltas
         final_only = RequestOutputKind.FINAL_ONLY

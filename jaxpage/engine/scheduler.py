@@ -309,9 +309,12 @@ class Scheduler:
             else:  # (most steps: one token, which most often ends nothing)
                 token = rows[i]
                 new_tokens = [token]
-                seq.append_token(token)
+                token_ids = seq.token_ids
+                token_ids.append(token)  # (seq.append_token's, inline)
+                if seq.controls is not None:
+                    seq.controls.accept(token)
                 ending = seq.ending_tokens
-                if ending is None or token in ending or len(seq.token_ids) >= seq.max_num_tokens:
+                if ending is None or token in ending or len(token_ids) >= seq.max_num_tokens:
                     finish_reason, stop_reason = _finished_by(seq, token, self.config.eos_token_ids)
                 else:
                     finish_reason = stop_reason = None

@@ -128,16 +128,19 @@ class StepPipeline:
             results[0] = dataclasses.replace(results[0], device_s=device_s)
         return results
 
-    def update(self, step: InFlightStep, results: list) -> list[tuple[SequenceUpdate, object]]:
-        """A step's results into its sequences (each replica's scheduler's update): (update, its replica's
-        StepOutput) of every sequence that sampled."""
+    def update(self, step: InFlightStep, results: list) -> list[tuple[list[SequenceUpdate], object]]:
+        """A step's results into its sequences (each replica's scheduler's update): a replica's updates of the
+        sequences that sampled, with its StepOutput, for each replica."""
         updates = [
-            (update, result)
-            for replica, output, result in zip(self.replicas, step.steps, results, strict=True)
-            for update in replica.scheduler.update_from_output(
-                output, result.token_ids, result.num_accepted, step.draft_computed
+            (
+                replica.scheduler.update_from_output(
+                    output, result.token_ids, result.num_accepted, step.draft_computed
+                ),
+                result,
             )
+            for replica, output, result in zip(self.replicas, step.steps, results, strict=True)
         ]
         if self.spec_decoder is not None:
-            self.spec_decoder.observe(results[0].shape, results[0].device_s, [update for update, _ in updates])
+            every = [update for replica_updates, _ in updates for update in replica_updates]
+            self.spec_decoder.observe(results[0].shape, results[0].device_s, every)
         return updates

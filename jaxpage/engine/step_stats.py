@@ -18,13 +18,14 @@ class StepStats:
         self,
         steps: list[SchedulerOutput],
         results: list,
-        updates: list[SequenceUpdate],
+        updates: list[tuple[list[SequenceUpdate], object]],
         num_sampled: int,
         schedule_s: float,
         postprocess_s: float,
         model: ModelConfig,
     ):
-        """A step's stats: its replicas' scheduled steps, their StepOutputs and the scheduler's updates; num_sampled
+        """A step's stats: its replicas' scheduled steps, their StepOutputs and the schedulers' updates (each
+        replica's, with its StepOutput: StepPipeline.update); num_sampled
         counted before the update; postprocess_s: from the results on the host to the outputs."""
         self._steps, self._results, self._updates, self._model = steps, results, updates, model
         self.num_sampled = num_sampled  # sequences whose logits give a token this step (the rows of the LM head)
@@ -67,7 +68,7 @@ class StepStats:
     @property
     def num_accepted_tokens(self) -> int:
         """Speculative tokens verified and accepted."""
-        return sum(update.num_accepted for update in self._updates)
+        return sum(update.num_accepted for updates, _ in self._updates for update in updates)
 
     @functools.cached_property
     def num_attended_keys(self) -> float:
