@@ -157,6 +157,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
         for seq in self.scheduler.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table and not seq.window_block_table
+        if self.window is None:  # every full page of computed, known tokens is in the prefix cache's chain
+            for seq in self.scheduler.running:
+                full_pages = min(seq.num_computed_tokens, seq.num_tokens) // PAGE_SIZE
+                assert len(manager._seq_hashes[seq.seq_id]) == full_pages, (seq, manager._seq_hashes[seq.seq_id])
         if self.window is not None:  # between steps, a sequence holds the pages of its window's keys, no more
             for seq in self.scheduler.running:
                 held = {page for page in seq.window_block_table if page != 0}

@@ -47,8 +47,10 @@ class Request:
     # An engine process's request (token ids alone: no detokenizers, output_kind DELTA), whose outputs after its first
     # may go as TokenDeltas (token_delta), not RequestOutputs, where they carry nothing more: no log-probs, not its end.
     token_deltas: bool = False
-    # Set by OutputProcessor.add: a request of token_deltas with one sample and no log-probs, whose steps that neither
-    # start nor end it give a TokenDelta straight from the scheduler's update (OutputProcessor.process's short way).
+    # Set by OutputProcessor.add: a request of token_deltas with one sample, output_kind DELTA and no log-probs, whose
+    # steps that neither start nor end it give a TokenDelta straight from the scheduler's update (OutputProcessor.
+    # process's short way); its completion holds the tokens of its other outputs alone, which is all a DELTA output
+    # reads (the tokens past `sent`).
     lean_deltas: bool = False
 
     @functools.cached_property  # (its params do not change)
@@ -215,7 +217,9 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         one_sample = len(request.seqs) == 1 and request.detokenizers[0] is None
-        request.lean_deltas = request.token_deltas and one_sample and request.params.logprobs is None
+        params = request.params
+        delta = params.output_kind is RequestOutputKind.DELTA and params.logprobs is None
+        request.lean_deltas = request.token_deltas and one_sample and delta
         for seq in request.seqs:
             self.request_of_seq[seq.seq_id] = request
 
@@ -259,11 +263,8 @@ class OutputProcessor:
                 if request is None:  # the request failed earlier in this loop
                     continue
                 if request.lean_deltas and update.finish_reason is None and request.sent is not None:  # (most of them)
-                    tokens, token_ids = update.token_ids, request.completions[0].token_ids
-                    token_ids += tokens
-                    request.sent[0] = (len(token_ids), 0, 0)
                     request.metrics.last_token_time = now
-                    deltas.append((request.request_id, [(tokens, None, None)]))
+                    deltas.append((request.request_id, [(update.token_ids, None, None)]))
                     continue
                 try:
                     if self._add_tokens(request, update, result, now):

@@ -279,7 +279,7 @@ class Scheduler:
         rows = token_ids.tolist() if drafting else token_ids[:, 0].tolist()  # one conversion, not one a row
         accepted_rows = num_accepted.tolist() if drafting and num_accepted is not None else None
         manager = self.block_manager
-        windowed = manager.sliding_window is not None
+        windowed, page_size = manager.sliding_window is not None, manager.page_size
         running_status, finished_status = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         for i, item in enumerate(output.scheduled):
             seq = item.seq
@@ -318,10 +318,16 @@ class Scheduler:
                     finish_reason, stop_reason = _finished_by(seq, token, self.config.eos_token_ids)
                 else:
                     finish_reason = stop_reason = None
-            if running:
+            # A page fills where the tokens both computed and known reach its end: after a step of one new token,
+            # only where they reach a multiple of the page size (else cache_full_pages has nothing to register).
+            if running and (
+                drafting
+                or item.num_new_tokens != 1
+                or min(seq.num_computed_tokens, len(seq.token_ids)) % page_size == 0
+            ):
                 manager.cache_full_pages(seq)
-                if windowed:
-                    manager.free_outside_window(seq)
+            if running and windowed:
+                manager.free_outside_window(seq)
             if finish_reason is not None:
                 self.finish(seq)
             updates.append(SequenceUpdate(seq, i, new_tokens, drafted, accepted, finish_reason, stop_reason))
