@@ -7,8 +7,16 @@ import dataclasses
 import enum
 import functools
 
+import numpy as np
+
 from jaxpage.sample.logits_controls import LogitsControls
 from jaxpage.sampling_params import SamplingParams, sampler_settings
+
+# Sequence.sampler_row's columns after the sampler settings (temperature, top_k, top_p, min_p) and the seed: the
+# prompt's length (a sampling row's step is its tokens past it), and flags of whether it asks for log-probs, has logits
+# controls, and among them penalties (the sampler variant it needs).
+PROMPT_TOKENS_COLUMN, LOGPROBS_COLUMN, CONTROLS_COLUMN, PENALTIES_COLUMN = 5, 6, 7, 8
+SAMPLER_ROW_COLUMNS = 9
 
 
 class SequenceStatus(enum.Enum):
@@ -73,10 +81,15 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
 
     @functools.cached_property
-    def sampler_row(self) -> tuple[float, int, float, float, int]:
-        """(its sampler settings: jaxpage.sampling_params.sampler_settings, then its seed mod 2**32), as every step
-        that samples it takes them (worked out once: its sampling params and seed do not change once it is queued)."""
-        return (*sampler_settings(self.sampling_params), self.seed % 2**32)
+    def sampler_row(self) -> tuple[float, int, float, float, int, int, int, int, int]:
+        """(its sampler settings: jaxpage.sampling_params.sampler_settings, its seed mod 2**32, then the columns
+        PROMPT_TOKENS_COLUMN to PENALTIES_COLUMN say), as every step that samples it takes them (worked out once, when
+        the block manager first sees it: none of them changes once it is queued)."""
+        params, controls = self.sampling_params, self.controls
+        logprobs = params is not None and params.logprobs is not None
+        penalties = controls is not None and controls.uses_penalties
+        flags = (int(logprobs), int(controls is not None), int(penalties))
+        return (*sampler_settings(params), self.seed % 2**32, len(self.prompt_token_ids), *flags)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,21 +182,45 @@ class SchedulerOutput:
     # sequences' lists.
     block_tables: object = None
     window_block_tables: object = None
-    # Their sampler rows (Sequence.sampler_row), [items, 5] float64, as the block manager holds them; None: read from
-    # the sequences.
+    # Their sampler rows (Sequence.sampler_row), [items, SAMPLER_ROW_COLUMNS] float64, as the block manager holds them;
+    # None: read from the sequences (sampled_column).
     sampler_rows: object = None
     num_admitted: int = 0  # the last items of `scheduled` are the sequences admitted from the waiting queue this step
     # False where the scheduler knows that no item computes prompt log-probs this step (so none are looked for).
     prompt_logprobs_asked: bool = True
+    # Counted by the scheduler as it builds the step (worked out from `scheduled` where not given: an output made by
+    # hand), so that nothing after it goes over every item again for them: the tokens the step computes (draft
+    # tokens included), its draft tokens, and the items that do not sample (a prompt's chunk short of its end).
+    num_batched_tokens: int | None = None
+    num_draft_tokens: int | None = None
+    idle_rows: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        scheduled, counted = self.scheduled, object.__setattr__
+        if self.num_batched_tokens is None:
+            counted(self, "num_batched_tokens", sum(item.num_new_tokens for item in scheduled))
+        if self.num_draft_tokens is None:
+            counted(self, "num_draft_tokens", sum(len(item.draft_token_ids) for item in scheduled))
+        if self.idle_rows is None:
+            counted(self, "idle_rows", tuple(row for row, item in enumerate(scheduled) if not item.samples))
+
+    @property
+    def num_sampled(self) -> int:
+        """Items that sample (the step's rows of the LM head)."""
+        return len(self.scheduled) - len(self.idle_rows)
+
+    def sampled_column(self, column: int) -> list | np.ndarray:
+        """A column of the sampler rows (Sequence.sampler_row) of the items that sample: from sampler_rows, else from
+        the sequences."""
+        if self.sampler_rows is None:
+            return [item.seq.sampler_row[column] for item in self.scheduled if item.samples]
+        values = self.sampler_rows[:, column]
+        return np.delete(values, self.idle_rows) if self.idle_rows else values
 
     @functools.cached_property
     def prompt_logprob_rows(self) -> list[tuple[int, int, int]]:
         """prompt_logprob_rows(self.scheduled), worked out once."""
         return prompt_logprob_rows(self.scheduled) if self.prompt_logprobs_asked else []
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 @dataclasses.dataclass(slots=True)  # not frozen, as ScheduledSequence

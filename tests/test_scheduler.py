@@ -14,7 +14,7 @@ from jaxpage.engine.block_manager import BlockManager
 from jaxpage.engine.kv_cache_groups import KVCacheGroups
 from jaxpage.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpage.sampling_params import SamplingParams
-from jaxpage.sequence import Sequence, SequenceStatus
+from jaxpage.sequence import SchedulerOutput, Sequence, SequenceStatus
 from jaxpage.worker.pool_sizing import window_group_pages, window_pages_held
 
 PAGE_SIZE = 4
@@ -37,6 +37,13 @@ def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
     output = scheduler.schedule()
     update(scheduler, output, lambda seq: next_token)
     return output
+
+
+def assert_counted(output: SchedulerOutput) -> None:
+    """The counts the scheduler gives with a step are those of its items."""
+    by_hand = SchedulerOutput(output.scheduled, [])
+    counts = (output.num_batched_tokens, output.num_draft_tokens, output.idle_rows, output.num_sampled)
+    assert counts == (by_hand.num_batched_tokens, by_hand.num_draft_tokens, by_hand.idle_rows, by_hand.num_sampled)
 
 
 def unfinished(scheduler: Scheduler) -> bool:
@@ -99,6 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         running_before = list(self.scheduler.running)
         output = self.scheduler.schedule()
         assert output.scheduled, "work is waiting but nothing was scheduled"
+        assert_counted(output)
         assert output.num_batched_tokens <= config.max_num_batched_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         self._device_step(output, self.pools[0], "block_table", output.page_copies, None)
@@ -422,6 +430,8 @@ def test_the_update_keeps_accepted_drafts_gives_back_rejected_slots_and_caches_f
     bm = scheduler.block_manager
     assert seq.num_tokens == 7 and seq.num_computed_tokens == 6
     output = scheduler.schedule({seq.seq_id: [8, 9, 10, 11, 12]})  # token 6 and a draft of 5: 6 slots, to 12
+    assert_counted(output)
+    assert (output.num_draft_tokens, output.num_batched_tokens) == (5, 6)
     assert len(seq.block_table) == 3
     seq.num_draft_computed_tokens = 3
     tokens = np.array([[8, 9, 42, -1, -1, -1]], np.int32)  # 2 drafts accepted, then the target's 42

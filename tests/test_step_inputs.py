@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpage.engine.block_tables import BlockTables
+from jaxpage.sample.logits_controls import LogitsControls
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import ScheduledSequence, SchedulerOutput, Sequence
-from jaxpage.worker.step_inputs import StepInputs
+from jaxpage.worker.step_inputs import MASKS, NO_PROCESSORS, PENALTIES, StepInputs
 from jaxpage.worker.step_shapes import step_shapes
 
 PAGE_SIZE, MAX_MODEL_LEN, VOCAB = 4, 64, 100
@@ -69,10 +70,12 @@ def steps(draw):
     for seq_id in range(num_items):
         prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
         outputs = draw(st.lists(st.integers(0, VOCAB - 1), max_size=8))
-        seq = Sequence(
-            seq_id, prompt, token_ids=prompt + outputs, sampling_params=SamplingParams(seed=seq_id), seed=seq_id
-        )
-        pending = draw(st.booleans()) and not verify and outputs
+        extra = draw(st.sampled_from([{}, {"allowed_token_ids": [1, 2, 3]}, {"presence_penalty": 0.5}]))
+        params = SamplingParams(seed=seq_id, logprobs=draw(st.sampled_from([None, 2])), **extra)
+        controls = LogitsControls.of(params, VOCAB, [2], [])  # (none, a mask, or a penalty)
+        seq = Sequence(seq_id, prompt, token_ids=prompt + outputs, sampling_params=params, seed=seq_id)
+        seq.controls = controls
+        pending = draw(st.booleans()) and not verify and outputs and controls is None  # (controls need the tokens)
         if pending:  # its last token comes from the step before, on the device
             seq.num_pending_tokens = 1
             pending_rows[seq_id] = draw(st.integers(0, 7))
@@ -126,6 +129,11 @@ def test_step_arrays_equal_the_row_by_row_reference(step):
             assert sampling.temperature[row] == (params.temperature if item.samples else 0.0)
             assert sampling.seeds[row] == seq.seed and sampling.steps[row] == seq.num_output_tokens
         assert not sampling.temperature[len(items) :].any() and (sampling.top_p[len(items) :] == 1).all()
+        sampled = [item.seq for item in items if item.samples]  # what the sampler side reads of the rows that sample
+        assert bool(sample_input.want_logprobs) == any(seq.sampling_params.logprobs is not None for seq in sampled)
+        controls = [seq.controls for seq in sampled if seq.controls is not None]
+        level = PENALTIES if any(c.uses_penalties for c in controls) else MASKS if controls else NO_PROCESSORS
+        assert inputs.processor_level(output) == level
 
 
 def test_block_tables_grow_and_give_back_their_rows():
@@ -144,13 +152,14 @@ def test_block_tables_hold_each_rows_sampler_settings_until_it_is_given_back():
     """A row's sampler settings and seed (Sequence.sampler_row) stay in place from step to step; a row given back
     and taken again holds none (a gather then gives None, so a step reads the sequences) until assigned again."""
     tables = BlockTables(rows=1, width=1)
-    tables.assign(7, (0.8, 40, 0.9, 0.0, 7))
+    tables.assign(7, (0.8, 40, 0.9, 0.0, 7, 12, 1, 0, 0))
     tables.write(7, [3, 4])
-    tables.assign(8, (0.0, 0, 1.0, 0.0, 2**32 - 1))  # a second row (the arrays grow)
-    tables.assign(7, (1.5, 0, 1.0, 0.0, 9))  # it has a row: kept as it was
+    tables.assign(8, (0.0, 0, 1.0, 0.0, 2**32 - 1, 3, 0, 1, 1))  # a second row (the arrays grow)
+    tables.assign(7, (1.5, 0, 1.0, 0.0, 9, 5, 0, 0, 0))  # it has a row: kept as it was
     rows, sampling = tables.gather_with_sampling([8, 7])
     np.testing.assert_array_equal(rows, [[0, 0], [3, 4]])
-    np.testing.assert_array_equal(sampling, [[0.0, 0, 1.0, 0.0, 2**32 - 1], [0.8, 40, 0.9, 0.0, 7]])
+    expected = [[0.0, 0, 1.0, 0.0, 2**32 - 1, 3, 0, 1, 1], [0.8, 40, 0.9, 0.0, 7, 12, 1, 0, 0]]
+    np.testing.assert_array_equal(sampling, expected)
     tables.release(7)
     tables.write(9, [5])  # row 7's, without settings
     assert tables.gather_with_sampling([8, 9])[1] is None

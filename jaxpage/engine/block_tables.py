@@ -1,15 +1,17 @@
 """The block tables of a page pool's live sequences as one int32 numpy array, a row per sequence, which the block
 manager writes into as it changes a sequence's pages: a step's tables are then one gather of its sequences' rows
-(`gather`), not a Python list copied per sequence. Each row also holds its sequence's sampler settings and seed, written
-once when the block manager first sees it (`assign`): a step's sampling rows are a gather too (vLLM's persistent batch:
-what does not change from step to step stays in place). Host-only (no jax)."""
+(`gather`), not a Python list copied per sequence. Each row also holds its sequence's sampler row (settings, seed,
+prompt length, flags: Sequence.sampler_row), written once when the block manager first sees it (`assign`): a step's
+sampling rows are a gather too (vLLM's persistent batch: what does not change from step to step stays in place).
+Host-only (no jax)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from jaxpage.sequence import SAMPLER_ROW_COLUMNS
+
 NULL_PAGE = 0
-SAMPLER_COLUMNS = 5  # Sequence.sampler_row: temperature, top_k, top_p, min_p, seed
 
 
 class BlockTables:
@@ -18,14 +20,15 @@ class BlockTables:
 
     def __init__(self, rows: int = 64, width: int = 16):
         self.array = np.zeros((rows, width), np.int32)
-        # Each row's Sequence.sampler_row (settings, then seed: exact in float64), NaN where none was assigned.
-        self.sampling = np.full((rows, SAMPLER_COLUMNS), np.nan)
+        # Each row's Sequence.sampler_row (settings, seed, prompt length, flags: exact in float64), NaN where none was
+        # assigned.
+        self.sampling = np.full((rows, SAMPLER_ROW_COLUMNS), np.nan)
         self._rows: dict[int, int] = {}  # seq_id -> its row
         self._lengths: dict[int, int] = {}  # seq_id -> the entries its row holds
         self._free_rows = list(range(rows - 1, -1, -1))
 
     def assign(self, seq_id: int, sampler_row: tuple) -> None:
-        """A row for seq_id (if it has none yet), with its sampler settings and seed (Sequence.sampler_row)."""
+        """A row for seq_id (if it has none yet), with its sampler row (Sequence.sampler_row)."""
         if seq_id not in self._rows:
             row = self._take_row(seq_id)  # (first: it may grow the arrays)
             self.sampling[row] = sampler_row
@@ -65,7 +68,7 @@ class BlockTables:
         return self.array[[rows[seq_id] for seq_id in seq_ids]]
 
     def gather_with_sampling(self, seq_ids: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
-        """(gather(seq_ids), [len(seq_ids), SAMPLER_COLUMNS] float64: their sampler rows, or None where one has none
+        """(gather(seq_ids), [len(seq_ids), SAMPLER_ROW_COLUMNS] float64: their sampler rows, or None where one has none
         assigned)."""
         rows = self._rows
         index = [rows[seq_id] for seq_id in seq_ids]

@@ -116,6 +116,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._prompt_logprob_rows = PROMPT_LOGPROB_TOKENS  # prompt tokens this step may give log-probs of
         scheduled: list[ScheduledSequence] = []
+        idle: list[int] = []  # the items that do not sample
         preempted = False
         drafts = drafts or {}
         self._lora_loads = []
@@ -155,17 +156,25 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                scheduled.append(ScheduledSequence.of(seq, num_new))
+                item = ScheduledSequence.of(seq, num_new)
+                if not item.samples:
+                    idle.append(len(scheduled))
+                scheduled.append(item)
                 budget -= num_new
 
+        num_tokens = self.config.max_num_batched_tokens - budget
+        num_drafts = sum(len(item.draft_token_ids) for item in scheduled) if drafts else 0
         admitted = self._admit(budget) if not preempted and not drafts else []
+        idle += [row for row, item in enumerate(admitted, len(scheduled)) if not item.samples]
+        num_tokens += sum(item.num_new_tokens for item in admitted)
         scheduled += admitted
         manager = self.block_manager
         copies = (manager.take_copies(), manager.take_window_copies())
         tables = manager.block_tables([item.seq for item in scheduled]) if scheduled else (None, None, None)
         asked = self._prompt_logprob_rows < PROMPT_LOGPROB_TOKENS  # (an item that computes some took rows for them)
         transfers = manager.take_transfers()
-        return SchedulerOutput(scheduled, *copies, self._lora_loads, transfers, *tables, len(admitted), asked)
+        counts = (num_tokens, num_drafts, tuple(idle))
+        return SchedulerOutput(scheduled, *copies, self._lora_loads, transfers, *tables, len(admitted), asked, *counts)
 
     def _admit(self, budget: int) -> list[ScheduledSequence]:
         """Admits waiting sequences in order while budget, rows and pages last (see the module docstring)."""

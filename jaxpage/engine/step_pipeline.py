@@ -17,10 +17,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from jaxpage.config import EngineConfig
 from jaxpage.engine.replica import Replicas
 from jaxpage.engine.spec_decoder import SpeculativeDecoder
-from jaxpage.sequence import SchedulerOutput, SequenceUpdate
+from jaxpage.sequence import CONTROLS_COLUMN, SchedulerOutput, SequenceUpdate
 from jaxpage.worker.executor import Executor, LaunchedStep
 
 
@@ -87,9 +89,8 @@ class StepPipeline:
     def _can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled before the tokens of the step in flight are known: unless a
         sequence it samples has logits processors."""
-        return self.asynchronous and all(
-            item.seq.controls is None for o in self.in_flight.steps for item in o.scheduled if item.samples
-        )
+        steps = self.in_flight.steps
+        return self.asynchronous and not any(np.any(o.sampled_column(CONTROLS_COLUMN)) for o in steps)
 
     def _launch_next(self) -> InFlightStep | None:
         """Schedules every replica's next step and launches it on the device (a draft model's drafts first, where it
@@ -102,7 +103,6 @@ class StepPipeline:
         if not any(o.scheduled for o in steps):
             return None
         scheduled = time.perf_counter()
-        every = [item for o in steps for item in o.scheduled]
         admitted = [item for o in steps for item in o.scheduled[len(o.scheduled) - o.num_admitted :]]
         self.on_scheduled(admitted, time.time())
         draft_probs = draft_computed = None
@@ -117,7 +117,7 @@ class StepPipeline:
         launched = self.executor.launch_step(steps, draft_probs, pending_rows)
         for replica, output in zip(self.replicas, steps, strict=True):
             replica.scheduler.launched(output)
-        num_sampled = sum(item.samples for item in every)
+        num_sampled = sum(o.num_sampled for o in steps)
         return InFlightStep(steps, launched, draft_computed, num_sampled, scheduled - start, start)
 
     def results(self, step: InFlightStep) -> list:

@@ -16,7 +16,16 @@ from jaxpage.sample.logits_controls import bitmask_words
 from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
 from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_table
 from jaxpage.sampling_params import GREEDY_SETTINGS, SamplingParams
-from jaxpage.sequence import PROMPT_LOGPROB_TOKENS, ScheduledSequence, SchedulerOutput
+from jaxpage.sequence import (
+    CONTROLS_COLUMN,
+    LOGPROBS_COLUMN,
+    PENALTIES_COLUMN,
+    PROMPT_LOGPROB_TOKENS,
+    PROMPT_TOKENS_COLUMN,
+    SAMPLER_ROW_COLUMNS,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from jaxpage.structured.bitmask import fill_grammar_bitmasks
 from jaxpage.worker.host_kv_pool import TRANSFER_CHUNK
 from jaxpage.worker.kv_pool import COPY_CHUNK
@@ -74,23 +83,39 @@ def split_step_flag(flag: int) -> tuple[int, bool, bool]:
     return level, bool(rest & 2), bool(rest & 1)
 
 
-def row_sampling(items: list, num_rows: int, sampler_rows: np.ndarray | None = None) -> SamplingMetadata:
+def row_sampling(
+    items: list,
+    num_rows: int,
+    sampler_rows: np.ndarray | None = None,
+    idle_rows: tuple[int, ...] | None = None,
+    known_tokens: np.ndarray | None = None,
+) -> SamplingMetadata:
     """The sampling settings of the scheduled items, a row each (greedy for an item that does not sample this step),
-    padded to num_rows. sampler_rows: the items' Sequence.sampler_row as the block manager holds them (None: read
-    from the sequences)."""
+    padded to num_rows. sampler_rows: the items' Sequence.sampler_row as the block manager holds them, idle_rows: the
+    items that do not sample, known_tokens: each item's tokens known or pending (for one that samples: its computed
+    and new tokens less its drafts); each None: read from the items."""
     count = len(items)
     if count > num_rows:
         raise ValueError(f"{count} rows do not fit in num_rows={num_rows}")
-    table = np.empty((num_rows, 5), np.float64)  # each row's settings, then its seed (exact: below 2**32)
-    table[:] = (*GREEDY_SETTINGS, 0)
+    table = np.zeros((num_rows, SAMPLER_ROW_COLUMNS), np.float64)  # each row's settings, seed (exact: below 2**32)...
+    table[:, :4] = GREEDY_SETTINGS
     steps = np.zeros(num_rows, np.int32)
     if count:
-        seqs = [item.seq for item in items]
-        table[:count] = [seq.sampler_row for seq in seqs] if sampler_rows is None else sampler_rows
-        idle = [row for row, item in enumerate(items) if not item.samples]
-        table[idle, :4] = GREEDY_SETTINGS
-        steps[:count] = [len(s.token_ids) + s.num_pending_tokens - len(s.prompt_token_ids) for s in seqs]
+        table[:count] = [item.seq.sampler_row for item in items] if sampler_rows is None else sampler_rows
+        idle = [row for row, item in enumerate(items) if not item.samples] if idle_rows is None else idle_rows
+        if known_tokens is None:
+            steps[:count] = [_output_tokens(item.seq) for item in items]
+        else:  # (an item that does not sample is greedy: its step is read from its sequence as it ever was)
+            steps[:count] = known_tokens - table[:count, PROMPT_TOKENS_COLUMN]
+            steps[list(idle)] = [_output_tokens(items[row].seq) for row in idle]
+        if idle:
+            table[list(idle), :4] = GREEDY_SETTINGS
     return sampling_metadata_from_table(table, steps)
+
+
+def _output_tokens(seq) -> int:
+    """A sequence's tokens past its prompt, pending ones included (a sampling row's step)."""
+    return len(seq.token_ids) + seq.num_pending_tokens - len(seq.prompt_token_ids)
 
 
 def token_lora_slots(items: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
@@ -147,11 +172,10 @@ class StepInputs:
         one shape): verify if some sequence brings draft tokens (the scheduler keeps those to steps without
         prefill; speculative decoding runs without data parallelism), else decode if every sequence has one new
         token, else mixed."""
-        items = [item for output in outputs for item in output.scheduled]
         rows = max(len(output.scheduled) for output in outputs)
-        if any(item.draft_token_ids for item in items):
+        if any(output.num_draft_tokens for output in outputs):
             return self.smallest_shape("verify", rows)
-        if all(item.num_new_tokens == 1 for item in items):
+        if all(output.num_batched_tokens == len(output.scheduled) for output in outputs):  # (each has one at least)
             return self.smallest_shape("decode", rows)
         return self.smallest_shape("mixed", max(output.num_batched_tokens for output in outputs), rows)
 
@@ -166,10 +190,9 @@ class StepInputs:
     def processor_level(*outputs: SchedulerOutput) -> int:
         """The sampler variant the step (every replica's part of it) needs: PENALTIES if a sampling row uses a
         penalty, else MASKS if one has other logits processors, else NO_PROCESSORS."""
-        controls = [item.seq.controls for o in outputs for item in o.scheduled if item.samples and item.seq.controls]
-        if any(c.uses_penalties for c in controls):
-            return PENALTIES
-        return MASKS if controls else NO_PROCESSORS
+        if not any(np.any(o.sampled_column(CONTROLS_COLUMN)) for o in outputs):
+            return NO_PROCESSORS
+        return PENALTIES if any(np.any(o.sampled_column(PENALTIES_COLUMN)) for o in outputs) else MASKS
 
     def prepare(
         self,
@@ -229,9 +252,9 @@ class StepInputs:
             num_drafts[:num_items] = drafted
             for row in np.flatnonzero(drafted).tolist():
                 draft_tokens[row, : drafted[row]] = items[row].draft_token_ids
-        sampling = row_sampling(items, shape.sample_rows, output.sampler_rows)
-        params = [item.seq.sampling_params for item in items if item.samples]
-        want_logprobs = any([p is not None and p.logprobs is not None for p in params])
+        known = kv_lens[:num_items] - drafted if items else None
+        sampling = row_sampling(items, shape.sample_rows, output.sampler_rows, output.idle_rows, known)
+        want_logprobs = bool(np.any(output.sampled_column(LOGPROBS_COLUMN)))
         attention = PagedBatch(
             slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)), window_slots, window_tables
         )
