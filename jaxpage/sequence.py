@@ -13,10 +13,14 @@ from jaxpage.sample.logits_controls import LogitsControls
 from jaxpage.sampling_params import SamplingParams, sampler_settings
 
 # Sequence.sampler_row's columns after the sampler settings (temperature, top_k, top_p, min_p) and the seed: the
-# prompt's length (a sampling row's step is its tokens past it), and flags of whether it asks for log-probs, has logits
-# controls, and among them penalties (the sampler variant it needs).
-PROMPT_TOKENS_COLUMN, LOGPROBS_COLUMN, CONTROLS_COLUMN, PENALTIES_COLUMN = 5, 6, 7, 8
-SAMPLER_ROW_COLUMNS = 9
+# prompt's length (a sampling row's step is its tokens past it), whether it asks for log-probs (1) or not (0), and the
+# sampler variant its logits controls need (PROCESSOR_LEVELS: a step takes its rows' highest).
+PROMPT_TOKENS_COLUMN, LOGPROBS_COLUMN, PROCESSOR_LEVEL_COLUMN = 5, 6, 7
+SAMPLER_ROW_COLUMNS = 8
+# The sampler's variants, from the least a row can need: no logits processors; masks (a grammar's bitmask, allowed or
+# bad tokens, biases, min_tokens); those and penalties (which take every row's tokens).
+NO_PROCESSORS, MASKS, PENALTIES = 0, 1, 2
+PROCESSOR_LEVELS = (NO_PROCESSORS, MASKS, PENALTIES)
 
 
 class SequenceStatus(enum.Enum):
@@ -81,15 +85,14 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
 
     @functools.cached_property
-    def sampler_row(self) -> tuple[float, int, float, float, int, int, int, int, int]:
+    def sampler_row(self) -> tuple[float, int, float, float, int, int, int, int]:
         """(its sampler settings: jaxpage.sampling_params.sampler_settings, its seed mod 2**32, then the columns
-        PROMPT_TOKENS_COLUMN to PENALTIES_COLUMN say), as every step that samples it takes them (worked out once, when
-        the block manager first sees it: none of them changes once it is queued)."""
+        PROMPT_TOKENS_COLUMN to PROCESSOR_LEVEL_COLUMN say), as every step that samples it takes them (worked out
+        once, when the block manager first sees it: none of them changes once it is queued)."""
         params, controls = self.sampling_params, self.controls
-        logprobs = params is not None and params.logprobs is not None
-        penalties = controls is not None and controls.uses_penalties
-        flags = (int(logprobs), int(controls is not None), int(penalties))
-        return (*sampler_settings(params), self.seed % 2**32, len(self.prompt_token_ids), *flags)
+        logprobs = int(params is not None and params.logprobs is not None)
+        level = NO_PROCESSORS if controls is None else PENALTIES if controls.uses_penalties else MASKS
+        return (*sampler_settings(params), self.seed % 2**32, len(self.prompt_token_ids), logprobs, level)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -209,13 +212,14 @@ class SchedulerOutput:
         """Items that sample (the step's rows of the LM head)."""
         return len(self.scheduled) - len(self.idle_rows)
 
-    def sampled_column(self, column: int) -> list | np.ndarray:
-        """A column of the sampler rows (Sequence.sampler_row) of the items that sample: from sampler_rows, else from
-        the sequences."""
+    def max_sampled(self, column: int) -> int:
+        """The highest value of a column of the sampler rows (Sequence.sampler_row) of the items that sample (0 where
+        none does): from sampler_rows, else from the sequences."""
         if self.sampler_rows is None:
-            return [item.seq.sampler_row[column] for item in self.scheduled if item.samples]
+            return max([item.seq.sampler_row[column] for item in self.scheduled if item.samples], default=0)
         values = self.sampler_rows[:, column]
-        return np.delete(values, self.idle_rows) if self.idle_rows else values
+        values = np.delete(values, self.idle_rows) if self.idle_rows else values
+        return int(values.max()) if len(values) else 0
 
     @functools.cached_property
     def prompt_logprob_rows(self) -> list[tuple[int, int, int]]:

@@ -152,13 +152,13 @@ def test_block_tables_hold_each_rows_sampler_settings_until_it_is_given_back():
     """A row's sampler settings and seed (Sequence.sampler_row) stay in place from step to step; a row given back
     and taken again holds none (a gather then gives None, so a step reads the sequences) until assigned again."""
     tables = BlockTables(rows=1, width=1)
-    tables.assign(7, (0.8, 40, 0.9, 0.0, 7, 12, 1, 0, 0))
+    tables.assign(7, (0.8, 40, 0.9, 0.0, 7, 12, 1, 0))
     tables.write(7, [3, 4])
-    tables.assign(8, (0.0, 0, 1.0, 0.0, 2**32 - 1, 3, 0, 1, 1))  # a second row (the arrays grow)
-    tables.assign(7, (1.5, 0, 1.0, 0.0, 9, 5, 0, 0, 0))  # it has a row: kept as it was
+    tables.assign(8, (0.0, 0, 1.0, 0.0, 2**32 - 1, 3, 0, 2))  # a second row (the arrays grow)
+    tables.assign(7, (1.5, 0, 1.0, 0.0, 9, 5, 0, 0))  # it has a row: kept as it was
     rows, sampling = tables.gather_with_sampling([8, 7])
     np.testing.assert_array_equal(rows, [[0, 0], [3, 4]])
-    expected = [[0.0, 0, 1.0, 0.0, 2**32 - 1, 3, 0, 1, 1], [0.8, 40, 0.9, 0.0, 7, 12, 1, 0, 0]]
+    expected = [[0.0, 0, 1.0, 0.0, 2**32 - 1, 3, 0, 2], [0.8, 40, 0.9, 0.0, 7, 12, 1, 0]]
     np.testing.assert_array_equal(sampling, expected)
     tables.release(7)
     tables.write(9, [5])  # row 7's, without settings

@@ -26,6 +26,7 @@ class BlockTables:
         self._rows: dict[int, int] = {}  # seq_id -> its row
         self._lengths: dict[int, int] = {}  # seq_id -> the entries its row holds
         self._free_rows = list(range(rows - 1, -1, -1))
+        self._unassigned: set[int] = set()  # seq_ids whose row was taken by `write`, without a sampler row
 
     def assign(self, seq_id: int, sampler_row: tuple) -> None:
         """A row for seq_id (if it has none yet), with its sampler row (Sequence.sampler_row)."""
@@ -38,6 +39,7 @@ class BlockTables:
         row = self._rows.get(seq_id)
         if row is None:
             row = self._take_row(seq_id)
+            self._unassigned.add(seq_id)
         length, before = len(table), self._lengths.get(seq_id, 0)
         if length > self.array.shape[1]:
             self._grow_width(length)
@@ -49,6 +51,7 @@ class BlockTables:
     def release(self, seq_id: int) -> None:
         """seq_id holds no table any more: its row is cleared and free."""
         row = self._rows.pop(seq_id, None)
+        self._unassigned.discard(seq_id)
         if row is not None:
             self.array[row, : self._lengths.pop(seq_id)] = NULL_PAGE
             self.sampling[row] = np.nan
@@ -71,9 +74,10 @@ class BlockTables:
         """(gather(seq_ids), [len(seq_ids), SAMPLER_ROW_COLUMNS] float64: their sampler rows, or None where one has none
         assigned)."""
         rows = self._rows
-        index = [rows[seq_id] for seq_id in seq_ids]
-        sampling = self.sampling[index]
-        return self.array[index], None if np.isnan(sampling).any() else sampling
+        index = np.array([rows[seq_id] for seq_id in seq_ids], np.intp)
+        if self._unassigned and not self._unassigned.isdisjoint(seq_ids):
+            return self.array[index], None
+        return self.array[index], self.sampling[index]
 
     def check(self, tables: dict[int, list[int]]) -> None:
         """Asserts that the rows hold exactly `tables` (seq_id -> its block table; one that is empty may have no

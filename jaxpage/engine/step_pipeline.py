@@ -17,12 +17,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from jaxpage.config import EngineConfig
 from jaxpage.engine.replica import Replicas
 from jaxpage.engine.spec_decoder import SpeculativeDecoder
-from jaxpage.sequence import CONTROLS_COLUMN, SchedulerOutput, SequenceUpdate
+from jaxpage.sequence import NO_PROCESSORS, PROCESSOR_LEVEL_COLUMN, SchedulerOutput, SequenceUpdate
 from jaxpage.worker.executor import Executor, LaunchedStep
 
 
@@ -90,7 +88,7 @@ class StepPipeline:
         """Whether the next step can be scheduled before the tokens of the step in flight are known: unless a
         sequence it samples has logits processors."""
         steps = self.in_flight.steps
-        return self.asynchronous and not any(np.any(o.sampled_column(CONTROLS_COLUMN)) for o in steps)
+        return self.asynchronous and all(o.max_sampled(PROCESSOR_LEVEL_COLUMN) == NO_PROCESSORS for o in steps)
 
     def _launch_next(self) -> InFlightStep | None:
         """Schedules every replica's next step and launches it on the device (a draft model's drafts first, where it

@@ -16,10 +16,13 @@ from jaxpage.sample.logits_controls import bitmask_words
 from jaxpage.sample.logits_processors import LogitsInputs, PenaltyInputs
 from jaxpage.sample.sampler import SamplingMetadata, sampling_metadata_from_table
 from jaxpage.sampling_params import GREEDY_SETTINGS, SamplingParams
-from jaxpage.sequence import (
-    CONTROLS_COLUMN,
+from jaxpage.sequence import (  # noqa: F401 (PROCESSOR_LEVELS, re-exported)
     LOGPROBS_COLUMN,
-    PENALTIES_COLUMN,
+    MASKS,
+    NO_PROCESSORS,
+    PENALTIES,
+    PROCESSOR_LEVEL_COLUMN,
+    PROCESSOR_LEVELS,
     PROMPT_LOGPROB_TOKENS,
     PROMPT_TOKENS_COLUMN,
     SAMPLER_ROW_COLUMNS,
@@ -65,10 +68,8 @@ class SampleInput:
     logits: LogitsInputs | None = None  # [R * (k + 1)] rows of logits processors; None: no row uses any
 
 
-# What a step's sampler applies to the logits before sampling (its program's variant): nothing, bitmasks and biases,
-# or those and penalties (which take every row's tokens). A step takes the least its rows need.
-NO_PROCESSORS, MASKS, PENALTIES = 0, 1, 2
-PROCESSOR_LEVELS = (NO_PROCESSORS, MASKS, PENALTIES)
+# What a step's sampler applies to the logits before sampling (its program's variant): jaxpage.sequence's
+# PROCESSOR_LEVELS, which it takes from its rows (re-exported here).
 
 
 def step_flag(level: int, with_draft_probs: bool, feeds: bool = False) -> int:
@@ -190,9 +191,7 @@ class StepInputs:
     def processor_level(*outputs: SchedulerOutput) -> int:
         """The sampler variant the step (every replica's part of it) needs: PENALTIES if a sampling row uses a
         penalty, else MASKS if one has other logits processors, else NO_PROCESSORS."""
-        if not any(np.any(o.sampled_column(CONTROLS_COLUMN)) for o in outputs):
-            return NO_PROCESSORS
-        return PENALTIES if any(np.any(o.sampled_column(PENALTIES_COLUMN)) for o in outputs) else MASKS
+        return max(o.max_sampled(PROCESSOR_LEVEL_COLUMN) for o in outputs)
 
     def prepare(
         self,
@@ -254,7 +253,7 @@ class StepInputs:
                 draft_tokens[row, : drafted[row]] = items[row].draft_token_ids
         known = kv_lens[:num_items] - drafted if items else None
         sampling = row_sampling(items, shape.sample_rows, output.sampler_rows, output.idle_rows, known)
-        want_logprobs = bool(np.any(output.sampled_column(LOGPROBS_COLUMN)))
+        want_logprobs = output.max_sampled(LOGPROBS_COLUMN) > 0
         attention = PagedBatch(
             slot_mapping, block_tables, kv_lens, cu_q_lens, np.int32(len(items)), window_slots, window_tables
         )
