@@ -173,6 +173,7 @@ class GarbageCollections:
 
 def run_row(engine, stub, corpus, batch: int, variant: str, steps: int, max_tokens: int, profiles=None) -> dict:
     """Keeps `batch` requests running through the engine; times `steps` steps after a warm-up."""
+    from jaxpage.outputs import RequestOutput
     from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 
     rng = np.random.default_rng(1)
@@ -213,7 +214,7 @@ def run_row(engine, stub, corpus, batch: int, variant: str, steps: int, max_toke
             profiles.enabled = False
         finished = 0
         for output in outputs:  # the caller: what it reads
-            if isinstance(output, tuple):  # a TokenDelta (engine-process): never a request's last output
+            if not isinstance(output, RequestOutput):  # a TokenDelta or StepTokens (engine-process): never a last one
                 continue
             consumed += len(output.outputs[0].text)
             finished += output.finished

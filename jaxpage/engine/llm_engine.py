@@ -317,12 +317,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step (schedule, execute, update); returns the outputs of the requests that progressed or ended
-        (aborted ones too; an engine process's as Request.token_deltas says). With asynchronous scheduling
-        (`async_scheduling`) it launches the next step before it waits for the one the call before launched, whose
-        outputs it returns: the host works while the device does (the first call returns none). A request whose own
-        post-processing fails (its detokenization, say) ends with finish_reason "error" and RequestOutput.error saying
-        why; if the device step fails, no request can be blamed: every unfinished request ends with that error, the
-        pool is made anew, and the engine serves on."""
+        (aborted ones too; an engine process's as Request.token_deltas says, with StepTokens). With asynchronous
+        scheduling (`async_scheduling`) it launches the next step before it waits for the one the call before
+        launched, whose outputs it returns: the host works while the device does (the first call returns none). A
+        request whose own post-processing fails (its detokenization, say) ends with finish_reason "error" and
+        RequestOutput.error saying why; if the device step fails, no request can be blamed: every unfinished request
+        ends with that error, the pool is made anew, and the engine serves on."""
         with self._lock:
             self._check_leader("step")
             try:

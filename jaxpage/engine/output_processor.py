@@ -48,9 +48,9 @@ class Request:
     # may go as TokenDeltas (token_delta), not RequestOutputs, where they carry nothing more: no log-probs, not its end.
     token_deltas: bool = False
     # Set by OutputProcessor.add: a request of token_deltas with one sample, output_kind DELTA and no log-probs, whose
-    # steps that neither start nor end it give a TokenDelta straight from the scheduler's update (OutputProcessor.
-    # process's short way); its completion holds the tokens of its other outputs alone, which is all a DELTA output
-    # reads (the tokens past `sent`).
+    # steps that neither start nor end it give its TokenDelta straight from the scheduler's update, in the step's
+    # StepTokens (OutputProcessor.process's short way); its completion holds the tokens of its other outputs alone,
+    # which is all a DELTA output reads (the tokens past `sent`).
     lean_deltas: bool = False
 
     @functools.cached_property  # (its params do not change)
@@ -110,6 +110,27 @@ class Request:
 # (request_id, a (new token ids, finish_reason, stop_reason) per completion). A tuple of plain values, a twentieth of
 # a RequestOutput's cost to pickle and a tenth to build; jaxpage.engine.output_texts makes the RequestOutput.
 TokenDelta = tuple[str, list[tuple[list[int], str | None, int | str | None]]]
+
+
+@dataclasses.dataclass(slots=True)
+class StepTokens:
+    """The TokenDeltas of a step's lean requests (Request.lean_deltas: one sample, neither started nor ended by the
+    step), all in one object of two columns: a list and a tuple less to build a request, a third of the cost to
+    pickle."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]  # each request's new tokens
+
+    def deltas(self) -> list[TokenDelta]:
+        pairs = zip(self.request_ids, self.token_ids, strict=True)
+        return [(request_id, [(tokens, None, None)]) for request_id, tokens in pairs]
+
+
+def each_output(outputs: list[RequestOutput | TokenDelta | StepTokens]) -> list[RequestOutput | TokenDelta]:
+    """An engine step's outputs, StepTokens given as their TokenDeltas."""
+    if not any(isinstance(output, StepTokens) for output in outputs):
+        return outputs
+    return [one for output in outputs for one in (output.deltas() if isinstance(output, StepTokens) else (output,))]
 
 
 def final_text(request: Request) -> None:
@@ -249,13 +270,15 @@ class OutputProcessor:
 
     def process(
         self, step_updates: list[tuple[list[SequenceUpdate], object]], now: float
-    ) -> tuple[list[RequestOutput | TokenDelta], list[tuple[int, Sequence]]]:
+    ) -> tuple[list[RequestOutput | TokenDelta | StepTokens], list[tuple[int, Sequence]]]:
         """(the outputs of the requests that progressed or ended, as their output_kind asks (TokenDeltas where a request
-        has token_deltas), the sequences a stop string or a failure ended, which the engine must finish, with their
-        replicas). `step_updates`: each replica's updates with its StepOutput (for log-probs)."""
+        has token_deltas, those of lean requests in one StepTokens), the sequences a stop string or a failure ended,
+        which the engine must finish, with their replicas). `step_updates`: each replica's updates with its
+        StepOutput (for log-probs)."""
         progressed: dict[str, Request] = {}
         ended: list[tuple[int, Sequence]] = []
-        deltas: list[TokenDelta] = []
+        lean_ids: list[str] = []  # (a StepTokens)
+        lean_tokens: list[list[int]] = []
         request_of_seq = self.request_of_seq
         for updates, result in step_updates:
             for update in updates:
@@ -264,7 +287,8 @@ class OutputProcessor:
                     continue
                 if request.lean_deltas and update.finish_reason is None and request.sent is not None:  # (most of them)
                     request.metrics.last_token_time = now
-                    deltas.append((request.request_id, [(update.token_ids, None, None)]))
+                    lean_ids.append(request.request_id)
+                    lean_tokens.append(update.token_ids)
                     continue
                 try:
                     if self._add_tokens(request, update, result, now):
@@ -276,7 +300,8 @@ class OutputProcessor:
                     continue
                 progressed[request.request_id] = request
         outputs = self.take_ended()
-        outputs += deltas
+        if lean_ids:
+            outputs.append(StepTokens(lean_ids, lean_tokens))
         final_only = RequestOutputKind.FINAL_ONLY
         for request in progressed.values():
             completions = request.completions

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from jaxpage.engine.llm_engine import LLMEngine
-from jaxpage.engine.output_processor import Request, TokenDelta
+from jaxpage.engine.output_processor import Request, StepTokens, TokenDelta
 from jaxpage.outputs import RequestOutput
 
 
@@ -34,7 +34,8 @@ class LoopTurn:
 
     added: list[str]  # request ids queued in the engine this turn
     refused: list[tuple[str, BaseException]]  # (request id, why) of requests the engine would not queue
-    outputs: list[RequestOutput | TokenDelta]  # of its step (TokenDeltas: an engine process's requests)
+    # of its step (TokenDeltas and StepTokens: an engine process's requests)
+    outputs: list[RequestOutput | TokenDelta | StepTokens]
     num_waiting: int  # requests waiting in the engine after it
     ended_at: float = 0.0  # time.monotonic() at its end (the clock is the machine's: any process may compare)
     gauges: object = None  # the engine's gauges (jaxpage.entrypoints.metrics.EngineGauges) where asked for

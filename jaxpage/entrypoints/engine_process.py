@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from jaxpage.config import EngineConfig
 from jaxpage.engine.lora_adapters import LoRAAdapters
-from jaxpage.engine.output_processor import Request
+from jaxpage.engine.output_processor import Request, each_output
 from jaxpage.engine.output_texts import OutputTexts, engine_output_kind, request_id_of
 from jaxpage.entrypoints.engine_loop import EngineDeadError, EngineLoop, LoopTurn
 from jaxpage.entrypoints.metrics import EngineGauges, engine_gauges
@@ -169,7 +169,7 @@ class EngineProcess:
         for request_id, _ in turn.refused:
             self.texts.forget(request_id)
         outputs = []
-        for output in turn.outputs:  # RequestOutputs and TokenDeltas
+        for output in each_output(turn.outputs):  # RequestOutputs and TokenDeltas
             with_text, stopped = self.texts.apply(output)
             if stopped:
                 self._send(("stop_samples", (request_id_of(output), stopped)))
