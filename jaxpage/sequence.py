@@ -29,7 +29,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done or aborted: its pages are returned
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # (slots: its fields are read for every sequence of every step)
 class Sequence:
     """A prompt and the tokens generated after it.
 
@@ -79,20 +79,24 @@ class Sequence:
     # unless ignore_eos, its stop token ids), or None where no token can be judged alone (min_tokens, a grammar).
     max_num_tokens: int = dataclasses.field(default=2**62, repr=False)
     ending_tokens: frozenset[int] | None = dataclasses.field(default=None, repr=False)
+    _sampler_row: tuple | None = dataclasses.field(default=None, init=False, repr=False)  # (sampler_row's, once)
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
-    @functools.cached_property
+    @property
     def sampler_row(self) -> tuple[float, int, float, float, int, int, int, int]:
         """(its sampler settings: jaxpage.sampling_params.sampler_settings, its seed mod 2**32, then the columns
         PROMPT_TOKENS_COLUMN to PROCESSOR_LEVEL_COLUMN say), as every step that samples it takes them (worked out
         once, when the block manager first sees it: none of them changes once it is queued)."""
-        params, controls = self.sampling_params, self.controls
-        logprobs = int(params is not None and params.logprobs is not None)
-        level = NO_PROCESSORS if controls is None else PENALTIES if controls.uses_penalties else MASKS
-        return (*sampler_settings(params), self.seed % 2**32, len(self.prompt_token_ids), logprobs, level)
+        if self._sampler_row is None:
+            params, controls = self.sampling_params, self.controls
+            logprobs = int(params is not None and params.logprobs is not None)
+            level = NO_PROCESSORS if controls is None else PENALTIES if controls.uses_penalties else MASKS
+            settings = sampler_settings(params)
+            self._sampler_row = (*settings, self.seed % 2**32, len(self.prompt_token_ids), logprobs, level)
+        return self._sampler_row
 
     @property
     def num_prompt_tokens(self) -> int:
