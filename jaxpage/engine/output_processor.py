@@ -8,7 +8,6 @@ A stop string it finds ends a sample: it says which sequences, and the engine ha
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ if TYPE_CHECKING:  # jaxpage.tokenizers.tokenizer imports the model loaders (jax
 logger = logging.getLogger("jaxpage")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (slots: its fields are read for each of its outputs)
 class Request:
     """A checked request and its state in the engine: LLMEngine.prepare_request makes it, add_prepared_requests
     queues it."""
@@ -53,7 +52,7 @@ class Request:
     # which is all a DELTA output reads (the tokens past `sent`).
     lean_deltas: bool = False
 
-    @functools.cached_property  # (its params do not change)
+    @property
     def detokenized_at_end(self) -> bool:
         """Whether its text is made when it ends, not token by token: nothing reads it before (FINAL_ONLY) and no
         stop string is looked for in it."""
