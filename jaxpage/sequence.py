@@ -190,7 +190,7 @@ class SchedulerOutput:
     block_tables: object = None
     window_block_tables: object = None
     # Their sampler rows (Sequence.sampler_row), [items, SAMPLER_ROW_COLUMNS] float64, as the block manager holds them;
-    # None: read from the sequences (sampled_column).
+    # None: read from the sequences (max_sampled).
     sampler_rows: object = None
     num_admitted: int = 0  # the last items of `scheduled` are the sequences admitted from the waiting queue this step
     # False where the scheduler knows that no item computes prompt log-probs this step (so none are looked for).

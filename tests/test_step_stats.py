@@ -18,9 +18,9 @@ def decode(computed: int) -> SimpleNamespace:
 
 
 def stats(items: list, model) -> StepStats:
-    step = SimpleNamespace(scheduled=items, num_batched_tokens=len(items))
+    step = SimpleNamespace(scheduled=items, num_batched_tokens=len(items), num_sampled=len(items))
     result = SimpleNamespace(shape=StepShape(2, 2, 8, 1), prepare_s=0.0, device_s=0.0)
-    return StepStats([step], [result], [], len(items), 0.0, 0.0, model)
+    return StepStats([step], [result], [], 0.0, 0.0, model)
 
 
 def model(layers: int, window: int | None, sliding: tuple[bool, ...]):

@@ -347,7 +347,7 @@ class LLMEngine:
         for replica, seq in ended:  # ended by a stop string or their request's failure
             self._finish_seq(replica, seq)
         postprocess_s = time.perf_counter() - start
-        parts = (step.steps, results, updates, step.num_sampled, step.schedule_s, postprocess_s, self.model_config)
+        parts = (step.steps, results, updates, step.schedule_s, postprocess_s, self.model_config)
         self.last_step_stats = StepStats(*parts)  # (its counts worked out only if read)
         return outputs
 

@@ -44,7 +44,6 @@ class InFlightStep:
     steps: list[SchedulerOutput]  # each replica's
     launched: LaunchedStep
     draft_computed: dict[int, int] | None  # a draft model's computed tokens by seq_id (speculative decoding)
-    num_sampled: int  # its rows that sample
     schedule_s: float  # host: scheduling it
     started: float  # time.perf_counter() when its scheduling began
 
@@ -115,8 +114,7 @@ class StepPipeline:
         launched = self.executor.launch_step(steps, draft_probs, pending_rows)
         for replica, output in zip(self.replicas, steps, strict=True):
             replica.scheduler.launched(output)
-        num_sampled = sum(o.num_sampled for o in steps)
-        return InFlightStep(steps, launched, draft_computed, num_sampled, scheduled - start, start)
+        return InFlightStep(steps, launched, draft_computed, scheduled - start, start)
 
     def results(self, step: InFlightStep) -> list:
         """The results of a launched step (each replica's StepOutput), waiting for the device."""

@@ -19,22 +19,25 @@ class StepStats:
         steps: list[SchedulerOutput],
         results: list,
         updates: list[tuple[list[SequenceUpdate], object]],
-        num_sampled: int,
         schedule_s: float,
         postprocess_s: float,
         model: ModelConfig,
     ):
         """A step's stats: its replicas' scheduled steps, their StepOutputs and the schedulers' updates (each
-        replica's, with its StepOutput: StepPipeline.update); num_sampled
-        counted before the update; postprocess_s: from the results on the host to the outputs."""
+        replica's, with its StepOutput: StepPipeline.update); postprocess_s: from the results on the host to the
+        outputs."""
         self._steps, self._results, self._updates, self._model = steps, results, updates, model
-        self.num_sampled = num_sampled  # sequences whose logits give a token this step (the rows of the LM head)
         self.schedule_s = schedule_s  # host: the scheduler
         self.prepare_s = results[0].prepare_s  # host: the step's arrays
         # dispatch until the sampled tokens are on the host (with asynchronous scheduling this spans the launch of the
         # next step and the device's tail of the step before)
         self.device_s = results[0].device_s
         self.postprocess_s = postprocess_s  # host: commit, appending tokens, detokenizing, stop checks, outputs
+
+    @property
+    def num_sampled(self) -> int:
+        """Sequences whose logits give a token this step (the rows of the LM head)."""
+        return sum(o.num_sampled for o in self._steps)
 
     @property
     def host_s(self) -> float:

@@ -68,10 +68,6 @@ class SampleInput:
     logits: LogitsInputs | None = None  # [R * (k + 1)] rows of logits processors; None: no row uses any
 
 
-# What a step's sampler applies to the logits before sampling (its program's variant): jaxpage.sequence's
-# PROCESSOR_LEVELS, which it takes from its rows (re-exported here).
-
-
 def step_flag(level: int, with_draft_probs: bool, feeds: bool = False) -> int:
     """A STEP message's flag: the sampler's level of logits processors, whether the step reads tokens of the step
     before on the device (StepInput.feed_index), and whether its sampler takes a draft model's distributions."""
