@@ -13,8 +13,10 @@ the cache) and `attend`:
     layer:    int32 scalar, the index of the calling layer
     out:      [..., num_heads, head_dim]
 
-The dense implementation below serves cache-free forwards over padded `[batch, seq]` inputs; the
-paged implementation writes K/V into the page pool and attends through block tables.
+The dense implementation below serves cache-free forwards over padded `[batch, seq]` inputs, the packed one
+cache-free forwards over many sequences laid end to end in one `[tokens]` axis (pooling models: encoders attend both
+ways, decoder embedders causally); the paged implementation writes K/V into the page pool and attends through block
+tables.
 """
 
 from __future__ import annotations
@@ -85,3 +87,53 @@ class DenseAttention:
         probs = jnp.where(visible, jax.nn.softmax(jnp.where(visible.any(-1, keepdims=True), scores, 0.0)), 0.0)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return out.reshape(b, s, num_heads, head_dim).astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Metadata of sequences packed end to end, without padding between them, for the cache-free packed path."""
+
+    positions: jax.Array  # [tokens] int32, position of each token in its own sequence
+    segment_ids: jax.Array  # [tokens] int32, the sequence each token belongs to (0, 1, ...); -1 on padding at the end
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedAttention:
+    """Self-attention within each sequence of a packed batch; no cache.
+
+    A token sees the keys of its own sequence only: all of them (`causal=False`: encoders) or those at or before its
+    position (`causal=True`: decoders), with a sliding window only the last `sliding_window` of those. Padding keys are
+    never seen and padding queries get zeros. GQA as DenseAttention; softmax in float32.
+    """
+
+    sm_scale: float
+    causal: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def __call__(self, q, k, v, batch: PackedBatch, kv_cache, layer):
+        return self.attend(q, k, v, batch, kv_cache, layer), kv_cache
+
+    def store(self, k, v, batch: PackedBatch, kv_cache, layer):
+        return kv_cache  # no cache
+
+    def attend(self, q, k, v, batch: PackedBatch, kv_cache, layer):
+        # q [T, Hq, D]; k, v [T, Hkv, D]
+        t, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        q = q.reshape(t, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = jnp.einsum("qhgd,khd->hgqk", q, k, preferred_element_type=jnp.float32) * self.sm_scale
+        if self.soft_cap is not None:
+            scores = jnp.tanh(scores / self.soft_cap) * self.soft_cap
+        segments, positions = batch.segment_ids, batch.positions
+        visible = (segments[:, None] == segments[None, :]) & (segments[None, :] >= 0)  # [Tq, Tk]
+        distance = positions[:, None] - positions[None, :]
+        if self.causal:
+            visible &= distance >= 0
+        if self.sliding_window is not None:
+            visible &= distance < self.sliding_window
+        scores = jnp.where(visible, scores, -jnp.inf)
+        probs = jnp.where(visible, jax.nn.softmax(jnp.where(visible.any(-1, keepdims=True), scores, 0.0)), 0.0)
+        out = jnp.einsum("hgqk,khd->qhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return out.reshape(t, num_heads, head_dim).astype(q.dtype)

@@ -19,10 +19,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def read_hf_config(directory: Path, overrides: dict | None = None) -> ModelConfig:
-    """The model's config from `directory`/config.json, `overrides` (the engine argument hf_overrides) set over its
-    fields."""
-    path = directory / "config.json"
+def read_config_json(directory: Path) -> dict:
+    """`directory`/config.json as a dict; ModelLoadError when it is missing or not a JSON object."""
+    path = Path(directory) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory}: no config.json; not a Hugging Face model directory")
     try:
@@ -31,6 +30,13 @@ def read_hf_config(directory: Path, overrides: dict | None = None) -> ModelConfi
         raise ModelLoadError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
+    return hf
+
+
+def read_hf_config(directory: Path, overrides: dict | None = None) -> ModelConfig:
+    """The model's config from `directory`/config.json, `overrides` (the engine argument hf_overrides) set over its
+    fields."""
+    hf, path = read_config_json(directory), directory / "config.json"
     source = str(path) if not overrides else f"{path} with hf_overrides {sorted(overrides)}"
     return model_config_from_hf(hf | (overrides or {}), source=source)
 
@@ -72,6 +78,11 @@ class SafetensorsSource:
         self._stack = stack
         self._handles: dict[Path, object] = {}
 
+    @classmethod
+    def of_directory(cls, directory: Path, stack: contextlib.ExitStack) -> SafetensorsSource:
+        """The tensors of a Hugging Face directory's model.safetensors or sharded index, open while `stack` is."""
+        return cls(*_weight_map(Path(directory)), stack)
+
     def names(self) -> set[str]:
         return set(self._weight_map)
 
@@ -92,6 +103,6 @@ def load_hf_directory(
     params_from_hf_tensors; overrides: see read_hf_config)."""
     config = read_hf_config(directory, overrides)
     with contextlib.ExitStack() as stack:
-        source = SafetensorsSource(*_weight_map(directory), stack)
+        source = SafetensorsSource.of_directory(directory, stack)
         params = params_from_hf_tensors(config, source, dtype, quantization)
     return dataclasses.replace(config, quantization=quantization), params
