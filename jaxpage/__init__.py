@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.errors import ModelLoadError
     from jaxpage.lora_request import LoRARequest
-    from jaxpage.outputs import CompletionOutput, RequestOutput
+    from jaxpage.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+    from jaxpage.pooling_params import PoolingParams
     from jaxpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 # name -> the module that defines it; imported when the name is first looked up.
@@ -34,6 +35,9 @@ _LAZY_NAMES = {
     "ModelLoadError": "jaxpage.errors",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
+    "PoolingParams": "jaxpage.pooling_params",
+    "EmbeddingOutput": "jaxpage.outputs",
+    "EmbeddingRequestOutput": "jaxpage.outputs",
 }
 
 __all__ = [
@@ -45,6 +49,9 @@ __all__ = [
     "EngineConfig",
     "RequestOutput",
     "CompletionOutput",
+    "PoolingParams",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "ModelConfig",
     "ModelLoadError",
     "__version__",

@@ -1,4 +1,5 @@
-"""What a request gives back, in vLLM's names: RequestOutput, CompletionOutput, Logprob, RequestMetrics."""
+"""What a request gives back, in vLLM's names: RequestOutput, CompletionOutput, Logprob, RequestMetrics; a pooling
+model's EmbeddingRequestOutput."""
 
 from __future__ import annotations
 
@@ -67,3 +68,24 @@ class RequestOutput:
         ]
         prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
         return dataclasses.replace(later, outputs=outputs, prompt_logprobs=prompt_logprobs)
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """One input's embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What a pooling model gives back for one input of `LLM.embed` (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -42,6 +42,7 @@ LAYERS = [
     "jaxpage.tokenizers",
     "jaxpage.attention",  # one class per backend, and the factory
     "jaxpage.models",
+    "jaxpage.pooling",  # poolers over a pooling model's hidden states
     "jaxpage.sources",  # where a model comes from: a local path or a Hub id (huggingface_hub)
     # Plain modules that import nothing of jaxpage above them (or nothing at all): the chips aot builds for, the KV
     # pool's arrays, the mesh's axes, what a request asks and gets.
@@ -51,6 +52,7 @@ LAYERS = [
     "jaxpage.outputs",
     "jaxpage.lora_request",
     "jaxpage.sampling_params",
+    "jaxpage.pooling_params",
     "jaxpage.config",  # engine arguments, sub-configs, model configs and their readers, the speculative config
     "jaxpage.errors",
     "jaxpage.validation",

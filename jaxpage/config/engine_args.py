@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_tpu_interpret", "pallas_gpu_interpret")
 LOAD_FORMATS = ("auto", "dummy")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def canonical_kv_cache_dtype(name: str) -> str:
@@ -72,6 +73,11 @@ class EngineConfig:
         "fields set over the model's config.json, e.g. '{\"max_position_embeddings\": 4096}'",
         metavar="JSON",
         cli="model",
+    )
+    # vLLM's runner: "generate" (an LLMEngine), "pooling" (embeddings: a PoolingEngine), "auto" by the model's
+    # architecture (jaxpage.models.pooling_model.runner_of).
+    runner: str = arg(
+        "auto", "generate, or pooling (embeddings); default auto: by the architecture", choices=RUNNERS, cli="model"
     )
     # vLLM's flag for running a repo's own Python code; jaxpage runs none, so True is refused.
     trust_remote_code: bool = arg(False, "refused: jaxpage runs no code from a model repo", cli="model")
@@ -297,6 +303,7 @@ class EngineConfig:
         if self.compilation_cache_dir not in (None, "auto"):
             put("compilation_cache_dir", check_path(arg("compilation_cache_dir"), self.compilation_cache_dir))
         choose("load_format", LOAD_FORMATS)
+        choose("runner", RUNNERS)
         if self.quantization is not None:
             choose("quantization", self.QUANTIZATIONS)
         choose("kv_cache_dtype", self.KV_CACHE_DTYPES)

@@ -14,6 +14,7 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.engine.lora_adapters import LoRAAdapters
 from jaxpage.engine.output_processor import Request
+from jaxpage.engine.prompt_tokens import prompt_tokens
 from jaxpage.lora_request import LoRARequest
 from jaxpage.outputs import CompletionOutput, RequestMetrics
 from jaxpage.sample.logits_controls import LogitsControls
@@ -21,7 +22,7 @@ from jaxpage.sampling_params import SamplingParams
 from jaxpage.sequence import Sequence
 from jaxpage.structured.grammar import GrammarCompiler
 from jaxpage.tokenizers.tokenizer import IncrementalDetokenizer
-from jaxpage.validation import ArgumentTypeError, check_number, check_text, describe, fail, is_int
+from jaxpage.validation import check_number, fail
 
 
 class InputProcessor:
@@ -160,51 +161,4 @@ class InputProcessor:
         return spellings
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt; ValueError naming what is wrong with it."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty (got '')")
-            check_text("prompt", prompt)
-            if self.tokenizer is None:
-                raise ValueError(
-                    "a text prompt needs the tokenizer, which skip_tokenizer_init leaves out: pass "
-                    "{'prompt_token_ids': [...]}"
-                )
-            try:
-                ids = list(self.tokenizer(prompt).input_ids)
-            except Exception as e:  # the tokenizer's own failure on this text: refuse the prompt, keep serving
-                raise ValueError(f"prompt {describe(prompt)} cannot be tokenized ({type(e).__name__}: {e})") from None
-            if not ids:
-                fail("prompt", "text with at least one token", prompt)
-            if max(ids) >= self.vocab_size:
-                raise ValueError(
-                    f"the tokenizer gives token id {max(ids)}, outside the model's vocabulary of "
-                    f"{self.vocab_size}: the tokenizer does not belong to this model"
-                )
-            return prompt, ids
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                fail("prompt", "a dict with the keys prompt and/or prompt_token_ids only", sorted(unknown))
-            if "prompt_token_ids" in prompt:
-                ids = self._token_ids(prompt["prompt_token_ids"])
-                text = prompt.get("prompt")
-                if text is not None:
-                    check_text("prompt", text, allow_empty=True)
-                return text, ids
-            if "prompt" in prompt:
-                return self._prompt_tokens(check_text("prompt", prompt["prompt"]))
-        fail("prompt", "a string or a dict with prompt_token_ids or prompt", prompt, wrong_type=True)
-
-    def _token_ids(self, ids) -> list[int]:
-        vocab = self.vocab_size
-        if not isinstance(ids, list | tuple | np.ndarray) or isinstance(ids, np.ndarray) and ids.ndim != 1:
-            fail("prompt_token_ids", "a non-empty list of token ids", ids, wrong_type=True)
-        if len(ids) == 0:
-            fail("prompt_token_ids", "a non-empty list of token ids", ids)
-        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab][:1]  # a list: the bad id may be None
-        if bad:
-            raise (ArgumentTypeError if not is_int(bad[0]) else ValueError)(
-                f"prompt_token_ids holds {describe(bad[0])}, not a token id in [0, {vocab})"
-            )
-        return [int(t) for t in ids]
+        return prompt_tokens(prompt, self.tokenizer, self.vocab_size)

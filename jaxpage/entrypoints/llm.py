@@ -1,4 +1,5 @@
-"""LLM: offline generation over the engine, in vLLM's API (`LLM(model).generate(prompts, params)`)."""
+"""LLM: offline generation over the engine, in vLLM's API (`LLM(model).generate(prompts, params)`), and a pooling
+model's embeddings (`LLM(model, runner="pooling").embed(prompts)`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from tqdm import tqdm
 
 from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import LLMEngine
+from jaxpage.engine.pooling_engine import PoolingEngine
 from jaxpage.lora_request import LoRARequest
-from jaxpage.outputs import RequestOutput
+from jaxpage.models.pooling_model import engine_runner
+from jaxpage.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxpage.pooling_params import PoolingParams
 from jaxpage.sampling_params import RequestOutputKind, SamplingParams
+from jaxpage.sources import HubDownload
 from jaxpage.tokenizers.tokenizer import encode_chat
 from jaxpage.validation import fail
 
@@ -26,19 +31,61 @@ class LLM:
     Hub id (org/name, org/name:Q4_K_M, org/name/file.gguf; None: SmolLM2-135M-Instruct); engine_args are
     EngineConfig's fields (max_num_seqs, page_size, revision, ...). Prompts given no sampling params get the model's
     generation config's defaults (get_default_sampling_params).
+
+    A pooling model (engine argument runner="pooling", or "auto" and an encoder or base-model architecture) gives
+    embeddings instead: `embed`; its engine is a PoolingEngine, and generate and chat are refused.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        self.runner = engine_runner(config.model, config.runner, HubDownload(config.revision, config.download_dir))
+        self.engine = PoolingEngine(config) if self.runner == "pooling" else LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding of every prompt (strings or {"prompt_token_ids": [...]}), in prompt order (vLLM's LLM.embed).
+        `pooling_params`: one for every prompt, or one each (dimensions, normalize, truncate_prompt_tokens);
+        `truncate_prompt_tokens` sets theirs where they leave it unset. All prompts are checked before any runs: a bad
+        one raises ValueError and nothing is queued."""
+        engine = self._engine_for("embed", "pooling")
+        prompts = _prompt_list(prompts)
+        params = per_prompt("pooling_params", pooling_params, PoolingParams, len(prompts))
+        params = [PoolingParams() if p is None else dataclasses.replace(p) for p in params]
+        for p in params:
+            if p.truncate_prompt_tokens is None:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+        requests = [engine.prepare_request(self._next_id(), pr, p) for pr, p in zip(prompts, params, strict=True)]
+        engine.add_prepared_requests(requests)
+        finished: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="embed", unit="input") as bar:
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                finished.update((output.request_id, output) for output in outputs)
+                bar.update(len(outputs))
+        return [finished[request.request_id] for request in requests]
+
+    def _engine_for(self, method: str, runner: str):
+        if self.runner != runner:
+            raise ValueError(
+                f"{method} needs a model run by the {runner} runner; this LLM's model runs on the {self.runner} runner "
+                f"(engine argument runner={self.runner!r})"
+            )
+        return self.engine
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a prompt without sampling params gets (vLLM's name): the model's generation config's defaults
         (engine argument generation_config; jaxpage.models.generation_config), SamplingParams' own for the rest."""
-        return self.engine.generation_defaults.sampling_params()
+        return self._engine_for("get_default_sampling_params", "generate").generation_defaults.sampling_params()
 
     def generate(
         self,
@@ -83,6 +130,7 @@ class LLM:
         """Generates replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of them. Content
         is a string or OpenAI content parts ([{"type": "text", "text": ...}, ...]). Every conversation is checked
         and rendered before any runs: a bad one raises ValueError naming the message and field."""
+        self._engine_for("chat", "generate")
         if self.engine.tokenizer is None:
             raise ValueError("chat needs the tokenizer, which skip_tokenizer_init leaves out")
         if isinstance(messages, list | tuple) and messages and all(isinstance(m, list | tuple) for m in messages):
@@ -95,12 +143,8 @@ class LLM:
     def _add(self, prompts, sampling_params, lora_request=None, final_only: bool = False) -> list[str]:
         """Queues the prompts (all checked first), returning their request ids; final_only: the caller reads only
         final outputs (RequestOutputKind.FINAL_ONLY), so the engine builds no other."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        elif not isinstance(prompts, list | tuple):
-            fail("prompts", "a prompt or a list of prompts", prompts, wrong_type=True)
-        if not prompts:
-            raise ValueError("no prompts given")
+        self._engine_for("generate", "generate")
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, list | tuple):
@@ -143,6 +187,16 @@ class LLM:
         finally:
             if pending:
                 self.engine.abort_request(list(pending))
+
+
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if not isinstance(prompts, list | tuple):
+        fail("prompts", "a prompt or a list of prompts", prompts, wrong_type=True)
+    if not prompts:
+        raise ValueError("no prompts given")
+    return list(prompts)
 
 
 def per_prompt(name: str, value, kind: type, num_prompts: int) -> list:

@@ -1,0 +1,102 @@
+"""A pooling model as the pooling engine runs it: its forward pass to the last hidden states over a packed step
+(jaxpage.models.attention.PackedBatch) and how it loads.
+
+Two kinds: encoders (BERT, XLM-RoBERTa: jaxpage.models.bert), which attend both ways within each input, and decoder
+embedders (the Llama family jaxpage runs, e.g. Qwen3-Embedding), the same decoder as for generation with causal
+attention within each input and no KV cache; its LM head is never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.errors import ModelLoadError
+from jaxpage.models import bert
+from jaxpage.models.attention import PackedAttention
+from jaxpage.models.hf_loader import read_config_json
+from jaxpage.models.llama import build
+from jaxpage.models.loader import default_dtype, load_model, resolve_source, source_format
+from jaxpage.sources import HubDownload
+
+# Architectures that end so are base models (hidden states out): a pooling model when the runner is left to "auto".
+POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingModel:
+    """forward(params, token_ids [T], positions [T], batch) -> hidden [T, hidden_size], jit-able; max_positions: the
+    longest input its position embeddings (or RoPE's trained length) take."""
+
+    forward: Callable
+    params: dict
+    hidden_size: int
+    max_positions: int
+    is_encoder: bool
+    dtype: jnp.dtype
+
+
+def runner_of(hf: dict) -> str:
+    """The runner `auto` picks for a model of config.json `hf`: "pooling" for an encoder or a base model
+    (architectures ending in POOLING_SUFFIXES: Qwen3Model, BertModel, ...), else "generate"."""
+    if bert.is_encoder_architecture(hf):
+        return "pooling"
+    architectures = hf.get("architectures") or []
+    return "pooling" if any(str(a).endswith(POOLING_SUFFIXES) for a in architectures) else "generate"
+
+
+def load_pooling_model(directory: Path, hf: dict, dtype=None, load_format: str = "auto") -> PoolingModel:
+    """The pooling model of a Hugging Face directory (config.json `hf`), its parameters on the default device."""
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    if bert.is_encoder_architecture(hf):
+        config = bert.encoder_config_from_hf(hf, str(directory / "config.json"))
+        if config.head_kind is not None:
+            raise ModelLoadError(
+                f"{directory / 'config.json'}: {hf.get('architectures')} is a classification model; jaxpage embeds "
+                "with base encoders only for now"
+            )
+        if load_format == "dummy":
+            params = bert.init_encoder_params(config, jax.random.key(0), dtype)
+        else:
+            params = jax.device_put(bert.load_encoder_params(directory, config, dtype))
+        module = bert.Encoder(config, dtype)
+        return PoolingModel(
+            functools.partial(_encoder_forward, module),
+            params,
+            config.hidden_size,
+            config.max_position_embeddings - config.position_offset,
+            True,
+            dtype,
+        )
+    config, params = load_model(directory, dtype, load_format=load_format)
+    module = build(config, PackedAttention(sm_scale=config.attention_scale, causal=True), dtype)
+    return PoolingModel(
+        functools.partial(_decoder_forward, module),
+        params,
+        config.hidden_size,
+        config.max_position_embeddings,
+        False,
+        dtype,
+    )
+
+
+def _encoder_forward(module, params, token_ids, positions, batch):
+    return module.apply({"params": params}, token_ids, positions, batch)
+
+
+def _decoder_forward(module, params, token_ids, positions, batch):
+    return module.apply({"params": params}, token_ids, positions, batch)[0]
+
+
+def engine_runner(model: str | None, runner: str, download: HubDownload) -> str:
+    """ "generate" or "pooling": the engine argument runner, or with "auto" the model's (runner_of; a GGUF file or a
+    jaxpage checkpoint generates)."""
+    if runner != "auto":
+        return runner
+    path = resolve_source(model, download, weights=False)
+    return runner_of(read_config_json(path)) if source_format(path) == "hf" else "generate"

@@ -1,0 +1,45 @@
+"""The device side of a pooling model: a packed step (jaxpage.worker.packed_steps.PackedStep) through the model and
+its pooler, one compiled program per token bucket, one vector per input back to the host."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxpage.models.attention import PackedBatch
+from jaxpage.models.pooling_model import PoolingModel
+from jaxpage.pooling.poolers import pool
+from jaxpage.worker.packed_steps import PackedStep
+
+logger = logging.getLogger("jaxpage")
+
+
+def _pooled(forward, pooling_type: str, params, token_ids, positions, segment_ids, starts, lengths):
+    hidden = forward(params, token_ids, positions, PackedBatch(positions, segment_ids))
+    return pool(pooling_type, hidden, segment_ids, starts, lengths)
+
+
+class PoolingRunner:
+    """Runs packed steps of `model` pooled by `pooling_type` (jaxpage.config.pooler.POOLING_TYPES)."""
+
+    def __init__(self, model: PoolingModel, pooling_type: str):
+        self.model = model
+        self._program = jax.jit(functools.partial(_pooled, model.forward, pooling_type))
+        self._executables: dict[tuple[int, int], object] = {}
+        self.compile_seconds: dict[tuple[int, int], float] = {}  # (tokens, rows) of each step shape compiled
+
+    def run(self, step: PackedStep) -> np.ndarray:
+        """[step.num_inputs, hidden_size] float32: each input's pooled hidden state (not normalized)."""
+        arrays = (step.token_ids, step.positions, step.segment_ids, step.starts, step.lengths)
+        shape = (len(step.token_ids), len(step.starts))
+        executable = self._executables.get(shape)
+        if executable is None:
+            start = time.perf_counter()
+            executable = self._executables[shape] = self._program.lower(self.model.params, *arrays).compile()
+            self.compile_seconds[shape] = time.perf_counter() - start
+            logger.info("pooling step of %d tokens, %d inputs: compiled in %.2fs", *shape, self.compile_seconds[shape])
+        return np.asarray(executable(self.model.params, *arrays))[: step.num_inputs]

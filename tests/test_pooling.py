@@ -1,0 +1,239 @@
+"""Pooling models (issue 57): embeddings of tiny random encoders and decoder embedders through LLM.embed against
+sentence-transformers and transformers, the packed steps' layout, the pooler configs read from sentence-transformers
+files, and refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import TINY_FAMILIES
+
+from jaxpage import LLM, PoolingParams
+from jaxpage.config.pooler import read_pooler_config
+from jaxpage.errors import ModelLoadError
+from jaxpage.worker.packed_steps import pack, take, token_buckets
+
+WORDS = "the a of and to in is on for with that this cat dog runs fast slow red blue green sky sea tree".split()
+TEXTS = [
+    "the cat runs fast",
+    "a dog",
+    "the blue sky and the green sea with a red tree on the sea",
+    "is",
+    "the dog and the cat run in the sky for that tree",
+]
+QWEN3 = next(f for f in TINY_FAMILIES if f.name == "qwen3-qk-norm-head-dim")
+
+
+def write_vocab(path) -> None:
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    path.write_text("\n".join(specials + WORDS + letters + [f"##{c}" for c in letters]) + "\n")
+
+
+@pytest.fixture(scope="module")
+def bert_st_dir(tmp_path_factory):
+    """A tiny random BERT saved as a sentence-transformers model (mean pooling, then Normalize), and that model."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    base = tmp_path_factory.mktemp("bert")
+    write_vocab(base / "vocab.txt")
+    tokenizer = BertTokenizerFast(vocab_file=str(base / "vocab.txt"))
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len((base / "vocab.txt").read_text().split()),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
+    BertModel(config).eval().save_pretrained(base / "hf", safe_serialization=True)
+    tokenizer.save_pretrained(base / "hf")
+    word = models.Transformer(str(base / "hf"), max_seq_length=48)
+    pooling = models.Pooling(config.hidden_size, pooling_mode="mean")
+    model = SentenceTransformer(modules=[word, pooling, models.Normalize()], device="cpu")
+    model.save(str(base / "st"))
+    return base / "st", model
+
+
+@pytest.fixture(scope="module")
+def bert_llm(bert_st_dir):
+    return LLM(str(bert_st_dir[0]), max_num_seqs=4, max_num_batched_tokens=32)
+
+
+def test_encoder_embeddings_equal_sentence_transformers(bert_st_dir, bert_llm):
+    directory, model = bert_st_dir
+    expected = model.encode(TEXTS, convert_to_numpy=True, batch_size=2)
+    outputs = bert_llm.embed(TEXTS)
+    assert [o.request_id for o in outputs] == sorted({o.request_id for o in outputs}, key=int)
+    got = np.array([o.outputs.embedding for o in outputs])
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    tokenizer = bert_llm.get_tokenizer()
+    assert [o.prompt_token_ids for o in outputs] == [tokenizer(t).input_ids for t in TEXTS]
+    # several steps ran (a budget of 32 tokens), each packed without padding between inputs
+    assert len(bert_llm.engine.runner.compile_seconds) >= 1
+
+
+def test_token_ids_and_params_per_prompt(bert_st_dir, bert_llm):
+    from sentence_transformers import SentenceTransformer
+
+    directory, model = bert_st_dir
+    tokenizer = bert_llm.get_tokenizer()
+    ids = tokenizer(TEXTS[2]).input_ids
+    plain, raw = bert_llm.embed([{"prompt_token_ids": ids}, TEXTS[2]], [None, PoolingParams(normalize=False)])
+    expected = model.encode([TEXTS[2]], convert_to_numpy=True, normalize_embeddings=False)[0]
+    np.testing.assert_allclose(plain.outputs.embedding, expected / np.linalg.norm(expected), atol=1e-5)
+    # without Normalize: the mean pooling itself (the Normalize module is the pipeline's last)
+    unnormalized = SentenceTransformer(modules=[model[0], model[1]], device="cpu").encode([TEXTS[2]])[0]
+    np.testing.assert_allclose(raw.outputs.embedding, unnormalized, atol=1e-5)
+
+
+def test_over_long_inputs_are_refused_unless_truncation_is_asked(bert_llm):
+    tokenizer = bert_llm.get_tokenizer()
+    long_ids = (tokenizer(" ".join(WORDS * 4)).input_ids)[:60]
+    with pytest.raises(ValueError, match="60 tokens, more than the model's max_model_len of 48"):
+        bert_llm.embed({"prompt_token_ids": long_ids})
+    (kept,) = bert_llm.embed({"prompt_token_ids": long_ids}, truncate_prompt_tokens=10)
+    assert kept.prompt_token_ids == long_ids[-10:]
+    (whole,) = bert_llm.embed({"prompt_token_ids": long_ids}, PoolingParams(truncate_prompt_tokens=-1))
+    assert whole.prompt_token_ids == long_ids[-48:]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda llm: llm.embed([]), "no prompts given"),
+        (lambda llm: llm.embed(""), "prompt is empty"),
+        (lambda llm: llm.embed({"prompt_token_ids": [10**6]}), "not a token id in"),
+        (lambda llm: llm.embed("a", PoolingParams(dimensions=8)), "cannot be shortened"),
+        (lambda llm: llm.embed("a", "normalize"), "pooling_params must be"),
+        (lambda llm: llm.generate("a"), "generate needs a model run by the generate runner"),
+        (lambda llm: llm.chat([{"role": "user", "content": "a"}]), "chat needs a model run by the generate runner"),
+    ],
+)
+def test_bad_calls_are_refused_by_name_and_queue_nothing(bert_llm, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(bert_llm)
+    assert not bert_llm.engine.has_unfinished_requests()
+
+
+def test_pooling_params_are_checked_when_built():
+    with pytest.raises(ValueError, match="PoolingParams.dimensions must be an integer"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(TypeError, match="PoolingParams.normalize"):
+        PoolingParams(normalize="yes")
+    with pytest.raises(ValueError, match="PoolingParams.truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=-2)
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedder(tiny_model_path, tmp_path_factory):
+    """The tiny Qwen3 model as a decoder embedder (last-token pooling, normalized), as sentence-transformers files
+    describe Qwen3-Embedding, with Matryoshka dimensions in its config.json."""
+    directory = tmp_path_factory.mktemp("qwen3-embedding")
+    shutil.copytree(tiny_model_path(QWEN3), directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": [16, 32]}))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "include_prompt": True}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return directory
+
+
+def test_decoder_embeddings_equal_transformers_last_token(qwen3_embedder):
+    import torch
+    from transformers import AutoModel
+
+    prompts = [[5, 9, 2, 40], [7], list(range(1, 30)), [3, 3, 3]]
+    llm = LLM(str(qwen3_embedder), runner="pooling", skip_tokenizer_init=True, max_num_batched_tokens=32)
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+    reference = AutoModel.from_pretrained(qwen3_embedder, torch_dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            hidden = reference(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(output.outputs.embedding, hidden / np.linalg.norm(hidden), atol=1e-5)
+    (short,) = llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(dimensions=16))
+    with torch.no_grad():
+        hidden = reference(torch.tensor([prompts[0]])).last_hidden_state[0, -1, :16].numpy()
+    np.testing.assert_allclose(short.outputs.embedding, hidden / np.linalg.norm(hidden), atol=1e-5)
+    with pytest.raises(ValueError, match=r"dimensions must be one of \[16, 32\]"):
+        llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(dimensions=20))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 16))
+def test_packed_steps_hold_each_input_whole_and_in_order(lengths, max_rows):
+    buckets = token_buckets(64)
+    waiting = [list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)]
+    while waiting:
+        chosen = take([len(w) for w in waiting], 64, max_rows)
+        assert chosen[0] == 0 and len(chosen) <= max_rows  # the oldest input always goes
+        assert sum(len(waiting[i]) for i in chosen) <= 64
+        inputs = [waiting[i] for i in chosen]
+        step = pack(inputs, buckets, max_rows)
+        total = sum(map(len, inputs))
+        assert len(step.token_ids) == min(b for b in buckets if b >= total)  # padded at the end only
+        for row, tokens in enumerate(inputs):
+            start, length = step.starts[row], step.lengths[row]
+            assert step.token_ids[start : start + length].tolist() == tokens
+            assert step.positions[start : start + length].tolist() == list(range(len(tokens)))
+            assert (step.segment_ids[start : start + length] == row).all()
+        assert (step.segment_ids[total:] == -1).all() and (step.lengths[len(inputs) :] == 0).all()
+        waiting = [w for i, w in enumerate(waiting) if i not in chosen]
+
+
+def write_st_files(directory, modules: list[str], pooling: dict) -> None:
+    kinds = {"T": "sentence_transformers.models.Transformer", "P": "sentence_transformers.models.Pooling"}
+    kinds |= {"N": "sentence_transformers.models.Normalize", "D": "sentence_transformers.models.Dense"}
+    entries = [{"idx": i, "path": "1_Pooling" if m == "P" else "", "type": kinds[m]} for i, m in enumerate(modules)]
+    (directory / "modules.json").write_text(json.dumps(entries))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+
+@pytest.mark.parametrize(
+    "modules, pooling, message",
+    [
+        (
+            ["T", "P", "D"],
+            {"pooling_mode_cls_token": True},
+            "module type .sentence_transformers.models.Dense. is not supported",
+        ),
+        (["T", "P"], {"pooling_mode_weightedmean_tokens": True}, "pooling mode 'weightedmean' is not supported"),
+        (["T", "P"], {"pooling_mode": "mean_sqrt_len_tokens"}, "pooling mode 'mean_sqrt_len_tokens' is not supported"),
+        (["T", "P"], {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "exactly one pooling mode"),
+        (["T", "P"], {"pooling_mode": ["cls", "max"]}, "exactly one pooling mode"),
+        (["T", "P"], {"pooling_mode_lasttoken": True, "include_prompt": False}, "include_prompt false"),
+        (["T"], {}, "no Pooling module"),
+    ],
+)
+def test_sentence_transformers_files_jaxpage_cannot_follow_are_refused_by_name(tmp_path, modules, pooling, message):
+    write_st_files(tmp_path, modules, pooling)
+    with pytest.raises(ModelLoadError, match=message):
+        read_pooler_config(tmp_path, True, {})
+
+
+def test_pooler_config_defaults_and_sentence_transformers_prompts(tmp_path):
+    assert read_pooler_config(tmp_path, True, {}).pooling_type == "CLS"
+    assert read_pooler_config(tmp_path, False, {}).pooling_type == "LAST"
+    write_st_files(tmp_path, ["T", "P", "N"], {"pooling_mode_mean_tokens": True})  # (sentence-transformers < 6)
+    prompts = {"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "query"}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(prompts))
+    config = read_pooler_config(tmp_path, True, {})
+    assert (config.pooling_type, config.normalize, config.default_prompt_name) == ("MEAN", True, "query")
+    assert dict(config.prompts)["query"] == "query: "
+    write_st_files(tmp_path, ["T", "P"], {"pooling_mode": "lasttoken"})  # sentence-transformers 6
+    assert read_pooler_config(tmp_path, True, {}).pooling_type == "LAST"
