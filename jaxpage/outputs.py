@@ -1,5 +1,6 @@
 """What a request gives back, in vLLM's names: RequestOutput, CompletionOutput, Logprob, RequestMetrics; a pooling
-model's EmbeddingRequestOutput."""
+model's PoolingRequestOutput, and as LLM.embed, classify and score give them, EmbeddingRequestOutput,
+ClassificationRequestOutput and ScoringRequestOutput."""
 
 from __future__ import annotations
 
@@ -71,6 +72,23 @@ class RequestOutput:
 
 
 @dataclasses.dataclass
+class PoolingOutput:
+    """A pooling model's output for one input: an embedding, or a classifier's class probabilities."""
+
+    data: list[float]
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """What a pooling model's engine gives back for one input (vLLM's PoolingRequestOutput)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclasses.dataclass
 class EmbeddingOutput:
     """One input's embedding (vLLM's EmbeddingOutput)."""
 
@@ -83,9 +101,56 @@ class EmbeddingOutput:
 
 @dataclasses.dataclass
 class EmbeddingRequestOutput:
-    """What a pooling model gives back for one input of `LLM.embed` (vLLM's EmbeddingRequestOutput)."""
+    """LLM.embed's output for one input (vLLM's EmbeddingRequestOutput)."""
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data), output.prompt_token_ids, output.finished)
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    """One input's class probabilities, in the order of the model's labels (vLLM's ClassificationOutput)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """LLM.classify's output for one input (vLLM's ClassificationRequestOutput)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        probs = ClassificationOutput(output.outputs.data)
+        return cls(output.request_id, probs, output.prompt_token_ids, output.finished)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """One pair's score: a cross-encoder's relevance, or the cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """LLM.score's output for one pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True

@@ -29,10 +29,16 @@ TEXTS = [
 QWEN3 = next(f for f in TINY_FAMILIES if f.name == "qwen3-qk-norm-head-dim")
 
 
-def write_vocab(path) -> None:
+def tiny_bert_tokenizer(directory):
+    """A BERT WordPiece tokenizer of a tiny vocabulary (special tokens, WORDS, letters), its vocab.txt in directory."""
+    from transformers import BertTokenizer
+
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    path.write_text("\n".join(specials + WORDS + letters + [f"##{c}" for c in letters]) + "\n")
+    (directory / "vocab.txt").write_text("\n".join(specials + WORDS + letters + [f"##{c}" for c in letters]) + "\n")
+    tokenizer = BertTokenizer.from_pretrained(directory)  # (transformers 5 reads vocab_file= as no vocabulary)
+    assert tokenizer("the cat").input_ids == [2, 5, 5 + WORDS.index("cat"), 3]  # words, not [UNK]s
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +46,13 @@ def bert_st_dir(tmp_path_factory):
     """A tiny random BERT saved as a sentence-transformers model (mean pooling, then Normalize), and that model."""
     import torch
     from sentence_transformers import SentenceTransformer, models
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     base = tmp_path_factory.mktemp("bert")
-    write_vocab(base / "vocab.txt")
-    tokenizer = BertTokenizerFast(vocab_file=str(base / "vocab.txt"))
+    tokenizer = tiny_bert_tokenizer(base)
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=len((base / "vocab.txt").read_text().split()),
+        vocab_size=len(tokenizer),
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -237,3 +242,99 @@ def test_pooler_config_defaults_and_sentence_transformers_prompts(tmp_path):
     assert dict(config.prompts)["query"] == "query: "
     write_st_files(tmp_path, ["T", "P"], {"pooling_mode": "lasttoken"})  # sentence-transformers 6
     assert read_pooler_config(tmp_path, True, {}).pooling_type == "LAST"
+
+
+@pytest.fixture(scope="module")
+def bert_classifiers(tmp_path_factory):
+    """Tiny random BertForSequenceClassification models with the tiny vocabulary's tokenizer: {num_labels: dir}."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    base = tmp_path_factory.mktemp("bert-classifiers")
+    tokenizer = tiny_bert_tokenizer(base)
+    directories = {}
+    for num_labels in (1, 3):
+        torch.manual_seed(num_labels)
+        config = BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+        )
+        directory = base / f"labels-{num_labels}"
+        BertForSequenceClassification(config).eval().save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        directories[num_labels] = directory
+    return directories
+
+
+def test_cross_encoder_scores_equal_sentence_transformers(bert_classifiers):
+    from sentence_transformers import CrossEncoder
+
+    directory = bert_classifiers[1]
+    llm = LLM(str(directory), max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.runner == "pooling" and llm.engine.task == "classify"
+    query, documents = TEXTS[0], TEXTS[1:]
+    expected = CrossEncoder(str(directory), device="cpu").predict([(query, d) for d in documents])
+    scores = [o.outputs.score for o in llm.score(query, documents)]
+    np.testing.assert_allclose(scores, expected, atol=1e-5, rtol=0)
+    assert np.argsort(scores).tolist() == np.argsort(expected).tolist()
+    pairwise = [o.outputs.score for o in llm.score(documents, [query] * len(documents))]  # data_1[i] with data_2[i]
+    expected = CrossEncoder(str(directory), device="cpu").predict([(d, query) for d in documents])
+    np.testing.assert_allclose(pairwise, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
+        llm.score(TEXTS[:2], TEXTS[:3])
+    with pytest.raises(ValueError, match="embed needs a model that embeds; this model classifies"):
+        llm.embed("a")
+    with pytest.raises(ValueError, match="PoolingParams.normalize does not apply to this model, which classifies"):
+        llm.classify("a", PoolingParams(normalize=True))
+
+
+def test_classifier_probabilities_equal_transformers(bert_classifiers):
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    directory = bert_classifiers[3]
+    llm = LLM(str(directory), max_num_seqs=4, max_num_batched_tokens=32)
+    reference = BertForSequenceClassification.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    outputs = llm.classify(TEXTS)
+    logits_outputs = llm.classify(TEXTS, PoolingParams(activation=False))
+    for text, output, raw in zip(TEXTS, outputs, logits_outputs, strict=True):
+        with torch.no_grad():
+            logits = reference(**tokenizer(text, return_tensors="pt")).logits[0]
+        np.testing.assert_allclose(raw.outputs.probs, logits.numpy(), atol=1e-5)
+        np.testing.assert_allclose(output.outputs.probs, torch.softmax(logits, -1).numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="score needs a cross-encoder .* this model classifies into 3 labels"):
+        llm.score("a", "b")
+
+
+def test_embedding_model_scores_are_cosine_similarities(bert_st_dir, bert_llm):
+    from sentence_transformers import util
+
+    directory, model = bert_st_dir
+    scores = [o.outputs.score for o in bert_llm.score(TEXTS[0], TEXTS[1:])]
+    embeddings = model.encode(TEXTS, convert_to_tensor=True)
+    expected = util.cos_sim(embeddings[:1], embeddings[1:])[0].numpy()
+    np.testing.assert_allclose(scores, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="classify needs a model that classifies; this model embeds"):
+        bert_llm.classify("a")
+    with pytest.raises(ValueError, match="PoolingParams.activation does not apply to this model, which embeds"):
+        bert_llm.embed("a", PoolingParams(activation=True))
+
+
+def test_the_default_prompt_goes_before_text_inputs_as_sentence_transformers_puts_it(bert_st_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    shutil.copytree(bert_st_dir[0], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config_sentence_transformers.json").read_text())
+    config |= {"prompts": {"query": "the sky is ", "document": ""}, "default_prompt_name": "query"}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(config))
+    expected = SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS[:2])
+    llm = LLM(str(tmp_path), max_num_batched_tokens=32)
+    outputs = llm.embed(TEXTS[:2])
+    np.testing.assert_allclose([o.outputs.embedding for o in outputs], expected, atol=1e-5, rtol=0)
+    assert outputs[0].prompt_token_ids == llm.get_tokenizer()("the sky is " + TEXTS[0]).input_ids

@@ -12,10 +12,10 @@ from tqdm import tqdm
 from jaxpage.config import EngineConfig
 from jaxpage.engine.llm_engine import LLMEngine
 from jaxpage.engine.pooling_engine import PoolingEngine
+from jaxpage.entrypoints.llm_pooling import PoolingMethods, per_prompt, prompt_list
 from jaxpage.lora_request import LoRARequest
 from jaxpage.models.pooling_model import engine_runner
-from jaxpage.outputs import EmbeddingRequestOutput, RequestOutput
-from jaxpage.pooling_params import PoolingParams
+from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import RequestOutputKind, SamplingParams
 from jaxpage.sources import HubDownload
 from jaxpage.tokenizers.tokenizer import encode_chat
@@ -24,7 +24,7 @@ from jaxpage.validation import fail
 Prompt = str | dict
 
 
-class LLM:
+class LLM(PoolingMethods):
     """An engine with the convenience API: `generate`, `chat`, `generate_stream`.
 
     `LLM(model=None, **engine_args)`: model is an HF directory, a .gguf file, a jaxpage checkpoint or a Hugging Face
@@ -44,35 +44,6 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
-
-    def embed(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = False,
-    ) -> list[EmbeddingRequestOutput]:
-        """An embedding of every prompt (strings or {"prompt_token_ids": [...]}), in prompt order (vLLM's LLM.embed).
-        `pooling_params`: one for every prompt, or one each (dimensions, normalize, truncate_prompt_tokens);
-        `truncate_prompt_tokens` sets theirs where they leave it unset. All prompts are checked before any runs: a bad
-        one raises ValueError and nothing is queued."""
-        engine = self._engine_for("embed", "pooling")
-        prompts = _prompt_list(prompts)
-        params = per_prompt("pooling_params", pooling_params, PoolingParams, len(prompts))
-        params = [PoolingParams() if p is None else dataclasses.replace(p) for p in params]
-        for p in params:
-            if p.truncate_prompt_tokens is None:
-                p.truncate_prompt_tokens = truncate_prompt_tokens
-        requests = [engine.prepare_request(self._next_id(), pr, p) for pr, p in zip(prompts, params, strict=True)]
-        engine.add_prepared_requests(requests)
-        finished: dict[str, EmbeddingRequestOutput] = {}
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="embed", unit="input") as bar:
-            while engine.has_unfinished_requests():
-                outputs = engine.step()
-                finished.update((output.request_id, output) for output in outputs)
-                bar.update(len(outputs))
-        return [finished[request.request_id] for request in requests]
 
     def _engine_for(self, method: str, runner: str):
         if self.runner != runner:
@@ -144,7 +115,7 @@ class LLM:
         """Queues the prompts (all checked first), returning their request ids; final_only: the caller reads only
         final outputs (RequestOutputKind.FINAL_ONLY), so the engine builds no other."""
         self._engine_for("generate", "generate")
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, list | tuple):
@@ -187,24 +158,3 @@ class LLM:
         finally:
             if pending:
                 self.engine.abort_request(list(pending))
-
-
-def _prompt_list(prompts) -> list:
-    if isinstance(prompts, str | dict):
-        return [prompts]
-    if not isinstance(prompts, list | tuple):
-        fail("prompts", "a prompt or a list of prompts", prompts, wrong_type=True)
-    if not prompts:
-        raise ValueError("no prompts given")
-    return list(prompts)
-
-
-def per_prompt(name: str, value, kind: type, num_prompts: int) -> list:
-    """An argument given once for every prompt, or as a list of one per prompt (None items allowed), as a list."""
-    if value is None or isinstance(value, kind):
-        return [value] * num_prompts
-    if not isinstance(value, list | tuple) or not all(v is None or isinstance(v, kind) for v in value):
-        fail(name, f"a {kind.__name__}, a list of them (or None), or None", value, wrong_type=True)
-    if len(value) != num_prompts:
-        raise ValueError(f"{len(value)} {name}s for {num_prompts} prompts")
-    return list(value)

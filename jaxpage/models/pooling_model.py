@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxpage.errors import ModelLoadError
 from jaxpage.models import bert
 from jaxpage.models.attention import PackedAttention
 from jaxpage.models.hf_loader import read_config_json
@@ -30,8 +29,10 @@ POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
 
 @dataclasses.dataclass(frozen=True)
 class PoolingModel:
-    """forward(params, token_ids [T], positions [T], batch) -> hidden [T, hidden_size], jit-able; max_positions: the
-    longest input its position embeddings (or RoPE's trained length) take."""
+    """forward(params, token_ids [T], positions [T], batch, token_type_ids [T]) -> hidden [T, hidden_size], jit-able;
+    max_positions: the longest input its position embeddings (or RoPE's trained length) take. A sequence
+    classification model (rerankers, reward models) has `classify(params, hidden, first_token_index [S]) -> logits
+    [S, num_labels]`, its labels' names and HF's problem_type."""
 
     forward: Callable
     params: dict
@@ -39,6 +40,13 @@ class PoolingModel:
     max_positions: int
     is_encoder: bool
     dtype: jnp.dtype
+    classify: Callable | None = None
+    labels: tuple[str, ...] = ()
+    problem_type: str | None = None
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
 
 def runner_of(hf: dict) -> str:
@@ -55,23 +63,22 @@ def load_pooling_model(directory: Path, hf: dict, dtype=None, load_format: str =
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     if bert.is_encoder_architecture(hf):
         config = bert.encoder_config_from_hf(hf, str(directory / "config.json"))
-        if config.head_kind is not None:
-            raise ModelLoadError(
-                f"{directory / 'config.json'}: {hf.get('architectures')} is a classification model; jaxpage embeds "
-                "with base encoders only for now"
-            )
         if load_format == "dummy":
             params = bert.init_encoder_params(config, jax.random.key(0), dtype)
         else:
             params = jax.device_put(bert.load_encoder_params(directory, config, dtype))
         module = bert.Encoder(config, dtype)
+        classify = None if config.head_kind is None else functools.partial(_encoder_classify, module)
         return PoolingModel(
             functools.partial(_encoder_forward, module),
             params,
             config.hidden_size,
-            config.max_position_embeddings - config.position_offset,
+            config.max_sequence_length,
             True,
             dtype,
+            classify,
+            config.id2label,
+            config.problem_type,
         )
     config, params = load_model(directory, dtype, load_format=load_format)
     module = build(config, PackedAttention(sm_scale=config.attention_scale, causal=True), dtype)
@@ -85,11 +92,15 @@ def load_pooling_model(directory: Path, hf: dict, dtype=None, load_format: str =
     )
 
 
-def _encoder_forward(module, params, token_ids, positions, batch):
-    return module.apply({"params": params}, token_ids, positions, batch)
+def _encoder_forward(module, params, token_ids, positions, batch, token_type_ids):
+    return module.apply({"params": params}, token_ids, positions, batch, token_type_ids)
 
 
-def _decoder_forward(module, params, token_ids, positions, batch):
+def _encoder_classify(module, params, hidden, first_token_index):
+    return module.apply({"params": params}, hidden, first_token_index, method=bert.Encoder.classify)
+
+
+def _decoder_forward(module, params, token_ids, positions, batch, token_type_ids):
     return module.apply({"params": params}, token_ids, positions, batch)[0]
 
 

@@ -51,6 +51,7 @@ class PackedStep:
     """One step's arrays; input i of the step is tokens [starts[i], starts[i] + lengths[i])."""
 
     token_ids: np.ndarray  # [tokens] int32, 0 on padding
+    token_type_ids: np.ndarray  # [tokens] int32: BERT's segment of a text pair (0 first, 1 second), else 0
     positions: np.ndarray  # [tokens] int32, each token's position in its input
     segment_ids: np.ndarray  # [tokens] int32, the input (row) of each token; -1 on padding
     starts: np.ndarray  # [rows] int32
@@ -63,8 +64,14 @@ class PackedStep:
         return int(self.lengths.sum())
 
 
-def pack(inputs: Sequence[Sequence[int]], buckets: Sequence[int], max_rows: int) -> PackedStep:
-    """The step of `inputs` (token id lists, in order), its token axis the smallest bucket that holds them all."""
+def pack(
+    inputs: Sequence[Sequence[int]],
+    buckets: Sequence[int],
+    max_rows: int,
+    token_types: Sequence[Sequence[int] | None] | None = None,
+) -> PackedStep:
+    """The step of `inputs` (token id lists, in order), its token axis the smallest bucket that holds them all;
+    token_types: each input's token type ids, or None for zeros."""
     lengths = np.fromiter((len(tokens) for tokens in inputs), np.int32, len(inputs))
     total = int(lengths.sum())
     size = next(bucket for bucket in buckets if bucket >= total)
@@ -72,6 +79,10 @@ def pack(inputs: Sequence[Sequence[int]], buckets: Sequence[int], max_rows: int)
     assert len(inputs) <= rows, (len(inputs), rows)
     token_ids = np.zeros(size, np.int32)
     token_ids[:total] = np.fromiter((t for tokens in inputs for t in tokens), np.int32, total)
+    token_type_ids = np.zeros(size, np.int32)
+    if token_types is not None and any(types is not None for types in token_types):
+        types = (t for tokens, kinds in zip(inputs, token_types, strict=True) for t in (kinds or [0] * len(tokens)))
+        token_type_ids[:total] = np.fromiter(types, np.int32, total)
     starts = np.zeros(rows, np.int32)
     starts[: len(inputs)] = np.cumsum(lengths) - lengths
     segment_ids = np.full(size, -1, np.int32)
@@ -80,4 +91,4 @@ def pack(inputs: Sequence[Sequence[int]], buckets: Sequence[int], max_rows: int)
     positions[:total] = np.arange(total, dtype=np.int32) - np.repeat(starts[: len(inputs)], lengths)
     padded_lengths = np.zeros(rows, np.int32)
     padded_lengths[: len(inputs)] = lengths
-    return PackedStep(token_ids, positions, segment_ids, starts, padded_lengths, len(inputs))
+    return PackedStep(token_ids, token_type_ids, positions, segment_ids, starts, padded_lengths, len(inputs))

@@ -18,23 +18,29 @@ from jaxpage.worker.packed_steps import PackedStep
 logger = logging.getLogger("jaxpage")
 
 
-def _pooled(forward, pooling_type: str, params, token_ids, positions, segment_ids, starts, lengths):
-    hidden = forward(params, token_ids, positions, PackedBatch(positions, segment_ids))
-    return pool(pooling_type, hidden, segment_ids, starts, lengths)
+def _pooled(
+    model: PoolingModel, pooling_type: str, params, token_ids, token_types, positions, segments, starts, lengths
+):
+    hidden = model.forward(params, token_ids, positions, PackedBatch(positions, segments), token_types)
+    if model.classify is not None:  # a classification head reads each input's first token
+        return model.classify(params, hidden, starts)
+    return pool(pooling_type, hidden, segments, starts, lengths)
 
 
 class PoolingRunner:
-    """Runs packed steps of `model` pooled by `pooling_type` (jaxpage.config.pooler.POOLING_TYPES)."""
+    """Runs packed steps of `model` pooled by `pooling_type` (jaxpage.config.pooler.POOLING_TYPES), or through its
+    classification head where it has one."""
 
     def __init__(self, model: PoolingModel, pooling_type: str):
         self.model = model
-        self._program = jax.jit(functools.partial(_pooled, model.forward, pooling_type))
+        self._program = jax.jit(functools.partial(_pooled, model, pooling_type))
         self._executables: dict[tuple[int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (tokens, rows) of each step shape compiled
 
     def run(self, step: PackedStep) -> np.ndarray:
-        """[step.num_inputs, hidden_size] float32: each input's pooled hidden state (not normalized)."""
-        arrays = (step.token_ids, step.positions, step.segment_ids, step.starts, step.lengths)
+        """[step.num_inputs, hidden_size] float32: each input's pooled hidden state (not normalized); a classifier's
+        [step.num_inputs, num_labels] float32 logits."""
+        arrays = (step.token_ids, step.token_type_ids, step.positions, step.segment_ids, step.starts, step.lengths)
         shape = (len(step.token_ids), len(step.starts))
         executable = self._executables.get(shape)
         if executable is None:
