@@ -86,6 +86,7 @@ class PoolingRequestOutput:
     outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+    error: str | None = None  # why its step failed (its data is then empty); None otherwise
 
 
 @dataclasses.dataclass

@@ -206,6 +206,22 @@ def full_vocab_dir(smollm2_path, tmp_path_factory) -> str:
     return str(directory)
 
 
+@pytest.fixture(scope="session")
+def bert_st_dir(tmp_path_factory):
+    """(a tiny random BERT saved as a sentence-transformers model: mean pooling, then Normalize; that model)."""
+    from pooling_models import build_bert_st_dir
+
+    return build_bert_st_dir(tmp_path_factory.mktemp("bert"))
+
+
+@pytest.fixture(scope="session")
+def bert_classifiers(tmp_path_factory):
+    """{num_labels: a tiny random BertForSequenceClassification's directory, with its tokenizer} for 1 and 3."""
+    from pooling_models import build_bert_classifiers
+
+    return build_bert_classifiers(tmp_path_factory.mktemp("bert-classifiers"))
+
+
 @pytest.fixture
 def log_records():
     """The records the jaxpage and uvicorn loggers emit meanwhile (their own handler: jaxpage's logger does not

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pooling_models import TEXTS, WORDS
 from tiny_models import TINY_FAMILIES
 
 from jaxpage import LLM, PoolingParams
@@ -18,54 +19,7 @@ from jaxpage.config.pooler import read_pooler_config
 from jaxpage.errors import ModelLoadError
 from jaxpage.worker.packed_steps import pack, take, token_buckets
 
-WORDS = "the a of and to in is on for with that this cat dog runs fast slow red blue green sky sea tree".split()
-TEXTS = [
-    "the cat runs fast",
-    "a dog",
-    "the blue sky and the green sea with a red tree on the sea",
-    "is",
-    "the dog and the cat run in the sky for that tree",
-]
 QWEN3 = next(f for f in TINY_FAMILIES if f.name == "qwen3-qk-norm-head-dim")
-
-
-def tiny_bert_tokenizer(directory):
-    """A BERT WordPiece tokenizer of a tiny vocabulary (special tokens, WORDS, letters), its vocab.txt in directory."""
-    from transformers import BertTokenizer
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    (directory / "vocab.txt").write_text("\n".join(specials + WORDS + letters + [f"##{c}" for c in letters]) + "\n")
-    tokenizer = BertTokenizer.from_pretrained(directory)  # (transformers 5 reads vocab_file= as no vocabulary)
-    assert tokenizer("the cat").input_ids == [2, 5, 5 + WORDS.index("cat"), 3]  # words, not [UNK]s
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
-def bert_st_dir(tmp_path_factory):
-    """A tiny random BERT saved as a sentence-transformers model (mean pooling, then Normalize), and that model."""
-    import torch
-    from sentence_transformers import SentenceTransformer, models
-    from transformers import BertConfig, BertModel
-
-    base = tmp_path_factory.mktemp("bert")
-    tokenizer = tiny_bert_tokenizer(base)
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-    )
-    BertModel(config).eval().save_pretrained(base / "hf", safe_serialization=True)
-    tokenizer.save_pretrained(base / "hf")
-    word = models.Transformer(str(base / "hf"), max_seq_length=48)
-    pooling = models.Pooling(config.hidden_size, pooling_mode="mean")
-    model = SentenceTransformer(modules=[word, pooling, models.Normalize()], device="cpu")
-    model.save(str(base / "st"))
-    return base / "st", model
 
 
 @pytest.fixture(scope="module")
@@ -244,33 +198,6 @@ def test_pooler_config_defaults_and_sentence_transformers_prompts(tmp_path):
     assert read_pooler_config(tmp_path, True, {}).pooling_type == "LAST"
 
 
-@pytest.fixture(scope="module")
-def bert_classifiers(tmp_path_factory):
-    """Tiny random BertForSequenceClassification models with the tiny vocabulary's tokenizer: {num_labels: dir}."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    base = tmp_path_factory.mktemp("bert-classifiers")
-    tokenizer = tiny_bert_tokenizer(base)
-    directories = {}
-    for num_labels in (1, 3):
-        torch.manual_seed(num_labels)
-        config = BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=37,
-            max_position_embeddings=64,
-            num_labels=num_labels,
-        )
-        directory = base / f"labels-{num_labels}"
-        BertForSequenceClassification(config).eval().save_pretrained(directory, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
-        directories[num_labels] = directory
-    return directories
-
-
 def test_cross_encoder_scores_equal_sentence_transformers(bert_classifiers):
     from sentence_transformers import CrossEncoder
 
@@ -308,7 +235,7 @@ def test_classifier_probabilities_equal_transformers(bert_classifiers):
             logits = reference(**tokenizer(text, return_tensors="pt")).logits[0]
         np.testing.assert_allclose(raw.outputs.probs, logits.numpy(), atol=1e-5)
         np.testing.assert_allclose(output.outputs.probs, torch.softmax(logits, -1).numpy(), atol=1e-5)
-    with pytest.raises(ValueError, match="score needs a cross-encoder .* this model classifies into 3 labels"):
+    with pytest.raises(ValueError, match="scores need a cross-encoder .* this model classifies into 3 labels"):
         llm.score("a", "b")
 
 

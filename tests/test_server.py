@@ -413,6 +413,8 @@ def test_errors_have_openais_shape(served, client):
         client.completions.create(model="other", prompt="x")
     with pytest.raises(openai.BadRequestError, match="prompt_token_ids|token id"):
         client.completions.create(model="tiny", prompt=[10**7])
+    with pytest.raises(openai.BadRequestError, match="/v1/embeddings needs a model run by the pooling runner"):
+        client.embeddings.create(model="tiny", input="x")
     response = httpx.post(f"{server.url}/v1/completions", content=b"{not json")
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     response = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": "x" * 30_000}))

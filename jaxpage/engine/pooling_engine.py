@@ -170,9 +170,25 @@ class PoolingEngine:
             del self.waiting[index]
         self._queued_ids.difference_update(r.request_id for r in requests)
         token_types = [r.token_type_ids for r in requests]
-        step = pack([r.token_ids for r in requests], self.buckets, self.max_num_seqs, token_types)
-        pooled = self.runner.run(step)
+        try:
+            step = pack([r.token_ids for r in requests], self.buckets, self.max_num_seqs, token_types)
+            pooled = self.runner.run(step)
+        except Exception as e:  # the step's requests fail with it; the engine goes on
+            logger.exception("a pooling step of %d inputs failed", len(requests))
+            error = f"{type(e).__name__}: {e}"
+            return [PoolingRequestOutput(r.request_id, PoolingOutput([]), r.token_ids, error=error) for r in requests]
         return [self._output(r, vector) for r, vector in zip(requests, pooled, strict=True)]
+
+    def abort_request(self, request_ids) -> None:
+        """Drops the waiting requests of these ids (unknown ids: nothing to do)."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        if ids & self._queued_ids:
+            self.waiting = collections.deque(r for r in self.waiting if r.request_id not in ids)
+            self._queued_ids -= ids
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len(self.waiting)
 
     def _output(self, request: PoolingRequest, vector: np.ndarray) -> PoolingRequestOutput:
         """An input's output from its row of the step: an embedding cut to its dimensions and normalized as asked,

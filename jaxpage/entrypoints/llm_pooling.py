@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
 from tqdm import tqdm
 
+from jaxpage.engine.pair_scoring import plan_pair_scoring
 from jaxpage.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -70,29 +70,13 @@ class PoolingMethods:
         gives its relevance (a sigmoid); an embedding model gives the cosine similarity of the two texts'
         embeddings."""
         engine = self._pooling_engine("score", None)
-        pairs = score_pairs(data_1, data_2)
-        if engine.task == "classify":
-            if engine.model.num_labels != 1:
-                raise ValueError(
-                    f"score needs a cross-encoder (a classification model of one label) or an embedding model; this "
-                    f"model classifies into {engine.model.num_labels} labels: use classify"
-                )
-            params = pooling_params or PoolingParams()
-            requests = [
-                engine.prepare_request(self._next_id(), a, _with_truncation(params, truncate_prompt_tokens), b)
-                for a, b in pairs
-            ]
-            outputs = self._run_pooling(requests, use_tqdm, "score")
-            return [_scored(o.request_id, o.outputs.data[0], o.prompt_token_ids) for o in outputs]
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        embedded = self._pool(texts, pooling_params, truncate_prompt_tokens, use_tqdm, "score")
-        by_text = dict(zip(texts, embedded, strict=True))
-        scores = []
-        for a, b in pairs:
-            first, second = by_text[a], by_text[b]
-            tokens = first.prompt_token_ids + second.prompt_token_ids
-            scores.append(_scored(self._next_id(), cosine(first.outputs.data, second.outputs.data), tokens))
-        return scores
+        params = _with_truncation(pooling_params or PoolingParams(), truncate_prompt_tokens)
+        plan = plan_pair_scoring(engine, score_pairs(data_1, data_2), params, self._next_id)
+        outputs = self._run_pooling(plan.requests, use_tqdm, "score")
+        return [
+            ScoringRequestOutput(self._next_id(), ScoringOutput(float(score)), tokens)
+            for score, tokens in plan.scores(outputs)
+        ]
 
     def _pooling_engine(self, method: str, task: str | None):
         """The PoolingEngine, when this LLM's model is a pooling model of `task` (None: either)."""
@@ -120,6 +104,9 @@ class PoolingMethods:
                 outputs = engine.step()
                 finished.update((output.request_id, output) for output in outputs)
                 bar.update(len(outputs))
+        failed = next((o for o in finished.values() if o.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} failed in its step: {failed.error}")
         return [finished[request.request_id] for request in requests]
 
 
@@ -130,15 +117,6 @@ def _with_truncation(params: PoolingParams, truncate_prompt_tokens: int | None) 
         params.truncate_prompt_tokens = truncate_prompt_tokens
         params.validate()
     return params
-
-
-def _scored(request_id: str, score: float, token_ids: list[int]) -> ScoringRequestOutput:
-    return ScoringRequestOutput(request_id, ScoringOutput(float(score)), token_ids)
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
 
 
 def score_pairs(data_1, data_2) -> list[tuple[str, str]]:

@@ -8,6 +8,9 @@
                                                  request's `model` picks the base model or an adapter
                                                  (jaxpage.entrypoints.served_models)
     GET  /   a chat page (jaxpage/entrypoints/static/chat.html: one file, script and style inline, no CDN)
+    POST /v1/embeddings, /v1/score, /v1/rerank, /classify   a 400 naming the runner: a pooling model's server
+                                                 (jaxpage.entrypoints.pooling_server, which serve starts for one)
+                                                 answers them
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad body (the message names
 the field; bodies nested too deep or with numbers too long are refused before they are parsed; a body that is not a
@@ -25,7 +28,6 @@ aborts them and their clients get a 503 in OpenAI's error shape, or, streaming, 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -38,15 +40,18 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from jaxpage.entrypoints.async_engine import AsyncEngine, EngineDeadError, ServerBusyError
 from jaxpage.entrypoints.engine_process import EngineProcess
-from jaxpage.entrypoints.json_body import parse_json_body
+from jaxpage.entrypoints.http_app import (
+    RETRY_AFTER_S,
+    add_wrong_runner_routes,
+    error_response,
+    new_app,
+    read_body,
+)
 from jaxpage.entrypoints.metrics import ServerMetrics
 from jaxpage.entrypoints.openai_api import (
     CHAT,
@@ -57,22 +62,18 @@ from jaxpage.entrypoints.openai_api import (
     split_prompts,
 )
 from jaxpage.entrypoints.openai_responses import Stream, combine_bodies, response_body
+from jaxpage.entrypoints.pooling_protocol import POOLING_ENDPOINTS
+from jaxpage.entrypoints.pooling_server import serve_pooling_app
 from jaxpage.entrypoints.served_models import LoRAModule, ModelNotFound, ServedModels
 from jaxpage.entrypoints.startup_heap import freeze_startup_heap
 from jaxpage.entrypoints.tool_calls import TOOL_CALL_PARSERS
+from jaxpage.models.pooling_model import engine_runner
 from jaxpage.outputs import RequestOutput
+from jaxpage.sources import HubDownload
 from jaxpage.validation import check_bool, check_text, describe, is_int
 from jaxpage.version import installed_version
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-RETRY_AFTER_S = 1
-# Paths anyone may read when an API key is set: the chat page (it asks for the key), liveness, metrics, version.
-OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version"})
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(
@@ -101,31 +102,14 @@ def create_app(
         tool_parser=tool_call_parser, auto_tool_choice=enable_auto_tool_choice, defaults=defaults.sampling_dict
     )
     served = ServedModels(model_name, engine.engine, lora_modules, engine.engine.config.model)
-    app = FastAPI(title="jaxpage", version=installed_version(), docs_url=None, redoc_url=None)
+    app = new_app(api_key)
     metrics = ServerMetrics(engine.gauges)
     engine.observers.append(metrics.observe)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, str(e.detail), kind)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, e: RequestValidationError):
-        return error_response(400, str(e))
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
-
     _add_info_routes(app, engine, served, metrics, api_key is not None)
     _add_tokenizer_routes(app, engine, max_body_bytes)
     _add_openai_routes(app, engine, served, max_body_bytes, log_requests, parse_options)
     _add_lora_routes(app, served, api_key is not None)
+    add_wrong_runner_routes(app, POOLING_ENDPOINTS, "generate")
     return app
 
 
@@ -366,27 +350,6 @@ class RequestLog:
         return response
 
 
-async def read_body(request: Request, max_body_bytes: int):
-    """(the JSON body, None), or (None, the error response): over max_body_bytes (413), not a JSON object of UTF-8
-    text, nested too deep or with a number too long (400: jaxpage.entrypoints.json_body), the client gone before
-    sending it all (499)."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > max_body_bytes:
-        return None, error_response(413, f"request body over {max_body_bytes} bytes")
-    raw = b""
-    try:
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > max_body_bytes:
-                return None, error_response(413, f"request body over {max_body_bytes} bytes")
-    except ClientDisconnect:
-        return None, error_response(499, "the client disconnected before sending the whole body")
-    try:
-        return await asyncio.to_thread(parse_json_body, raw), None
-    except ValueError as e:
-        return None, error_response(400, str(e))
-
-
 async def _events(streams: list[Stream], firsts: list[RequestOutput], outputs: list[AsyncIterator], log: RequestLog):
     """Server-sent events of a streaming request (one Stream per prompt, their chunks as they come). A request the
     server could not finish (shut down, a failed step) ends with an error event, then [DONE]. Starlette cancels this
@@ -515,6 +478,20 @@ def serve(
     the engine steps in a process of its own (jaxpage.entrypoints.engine_process), so that the HTTP handling takes no
     time from it; by default (None) it does, unless several hosts run the engine (whose processes replay process 0's
     steps), where it steps in a thread of this process."""
+    download = HubDownload(engine_args.get("revision"), engine_args.get("download_dir"))
+    if engine_runner(model, engine_args.get("runner", "auto"), download) == "pooling":
+        generate_only = dict(
+            lora_modules=lora_modules,
+            tool_call_parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            engine_process=engine_process,
+        )
+        async_engine, app = serve_pooling_app(
+            model, engine_args, generate_only, max_waiting_requests, stall_timeout_s,
+            model_name=served_model_name or model, api_key=api_key, max_body_bytes=max_body_bytes,
+            log_requests=log_requests,
+        )  # fmt: skip
+        return _serve_app(app, async_engine, host, port, shutdown_timeout_s)
     several_hosts = (engine_args.get("num_processes") or 1) > 1
     if engine_process and several_hosts:
         raise ValueError("engine_process: not with several hosts (num_processes > 1), whose engine runs here")
@@ -541,6 +518,11 @@ def serve(
         enable_auto_tool_choice=enable_auto_tool_choice,
         lora_modules=lora_modules,
     )
+    _serve_app(app, async_engine, host, port, shutdown_timeout_s)
+
+
+def _serve_app(app: FastAPI, async_engine, host: str, port: int, shutdown_timeout_s: float) -> None:
+    """Serves `app` until SIGINT or SIGTERM, then shuts down gracefully (GracefulServer) and stops async_engine."""
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then restores the handlers it found and raises the signal
     # again; handlers that ignore it make the process exit here, with status 0, rather than die of the signal.
