@@ -78,7 +78,13 @@ def test_completions_match_generate(tiny_llm, tmp_path):
 BAD_LINES = {
     "not-json": ('{"custom_id": "x", "url": ', "line-1", None, "invalid_json"),
     "no-custom-id": ({"method": "POST", "url": "/v1/completions", "body": {"prompt": [1]}}, "line-2", None, None),
-    "unknown-url": ({"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {}}, "u", 400, "url"),
+    "unknown-url": ({"custom_id": "u", "method": "POST", "url": "/v1/images", "body": {}}, "u", 400, "url"),
+    "pooling-url": (
+        {"custom_id": "pool", "method": "POST", "url": "/v1/embeddings", "body": {"input": "a"}},
+        "pool",
+        400,
+        "needs a model run by the pooling runner",
+    ),
     "method": ({**completion_line("m", [1]), "method": "GET"}, "m", 400, "method must be POST"),
     "temperature": (completion_line("t", [1], temperature="hot"), "t", 400, "temperature must be a number"),
     "n": (completion_line("n", [1], n=0), "n", 400, "n must be an integer >= 1"),

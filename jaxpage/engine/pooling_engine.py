@@ -54,6 +54,7 @@ class PoolingEngine:
                 raise ValueError(
                     f"engine argument {name} is not supported by the pooling runner (got {getattr(config, name)!r})"
                 )
+        self.config = config
         load = config.part(LoadConfig)
         path = resolve_source(load.model, HubDownload(load.revision, load.download_dir), load.load_format != "dummy")
         if source_format(path) != "hf":

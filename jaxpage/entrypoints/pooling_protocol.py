@@ -173,3 +173,34 @@ def rerank_body(request_id: str, request: PoolingBody, scores: list[float], toke
         for i in order
     ]
     return {"id": request_id, "model": model, "usage": {"total_tokens": tokens}, "results": results}
+
+
+def check_task(url: str, task: str) -> None:
+    """RequestError unless a model of `task` ("embed" or "classify") serves `url`."""
+    wanted = TASKS[url]
+    if wanted is not None and wanted != task:
+        use = "/classify, /v1/score or /v1/rerank" if task == "classify" else "/v1/embeddings, /v1/score or /v1/rerank"
+        raise RequestError(
+            f"{url} needs a model that {'embeds' if wanted == 'embed' else 'classifies'}; this model "
+            f"{'classifies' if task == 'classify' else 'embeds'} (use {use})"
+        )
+
+
+def response_of(
+    request: PoolingBody,
+    request_id: str,
+    outputs: list[PoolingRequestOutput],
+    scores: list[tuple[float, list[int]]] | None,
+    model: str,
+    labels: tuple[str, ...],
+) -> dict:
+    """The response body of a pooling request: of its inputs' outputs, or for score and rerank of its pairs'
+    (score, token ids)."""
+    if request.url == EMBEDDINGS:
+        return embeddings_body(request, outputs, model)
+    if request.url == CLASSIFY:
+        return classify_body(request_id, outputs, model, labels)
+    values, tokens = [float(s) for s, _ in scores], sum(len(t) for _, t in scores)
+    if request.url == SCORE:
+        return score_body(request_id, values, tokens, model)
+    return rerank_body(request_id, request, values, tokens, model)

@@ -13,7 +13,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from jaxpage.engine.pair_scoring import plan_pair_scoring
+from jaxpage.engine.pair_scoring import PairScoring, plan_pair_scoring
 from jaxpage.engine.pooling_engine import PoolingEngine
 from jaxpage.entrypoints.async_engine import ServerBusyError
 from jaxpage.entrypoints.async_pooling import AsyncPoolingEngine
@@ -21,18 +21,11 @@ from jaxpage.entrypoints.engine_loop import EngineDeadError
 from jaxpage.entrypoints.http_app import RETRY_AFTER_S, add_wrong_runner_routes, error_response, new_app, read_body
 from jaxpage.entrypoints.openai_api import ENDPOINTS as GENERATE_ENDPOINTS
 from jaxpage.entrypoints.pooling_protocol import (
-    CLASSIFY,
-    EMBEDDINGS,
     POOLING_ENDPOINTS,
-    RERANK,
-    SCORE,
-    TASKS,
     PoolingBody,
-    classify_body,
-    embeddings_body,
+    check_task,
     parse_pooling_request,
-    rerank_body,
-    score_body,
+    response_of,
 )
 from jaxpage.validation import check_text, describe
 from jaxpage.version import installed_version
@@ -112,74 +105,40 @@ async def _answer(engine: AsyncPoolingEngine, pooling: PoolingEngine, url: str, 
         model = body.get("model")
         if model is not None and model not in names:
             shown = ", ".join(repr(n) for n in names)
-            return error_response(
-                404, f"model {describe(model)} does not exist (this server has {shown})", "not_found_error"
-            )
-        task = TASKS[url]
-        if task is not None and task != pooling.task:
-            does = (
-                "classifies (use /classify, /v1/score or /v1/rerank)"
-                if pooling.task == "classify"
-                else ("embeds (use /v1/embeddings, /v1/score or /v1/rerank)")
-            )
-            return error_response(
-                400,
-                f"{url} needs a model that {'embeds' if task == 'embed' else 'classifies'}; this server's model {does}",
-            )
-        model_name = model or names[0]
-        if url in (EMBEDDINGS, CLASSIFY):
-            return JSONResponse(await _pool_inputs(engine, pooling, parsed, request_id, model_name))
-        return JSONResponse(await _score_pairs(engine, pooling, parsed, request_id, model_name))
+            message = f"model {describe(model)} does not exist (this server has {shown})"
+            return error_response(404, message, "not_found_error")
+        check_task(url, pooling.task)
+        ids = (f"{request_id}-{i}" for i in itertools.count())
+        prepared = []
+
+        def prepare():
+            prepared.append(prepare_pooling(pooling, parsed, lambda: next(ids)))
+            return prepared[0][0]
+
+        outputs = await engine.pool(prepare, len(parsed.inputs) or len(parsed.pairs))
+        failed = next((o for o in outputs if o.error is not None), None)
+        if failed is not None:
+            return error_response(500, f"the request failed: {failed.error}", "server_error")
+        plan = prepared[0][1]
+        scores = None if plan is None else plan.scores(outputs)
+        return JSONResponse(response_of(parsed, request_id, outputs, scores, model or names[0], pooling.model.labels))
     except (ServerBusyError, EngineDeadError) as e:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, ServerBusyError) else None
         return error_response(503, str(e), "server_busy" if headers else "server_error", headers=headers)
     except ValueError as e:  # RequestError, or an input the engine refuses (its length, a token id, dimensions)
         return error_response(400, str(e))
-    except _StepFailed as e:
-        return error_response(500, str(e), "server_error")
 
 
-class _StepFailed(Exception):
-    pass
-
-
-def _check_outputs(outputs) -> None:
-    failed = next((o for o in outputs if o.error is not None), None)
-    if failed is not None:
-        raise _StepFailed(f"the request failed: {failed.error}")
-
-
-async def _pool_inputs(engine, pooling: PoolingEngine, parsed: PoolingBody, request_id: str, model: str) -> dict:
-    def prepare():
-        for i, item in enumerate(parsed.inputs):
-            if isinstance(item, str):
-                check_text(f"input[{i}]", item)
-        ids = [f"{request_id}-{i}" for i in range(len(parsed.inputs))]
-        return [pooling.prepare_request(rid, item, parsed.params) for rid, item in zip(ids, parsed.inputs, strict=True)]
-
-    outputs = await engine.pool(prepare, len(parsed.inputs))
-    _check_outputs(outputs)
-    if parsed.url == EMBEDDINGS:
-        return embeddings_body(parsed, outputs, model)
-    return classify_body(request_id, outputs, model, pooling.model.labels)
-
-
-async def _score_pairs(engine, pooling: PoolingEngine, parsed: PoolingBody, request_id: str, model: str) -> dict:
-    ids = (f"{request_id}-{i}" for i in itertools.count())
-    plans = []
-
-    def prepare():
-        plans.append(plan_pair_scoring(pooling, parsed.pairs, parsed.params, lambda: next(ids)))
-        return plans[0].requests
-
-    outputs = await engine.pool(prepare, len(parsed.pairs) * (1 if pooling.task == "classify" else 2))
-    _check_outputs(outputs)
-    scored = plans[0].scores(outputs)
-    scores, tokens = [float(s) for s, _ in scored], sum(len(t) for _, t in scored)
-    if parsed.url == SCORE:
-        return score_body(request_id, scores, tokens, model)
-    assert parsed.url == RERANK
-    return rerank_body(request_id, parsed, scores, tokens, model)
+def prepare_pooling(pooling: PoolingEngine, parsed: PoolingBody, new_id) -> tuple[list, PairScoring | None]:
+    """The checked, tokenized requests of a parsed body (ValueError naming what is wrong), and for score and rerank
+    the plan that turns their outputs into the pairs' scores (server and batch jobs)."""
+    if parsed.pairs:
+        plan = plan_pair_scoring(pooling, parsed.pairs, parsed.params, new_id)
+        return plan.requests, plan
+    for i, item in enumerate(parsed.inputs):
+        if isinstance(item, str):
+            check_text(f"input[{i}]", item)
+    return [pooling.prepare_request(new_id(), item, parsed.params) for item in parsed.inputs], None
 
 
 def serve_pooling_app(
