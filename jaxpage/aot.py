@@ -38,11 +38,14 @@ from jaxpage.benchmarks.hlo_fusions import fusions_across_scope
 from jaxpage.config import CacheConfig, EngineConfig, ModelConfig
 from jaxpage.kv_cache import pool_groups
 from jaxpage.models.batch_invariant import ROW_TILE_SCOPE, batch_invariant_config
+from jaxpage.models.bert import EncoderConfig, init_encoder_params
 from jaxpage.models.llama import param_shapes
 from jaxpage.models.lora import slots_device_bytes
+from jaxpage.models.pooling_model import pooling_model
 from jaxpage.targets import Target
 from jaxpage.worker.executor import make_runners
 from jaxpage.worker.model_runner import ModelRunner
+from jaxpage.worker.packed_steps import rows_for, token_buckets
 from jaxpage.worker.parallel import (
     check_divisible,
     make_mesh,
@@ -58,6 +61,7 @@ from jaxpage.worker.pool_sizing import (
     kv_pool_pages,
     window_share,
 )
+from jaxpage.worker.pooling_runner import PoolingRunner
 
 # Model shapes compile_for knows by name, besides the default model and model directories.
 LLAMA3_8B = ModelConfig(
@@ -394,3 +398,55 @@ def build_roofline(build: TargetBuild, rows: int, context: int) -> Roofline:
     tp = build.engine.tensor_parallel_size
     weights = build.weight_bytes + build.lora_bytes
     return decode_roofline(build.target, build.model, weights, build.kv_token_bytes, build.dtype, rows, context, tp)
+
+
+# Pooling models' shapes compile_for knows by name (--pooling-model), besides model directories.
+POOLING_SHAPES = {
+    "all-minilm-l6": EncoderConfig("bert", 30522, 384, 6, 12, 1536, 512, 2, 1e-12, "gelu", 0),
+    "bge-base": EncoderConfig("bert", 30522, 768, 12, 12, 3072, 512, 2, 1e-12, "gelu", 0),
+    "bge-m3": EncoderConfig("xlm-roberta", 250002, 1024, 24, 16, 4096, 8194, 1, 1e-5, "gelu", 2),
+}
+
+
+def pooling_model_shape(name: str) -> EncoderConfig | ModelConfig:
+    """An encoder's config by name (POOLING_SHAPES), or a pooling model directory's (an encoder's or a decoder's)."""
+    if name in POOLING_SHAPES:
+        return POOLING_SHAPES[name]
+    from jaxpage.models import bert, hf_loader
+    from jaxpage.models.loader import resolve_source
+
+    path = resolve_source(name, weights=False)
+    hf = hf_loader.read_config_json(path)
+    if bert.is_encoder_architecture(hf):
+        return bert.encoder_config_from_hf(hf, str(path / "config.json"))
+    return hf_loader.read_hf_config(path)
+
+
+def compile_pooling(target: Target, config: EncoderConfig | ModelConfig, engine: EngineConfig, on_program=None):
+    """Every step program a PoolingEngine of `config` compiles (one per token bucket: jaxpage.worker.packed_steps),
+    built for `target` with placed ShapeDtypeStructs for weights; (the reports, the weights' bytes)."""
+    dtype = jnp.dtype(engine.dtype or ("float32" if target.platform == "cpu" else "bfloat16"))
+    device = SingleDeviceSharding(target.devices(1)[0])
+    if isinstance(config, EncoderConfig):
+        shapes = jax.eval_shape(functools.partial(init_encoder_params, config, jax.random.key(0), dtype))
+    else:
+        shapes = param_shapes(config, dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+    model = pooling_model(config, params, dtype, target.platform)
+    runner = PoolingRunner(model, "MEAN" if model.is_encoder else "LAST")
+    max_model_len = min(engine.max_model_len or model.max_positions, model.max_positions)
+    reports, weight_bytes = [], layer_weight_bytes(params)
+    for tokens in token_buckets(max(engine.max_num_batched_tokens, max_model_len)):
+        rows = rows_for(tokens, engine.max_num_seqs)
+        start = time.perf_counter()
+        try:
+            compiled = runner.lower(tokens, rows, device).compile()
+        except Exception as e:  # the compiler's refusal, reported with the program it refused
+            report = ProgramReport(f"pooling T={tokens}, S={rows}", "pooling", time.perf_counter() - start, str(e))
+        else:
+            seconds = time.perf_counter() - start
+            report = describe(f"pooling T={tokens}, S={rows}", "pooling", seconds, compiled, 1 << 62, weight_bytes)
+        reports.append(report)
+        if on_program is not None:
+            on_program(report)
+    return reports, placed_bytes(params)

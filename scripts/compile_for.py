@@ -6,6 +6,7 @@
     python scripts/compile_for.py --target gpu-h100 --model default --num-speculative-tokens 3 --draft-model default
     python scripts/compile_for.py --target gpu-h200 --model llama3-8b --enable-lora --max-loras 4 --max-lora-rank 16
     python scripts/compile_for.py --target tpu-v5e --model default --batch-invariant
+    python scripts/compile_for.py --target gpu-h200 --pooling-model bge-base --max-num-batched-tokens 2048
 
 Targets (jaxpage.targets): tpu-v5e, tpu-v6e, tpu-v5p (needs libtpu: pip install 'jaxpage[tpu]'), gpu-h100, gpu-h200
 (needs jax's CUDA plugin, and CUDA's ptxas and cuobjdump for the kernel report: pip install 'jaxpage[compile]');
@@ -26,6 +27,10 @@ cuobjdump; no device): launches x name, grid, threads per block, registers per t
 / loads (bytes per thread), shared memory per block, blocks an SM holds at once, and instructions in its SASS (each
 counted once, not as often as it runs): products on the tensor cores (HMMA, HGMMA; IMMA, QGMMA of 8-bit data) and
 float32 FFMAs, local memory (LDL, STL), global loads by width in bits, cp.async (LDGSTS) and TMA (UTMALDG / UBLKCP).
+
+With --pooling-model (a pooling model's shape: all-minilm-l6, bge-base, bge-m3, or a model directory, an encoder's or
+a decoder embedder's), the programs a PoolingEngine compiles instead: one step per token bucket (its inputs packed end
+to end, no KV pool), checked for compiling, no layer's weights copied, and fitting the chip.
 
 Then the checks: every program compiled; no KV pool copied; no layer's weights copied (XLA's GPU compiler copies each
 layer's weights out of a scan over stacked layers: the model unrolls its layers there); no temporary as large as a pool;
@@ -84,6 +89,7 @@ def parse_args(argv=None):
         "--kv-offload-gib", type=float, default=None, help="the prefix cache's host tier: adds its offload and load"
     )
     parser.add_argument("--context", type=int, default=1024, help="tokens per sequence in the roofline estimate")
+    parser.add_argument("--pooling-model", default=None, help="a pooling model's shape or directory (see above)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     if args.draft_model and not args.num_speculative_tokens:
@@ -120,10 +126,12 @@ def main(argv=None) -> int:
             kv_offload_bytes=None if args.kv_offload_gib is None else int(args.kv_offload_gib * 2**30),
             compilation_cache_dir=None,
         )
-        model = aot.model_shape(args.model)
-        draft = aot.model_shape(args.draft_model) if args.draft_model else None
         if topology:
             target = dataclasses.replace(target, fixed_topology=topology)
+        if args.pooling_model:
+            return compile_pooling(target, aot.pooling_model_shape(args.pooling_model), engine, args)
+        model = aot.model_shape(args.model)
+        draft = aot.model_shape(args.draft_model) if args.draft_model else None
         tools = gpu_kernels.find_tools() if target.platform == "gpu" else {}
         tools = {name: {"path": path, "version": tool_release(path)} for name, path in tools.items()}
         start = time.perf_counter()
@@ -142,6 +150,36 @@ def main(argv=None) -> int:
     print_summary(build, checks, roofs, total_s)
     if args.json:
         write_json(args.json, build, checks, roofs, total_s, tools)
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+def compile_pooling(target, config, engine, args) -> int:
+    """--pooling-model: a PoolingEngine's step programs for the target, with the checks that concern them."""
+    from jaxpage import aot
+
+    print(f"target {target.name}, pooling model {args.pooling_model}: {config.num_layers} layers, hidden "
+          f"{config.hidden_size}; max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
+          f"{engine.max_num_batched_tokens}")  # fmt: skip
+    print(f"{'program':<44} {'s':>6} {'args MiB':>9} {'out MiB':>8} {'temp MiB':>9} {'GFLOP':>9} {'GB read':>8}")
+    start = time.perf_counter()
+    programs, weight_bytes = aot.compile_pooling(target, config, engine, on_program=print_program)
+    failed = [p.program for p in programs if not p.compiled]
+    copies = [p.program for p in programs if p.weight_copies]
+    peak = weight_bytes + max((p.temp_bytes for p in programs), default=0)
+    checks = [
+        ("every program compiled", not failed, ", ".join(failed) or f"{len(programs)} programs"),
+        ("no layer's weights copied", not copies, ", ".join(copies) or "none as large as a layer's"),
+        ("weights + largest temporary fit the chip", peak <= target.hbm_bytes, f"{peak / MIB:,.0f} MiB"),
+    ]
+    print(f"\n{len(programs) - len(failed)}/{len(programs)} programs compiled in {time.perf_counter() - start:.1f}s")
+    for name, ok, detail in checks:
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}: {detail}")
+    if args.json:
+        report = {"target": target.name, "pooling_model": args.pooling_model, "weight_bytes": weight_bytes,
+                  "programs": [dataclasses.asdict(p) for p in programs],
+                  "checks": [{"check": n, "passed": ok, "detail": d} for n, ok, d in checks]}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 

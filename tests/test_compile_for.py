@@ -609,3 +609,20 @@ def test_an_8bit_pool_the_gpu_kernels_cannot_address_is_cut_or_refused():
     with pytest.raises(ValueError, match=r"num_pages 6144: the pallas_gpu kernels cannot address an int8 pool"):
         addressable_pages(gpu, model, explicit.num_pages, explicit.part(CacheConfig), 1)
     assert addressable_pages(gpu, model, 6144, EngineConfig(compilation_cache_dir=None).part(CacheConfig), 1) == 4096
+
+
+@pytest.mark.parametrize("target", [pytest.param(TPU, marks=needs_tpu), pytest.param(GPU, marks=needs_gpu)],
+                         ids=["tpu-v5e", "gpu-h200"])  # fmt: skip
+def test_pooling_models_step_programs_compile_for_the_chips(target, tiny_model_path):
+    """An encoder's (BERT) and a decoder embedder's steps, one program per token bucket, reading each layer's weights in
+    place (the GPU's layers unrolled as the decoders' are)."""
+    from jaxpage.models.bert import EncoderConfig
+
+    encoder = EncoderConfig("bert", 512, 64, 2, 4, 128, 128, 2, 1e-12, "gelu", 0, "bert", 1, ("LABEL_0",))
+    decoder = aot.model_shape(str(tiny_model_path(TINY_GQA)))
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, compilation_cache_dir=None)
+    for config in (encoder, decoder):
+        reports, weight_bytes = aot.compile_pooling(target, config, engine)
+        assert [r.program for r in reports] == [f"pooling T={t}, S={min(t, 4)}" for t in (16, 32, 64)]
+        assert all(r.compiled and not r.weight_copies for r in reports), [(r.program, r.error) for r in reports]
+        assert weight_bytes > 0

@@ -265,3 +265,11 @@ def test_the_default_prompt_goes_before_text_inputs_as_sentence_transformers_put
     outputs = llm.embed(TEXTS[:2])
     np.testing.assert_allclose([o.outputs.embedding for o in outputs], expected, atol=1e-5, rtol=0)
     assert outputs[0].prompt_token_ids == llm.get_tokenizer()("the sky is " + TEXTS[0]).input_ids
+
+
+def test_a_decoders_classification_head_is_refused_by_name(tiny_model_path, tmp_path):
+    shutil.copytree(tiny_model_path(QWEN3), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForSequenceClassification"]}))
+    with pytest.raises(ModelLoadError, match="'Qwen3ForSequenceClassification' .* is not supported"):
+        LLM(str(tmp_path))

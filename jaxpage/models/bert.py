@@ -40,6 +40,7 @@ import numpy as np
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.attention import PackedAttention, PackedBatch
 from jaxpage.models.hf_loader import SafetensorsSource, read_config_json
+from jaxpage.models.llama import layer_unroll
 
 ACTIVATIONS = {  # Hugging Face's hidden_act names
     "gelu": functools.partial(nn.gelu, approximate=False),
@@ -231,10 +232,13 @@ class ClassificationHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT / XLM-RoBERTa over packed sequences. `__call__` gives the last layer's hidden states (HF's
-    last_hidden_state); `classify` applies the sequence classification head."""
+    last_hidden_state); `classify` applies the sequence classification head. `platform`: the one it is compiled for
+    (None: jax's default backend), whose compiler decides how the scanned layers unroll
+    (jaxpage.models.llama.layer_unroll: every layer on a GPU, so that the products read the weights in place)."""
 
     config: EncoderConfig
     dtype: jnp.dtype = jnp.float32
+    platform: str | None = None
 
     def setup(self):
         c = self.config
@@ -249,6 +253,7 @@ class Encoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(nn.broadcast,),
             length=c.num_layers,
+            unroll=layer_unroll(c, self.platform),
         )(c, self.dtype)
         if c.head_kind is not None:
             self.head = ClassificationHead(c.num_labels, self.dtype)

@@ -16,6 +16,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxpage.config import ModelConfig
+from jaxpage.errors import ModelLoadError
 from jaxpage.models import bert
 from jaxpage.models.attention import PackedAttention
 from jaxpage.models.hf_loader import read_config_json
@@ -59,7 +61,8 @@ def runner_of(hf: dict) -> str:
 
 
 def load_pooling_model(directory: Path, hf: dict, dtype=None, load_format: str = "auto") -> PoolingModel:
-    """The pooling model of a Hugging Face directory (config.json `hf`), its parameters on the default device."""
+    """The pooling model of a Hugging Face directory (config.json `hf`), its parameters on the default device.
+    ModelLoadError for a decoder's classification head (reward models), which jaxpage does not run yet."""
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     if bert.is_encoder_architecture(hf):
         config = bert.encoder_config_from_hf(hf, str(directory / "config.json"))
@@ -67,29 +70,32 @@ def load_pooling_model(directory: Path, hf: dict, dtype=None, load_format: str =
             params = bert.init_encoder_params(config, jax.random.key(0), dtype)
         else:
             params = jax.device_put(bert.load_encoder_params(directory, config, dtype))
-        module = bert.Encoder(config, dtype)
-        classify = None if config.head_kind is None else functools.partial(_encoder_classify, module)
-        return PoolingModel(
-            functools.partial(_encoder_forward, module),
-            params,
-            config.hidden_size,
-            config.max_sequence_length,
-            True,
-            dtype,
-            classify,
-            config.id2label,
-            config.problem_type,
+        return pooling_model(config, params, dtype)
+    heads = [a for a in hf.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
+    if heads:
+        raise ModelLoadError(
+            f"{directory / 'config.json'}: architecture {heads[0]!r} (a decoder's classification head) is not "
+            "supported; jaxpage classifies with BERT and XLM-RoBERTa heads, and embeds with decoders"
         )
     config, params = load_model(directory, dtype, load_format=load_format)
-    module = build(config, PackedAttention(sm_scale=config.attention_scale, causal=True), dtype)
-    return PoolingModel(
-        functools.partial(_decoder_forward, module),
-        params,
-        config.hidden_size,
-        config.max_position_embeddings,
-        False,
-        dtype,
-    )
+    return pooling_model(config, params, dtype)
+
+
+def pooling_model(
+    config: bert.EncoderConfig | ModelConfig, params: dict, dtype, platform: str | None = None
+) -> PoolingModel:
+    """The PoolingModel of an encoder's or a decoder's config and parameters (arrays, or ShapeDtypeStructs to
+    compile for a chip: jaxpage.aot, which names the chip's `platform`; None: jax's default backend)."""
+    dtype = jnp.dtype(dtype)
+    if isinstance(config, bert.EncoderConfig):
+        module = bert.Encoder(config, dtype, platform)
+        classify = None if config.head_kind is None else functools.partial(_encoder_classify, module)
+        forward = functools.partial(_encoder_forward, module)
+        shape = (config.hidden_size, config.max_sequence_length, True, dtype)
+        return PoolingModel(forward, params, *shape, classify, config.id2label, config.problem_type)
+    module = build(config, PackedAttention(sm_scale=config.attention_scale, causal=True), dtype, platform=platform)
+    forward = functools.partial(_decoder_forward, module)
+    return PoolingModel(forward, params, config.hidden_size, config.max_position_embeddings, False, dtype)
 
 
 def _encoder_forward(module, params, token_ids, positions, batch, token_type_ids):

@@ -37,6 +37,12 @@ class PoolingRunner:
         self._executables: dict[tuple[int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int], float] = {}  # (tokens, rows) of each step shape compiled
 
+    def lower(self, num_tokens: int, num_rows: int, sharding=None):
+        """The program of a step of num_tokens tokens and num_rows inputs, lowered for the parameters as they are
+        (arrays, or placed ShapeDtypeStructs: jaxpage.aot compiles it for a chip this host does not have)."""
+        tokens, rows = (jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding) for n in (num_tokens, num_rows))
+        return self._program.lower(self.model.params, tokens, tokens, tokens, tokens, rows, rows)
+
     def run(self, step: PackedStep) -> np.ndarray:
         """[step.num_inputs, hidden_size] float32: each input's pooled hidden state (not normalized); a classifier's
         [step.num_inputs, num_labels] float32 logits."""
