@@ -45,7 +45,7 @@ from jaxpage.models.pooling_model import pooling_model
 from jaxpage.targets import Target
 from jaxpage.worker.executor import make_runners
 from jaxpage.worker.model_runner import ModelRunner
-from jaxpage.worker.packed_steps import rows_for, token_buckets
+from jaxpage.worker.packed_steps import input_slots, max_step_tokens, step_shapes
 from jaxpage.worker.parallel import (
     check_divisible,
     make_mesh,
@@ -435,17 +435,18 @@ def compile_pooling(target: Target, config: EncoderConfig | ModelConfig, engine:
     model = pooling_model(config, params, dtype, target.platform)
     runner = PoolingRunner(model, "MEAN" if model.is_encoder else "LAST")
     max_model_len = min(engine.max_model_len or model.max_positions, model.max_positions)
+    max_tokens = max_step_tokens(engine.max_num_batched_tokens, max_model_len)
     reports, weight_bytes = [], layer_weight_bytes(params)
-    for tokens in token_buckets(max(engine.max_num_batched_tokens, max_model_len)):
-        rows = rows_for(tokens, engine.max_num_seqs)
+    for row_length, tokens in step_shapes(max_tokens, max_model_len):
+        slots = input_slots(tokens, row_length, engine.max_num_seqs)
+        label = f"pooling T={tokens}, L={row_length}, S={slots}"
         start = time.perf_counter()
         try:
-            compiled = runner.lower(tokens, rows, device).compile()
+            compiled = runner.lower(tokens, slots, row_length, device).compile()
         except Exception as e:  # the compiler's refusal, reported with the program it refused
-            report = ProgramReport(f"pooling T={tokens}, S={rows}", "pooling", time.perf_counter() - start, str(e))
+            report = ProgramReport(label, "pooling", time.perf_counter() - start, str(e))
         else:
-            seconds = time.perf_counter() - start
-            report = describe(f"pooling T={tokens}, S={rows}", "pooling", seconds, compiled, 1 << 62, weight_bytes)
+            report = describe(label, "pooling", time.perf_counter() - start, compiled, 1 << 62, weight_bytes)
         reports.append(report)
         if on_program is not None:
             on_program(report)

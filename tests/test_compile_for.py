@@ -623,6 +623,9 @@ def test_pooling_models_step_programs_compile_for_the_chips(target, tiny_model_p
     engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, compilation_cache_dir=None)
     for config in (encoder, decoder):
         reports, weight_bytes = aot.compile_pooling(target, config, engine)
-        assert [r.program for r in reports] == [f"pooling T={t}, S={min(t, 4)}" for t in (16, 32, 64)]
+        shapes = [(16, 16), (16, 32), (16, 64), (32, 32), (32, 64), (64, 64)]  # (row length, tokens)
+        assert [r.program for r in reports] == [
+            f"pooling T={t}, L={n}, S={min(t, max(4, 4 * t // n))}" for n, t in shapes
+        ]
         assert all(r.compiled and not r.weight_copies for r in reports), [(r.program, r.error) for r in reports]
         assert weight_bytes > 0

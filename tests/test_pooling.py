@@ -17,7 +17,8 @@ from tiny_models import TINY_FAMILIES
 from jaxpage import LLM, PoolingParams
 from jaxpage.config.pooler import read_pooler_config
 from jaxpage.errors import ModelLoadError
-from jaxpage.worker.packed_steps import pack, take, token_buckets
+from jaxpage.models.attention import PackedAttention, PackedBatch
+from jaxpage.worker.packed_steps import input_slots, pack, take
 
 QWEN3 = next(f for f in TINY_FAMILIES if f.name == "qwen3-qk-norm-head-dim")
 
@@ -134,24 +135,52 @@ def test_decoder_embeddings_equal_transformers_last_token(qwen3_embedder):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 16))
-def test_packed_steps_hold_each_input_whole_and_in_order(lengths, max_rows):
-    buckets = token_buckets(64)
+def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first(lengths, max_num_seqs):
     waiting = [list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)]
     while waiting:
-        chosen = take([len(w) for w in waiting], 64, max_rows)
-        assert chosen[0] == 0 and len(chosen) <= max_rows  # the oldest input always goes
-        assert sum(len(waiting[i]) for i in chosen) <= 64
-        inputs = [waiting[i] for i in chosen]
-        step = pack(inputs, buckets, max_rows)
-        total = sum(map(len, inputs))
-        assert len(step.token_ids) == min(b for b in buckets if b >= total)  # padded at the end only
-        for row, tokens in enumerate(inputs):
-            start, length = step.starts[row], step.lengths[row]
+        plan = take([len(w) for w in waiting], 64, max_num_seqs)
+        assert plan.indices[0] == 0  # the oldest input always goes
+        assert plan.row_length == max(16, 1 << (len(waiting[0]) - 1).bit_length())  # the oldest's row length
+        assert len(plan.indices) <= input_slots(64, plan.row_length, max_num_seqs)
+        inputs = [waiting[i] for i in plan.indices]
+        step = pack(inputs, plan, max_num_seqs)
+        assert len(step.token_ids) == plan.num_tokens <= 64 and plan.num_tokens % plan.row_length == 0
+        for row in range(plan.num_rows):  # a row's inputs fit it
+            assert sum(len(t) for t, r in zip(inputs, plan.rows, strict=True) if r == row) <= plan.row_length
+        for i, tokens in enumerate(inputs):
+            start, length = step.starts[i], step.lengths[i]
+            assert start // plan.row_length == (start + length - 1) // plan.row_length == plan.rows[i]
             assert step.token_ids[start : start + length].tolist() == tokens
             assert step.positions[start : start + length].tolist() == list(range(len(tokens)))
-            assert (step.segment_ids[start : start + length] == row).all()
-        assert (step.segment_ids[total:] == -1).all() and (step.lengths[len(inputs) :] == 0).all()
-        waiting = [w for i, w in enumerate(waiting) if i not in chosen]
+            assert (step.segment_ids[start : start + length] == i).all()
+        assert (step.segment_ids >= 0).sum() == sum(map(len, inputs)) and (step.lengths[len(inputs) :] == 0).all()
+        rest = [w for i, w in enumerate(waiting) if i not in plan.indices]
+        used = sorted(set(plan.rows))
+        assert used == list(range(len(used))) and plan.num_rows == max(1, 1 << (len(used) - 1).bit_length())
+        room = [plan.row_length - sum(len(t) for t, r in zip(inputs, plan.rows, strict=True) if r == u) for u in used]
+        if len(plan.indices) < input_slots(64, plan.row_length, max_num_seqs):
+            for left in (w for w in rest if len(w) <= plan.row_length):  # left out only where no row had room
+                assert len(used) == 64 // plan.row_length and max(room) < len(left)
+        waiting = rest
+
+
+def test_attention_within_rows_is_attention_over_the_whole_step():
+    """PackedAttention of a batch in rows (each sequence whole in one row) equals the same over one row of every
+    token, both ways and causally, in float32."""
+    rng = np.random.default_rng(0)
+    lengths, row_length = [5, 11, 16, 3, 7, 2], 16  # rows: [5, 11], [16], [3, 7, 2, pad x4]
+    segments = np.full(48, -1, np.int32)
+    positions = np.zeros(48, np.int32)
+    for i, (start, n) in enumerate(zip([0, 5, 16, 32, 35, 42], lengths, strict=True)):
+        segments[start : start + n], positions[start : start + n] = i, np.arange(n)
+    q = rng.standard_normal((48, 4, 8), np.float32)
+    k, v = rng.standard_normal((2, 48, 2, 8), np.float32)
+    for causal in (False, True):
+        attention = PackedAttention(0.3, causal=causal)
+        whole = attention.attend(q, k, v, PackedBatch(positions, segments), None, 0)
+        rows = attention.attend(q, k, v, PackedBatch(positions, segments, row_length), None, 0)
+        real = segments >= 0
+        np.testing.assert_allclose(np.asarray(rows)[real], np.asarray(whole)[real], atol=1e-6)
 
 
 def write_st_files(directory, modules: list[str], pooling: dict) -> None:

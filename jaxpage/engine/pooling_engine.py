@@ -24,7 +24,7 @@ from jaxpage.pooling_params import PoolingParams
 from jaxpage.sources import HubDownload
 from jaxpage.tokenizers.tokenizer import load_tokenizer
 from jaxpage.validation import check_text, fail
-from jaxpage.worker.packed_steps import pack, rows_for, take, token_buckets
+from jaxpage.worker.packed_steps import max_step_tokens, pack, take
 from jaxpage.worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger("jaxpage")
@@ -72,7 +72,7 @@ class PoolingEngine:
             raise ValueError(f"engine argument max_model_len {config.max_model_len} exceeds the model's {limit} tokens")
         self.max_model_len = config.max_model_len or int(limit)
         self.max_num_seqs = config.max_num_seqs
-        self.buckets = token_buckets(max(config.max_num_batched_tokens, self.max_model_len))
+        self.max_step_tokens = max_step_tokens(config.max_num_batched_tokens, self.max_model_len)
         self.runner = PoolingRunner(self.model, self.pooler.pooling_type)
         self.task = "classify" if self.model.classify is not None else "embed"
         self.prompt_prefix = dict(self.pooler.prompts).get(self.pooler.default_prompt_name, "")
@@ -83,7 +83,7 @@ class PoolingEngine:
             self.pooler.pooling_type,
             ", normalized" if self.pooler.normalize else "",
             self.max_model_len,
-            self.buckets[-1],
+            self.max_step_tokens,
         )
 
     @property
@@ -161,18 +161,18 @@ class PoolingEngine:
         return bool(self.waiting)
 
     def step(self) -> list[PoolingRequestOutput]:
-        """Runs the next step: the oldest waiting inputs and every later one that fits beside them."""
+        """Runs the next step: the oldest waiting input and those that fit beside it (packed_steps.take)."""
         if not self.waiting:
             return []
-        max_tokens, max_rows = self.buckets[-1], rows_for(self.buckets[-1], self.max_num_seqs)
-        chosen = take([len(r.token_ids) for r in self.waiting], max_tokens, max_rows)
-        requests = [self.waiting[i] for i in chosen]
-        for index in reversed(chosen):
-            del self.waiting[index]
+        waiting = list(self.waiting)
+        plan = take([len(r.token_ids) for r in waiting], self.max_step_tokens, self.max_num_seqs)
+        requests = [waiting[i] for i in plan.indices]
+        chosen = set(plan.indices)
+        self.waiting = collections.deque(r for i, r in enumerate(waiting) if i not in chosen)
         self._queued_ids.difference_update(r.request_id for r in requests)
         token_types = [r.token_type_ids for r in requests]
         try:
-            step = pack([r.token_ids for r in requests], self.buckets, self.max_num_seqs, token_types)
+            step = pack([r.token_ids for r in requests], plan, self.max_num_seqs, token_types)
             pooled = self.runner.run(step)
         except Exception as e:  # the step's requests fail with it; the engine goes on
             logger.exception("a pooling step of %d inputs failed", len(requests))

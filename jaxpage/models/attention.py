@@ -95,7 +95,10 @@ class PackedBatch:
     """Metadata of sequences packed end to end, without padding between them, for the cache-free packed path."""
 
     positions: jax.Array  # [tokens] int32, position of each token in its own sequence
-    segment_ids: jax.Array  # [tokens] int32, the sequence each token belongs to (0, 1, ...); -1 on padding at the end
+    segment_ids: jax.Array  # [tokens] int32, the sequence each token belongs to (0, 1, ...); -1 on padding
+    # Static: the tokens lie in rows of this many (jaxpage.worker.packed_steps), each sequence whole in one row, so
+    # attention runs within each row; None: one row of all the tokens.
+    row_length: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,21 +122,25 @@ class PackedAttention:
         return kv_cache  # no cache
 
     def attend(self, q, k, v, batch: PackedBatch, kv_cache, layer):
-        # q [T, Hq, D]; k, v [T, Hkv, D]
+        # q [T, Hq, D]; k, v [T, Hkv, D], in R rows of L tokens (one row of T without batch.row_length)
         t, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        q = q.reshape(t, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = jnp.einsum("qhgd,khd->hgqk", q, k, preferred_element_type=jnp.float32) * self.sm_scale
+        length = batch.row_length or t
+        rows = t // length
+        q = q.reshape(rows, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        k, v = (x.reshape(rows, length, num_kv_heads, head_dim) for x in (k, v))
+        scores = jnp.einsum("rqhgd,rkhd->rhgqk", q, k, preferred_element_type=jnp.float32) * self.sm_scale
         if self.soft_cap is not None:
             scores = jnp.tanh(scores / self.soft_cap) * self.soft_cap
-        segments, positions = batch.segment_ids, batch.positions
-        visible = (segments[:, None] == segments[None, :]) & (segments[None, :] >= 0)  # [Tq, Tk]
-        distance = positions[:, None] - positions[None, :]
+        segments, positions = (x.reshape(rows, length) for x in (batch.segment_ids, batch.positions))
+        visible = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] >= 0)  # [R, Lq, Lk]
+        distance = positions[:, :, None] - positions[:, None, :]
         if self.causal:
             visible &= distance >= 0
         if self.sliding_window is not None:
             visible &= distance < self.sliding_window
+        visible = visible[:, None, None]  # [R, 1, 1, Lq, Lk]
         scores = jnp.where(visible, scores, -jnp.inf)
         probs = jnp.where(visible, jax.nn.softmax(jnp.where(visible.any(-1, keepdims=True), scores, 0.0)), 0.0)
-        out = jnp.einsum("hgqk,khd->qhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = jnp.einsum("rhgqk,rkhd->rqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return out.reshape(t, num_heads, head_dim).astype(q.dtype)

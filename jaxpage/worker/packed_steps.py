@@ -1,10 +1,16 @@
-"""A pooling model's steps: inputs packed end to end into one token axis, no padding between them.
+"""A pooling model's steps: whole inputs packed into the rows of one token axis.
 
 A pooling request is one forward pass over its input (no decoding, no KV cache), so a step is a set of whole inputs.
-`take` picks them: the oldest waiting input first (so none waits forever), then every later one that still fits the
-step's token budget and rows. `pack` lays them out as the arrays the device step reads; the step's token count is
-padded at the end only, up to the smallest of a few sizes (`token_buckets`: powers of two), and its rows (inputs) to
-`rows_for(tokens)`, so a model compiles one program per token bucket.
+Its token axis is `num_rows` rows of `row_length` tokens (both powers of two; row_length the smallest, from
+MIN_ROW_LENGTH, that holds the step's longest input). Each input lies whole in one row; shorter ones share a row, end
+to end; the only padding is at the ends of rows. Attention runs within each row (jaxpage.models.attention:
+PackedAttention over a PackedBatch of this row_length), so it costs a token row_length, not the step's whole token
+count: the projections and MLPs run over every row's tokens as one matrix, the attention over each row.
+
+`take` picks a step: the oldest waiting input first (none waits forever), which sets the row length, then the waiting
+inputs no longer than that, longest first, each into the first row with room (first-fit decreasing), until the rows
+or the step's input slots are full: inputs of like lengths run together. `pack` lays them out as the arrays the
+device step reads. A step of `row_length` L has L * 2^k tokens; each (tokens, row length) is one program.
 """
 
 from __future__ import annotations
@@ -14,49 +20,93 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MIN_TOKEN_BUCKET = 16
+MIN_ROW_LENGTH = 16
 
 
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """The step sizes in tokens: powers of two from MIN_TOKEN_BUCKET below max_tokens, and max_tokens."""
-    sizes, size = [], MIN_TOKEN_BUCKET
-    while size < max_tokens:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, max_tokens)
+def power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
-def rows_for(num_tokens: int, max_rows: int) -> int:
-    """The rows (inputs) a step of num_tokens tokens has room for: each input has a token at least."""
-    return min(num_tokens, max_rows)
+def row_length_for(num_tokens: int) -> int:
+    """The row length of a step whose longest input has num_tokens tokens."""
+    return max(MIN_ROW_LENGTH, power_of_two_at_least(num_tokens))
 
 
-def take(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[int]:
-    """Indices into `lengths` (waiting inputs' token counts, oldest first) of the inputs the next step runs: the
-    first, then each later one that fits what is left of max_tokens, up to max_rows inputs. Every length must be at
-    most max_tokens (the engine refuses longer inputs when they are added)."""
-    chosen, budget = [], max_tokens
-    for index, length in enumerate(lengths):
-        assert 0 < length <= max_tokens, (length, max_tokens)
-        if length <= budget:
-            chosen.append(index)
-            budget -= length
-            if len(chosen) == max_rows or budget == 0:
-                break
-    return chosen
+def max_step_tokens(max_num_batched_tokens: int, max_model_len: int) -> int:
+    """The most tokens a step has: a power of two that every row length of an input of max_model_len divides."""
+    return power_of_two_at_least(max(max_num_batched_tokens, max_model_len, MIN_ROW_LENGTH))
+
+
+def input_slots(num_tokens: int, row_length: int, max_num_seqs: int) -> int:
+    """The inputs a step of num_tokens tokens in rows of row_length has room for: max_num_seqs, or four a row where
+    that is more (short inputs share rows), at most one a token."""
+    return min(num_tokens, max(max_num_seqs, 4 * (num_tokens // row_length)))
+
+
+def step_shapes(max_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+    """Every (row length, tokens) a step may have: row lengths up to the one of max_model_len, tokens from one row
+    to max_tokens (each a program)."""
+    shapes, row_length = [], MIN_ROW_LENGTH
+    while row_length <= row_length_for(max_model_len):
+        shapes += [(row_length, row_length << k) for k in range((max_tokens // row_length).bit_length())]
+        row_length *= 2
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What `take` chose: `indices` into the waiting inputs (the step's inputs, in order), the row of each."""
+
+    indices: list[int]
+    rows: list[int]
+    row_length: int
+    num_rows: int  # a power of two: the rows the step's token axis has
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_rows * self.row_length
+
+
+def take(lengths: Sequence[int], max_tokens: int, max_num_seqs: int) -> StepPlan:
+    """The next step of the waiting inputs whose token counts are `lengths` (oldest first; each at most the row
+    length of max_tokens, which the engine checks when they are added): see the module docstring."""
+    row_length = row_length_for(lengths[0])
+    assert row_length <= max_tokens, (lengths[0], max_tokens)
+    max_rows = max_tokens // row_length
+    slots = input_slots(max_tokens, row_length, max_num_seqs)
+    later = sorted((i for i in range(1, len(lengths)) if lengths[i] <= row_length), key=lambda i: -lengths[i])
+    indices, rows, room = [], [], []  # room: each open row's free tokens
+    most_room = 0
+    for index in [0, *later]:
+        length = lengths[index]
+        if length <= most_room:
+            row = next(r for r, free in enumerate(room) if free >= length)
+        elif len(room) < max_rows:
+            row = len(room)
+            room.append(row_length)
+        else:
+            continue  # no row has room for it: a later step's
+        room[row] -= length
+        indices.append(index)
+        rows.append(row)
+        most_room = max(room)
+        if len(indices) == slots or (len(room) == max_rows and most_room == 0):
+            break
+    return StepPlan(indices, rows, row_length, power_of_two_at_least(len(room)))
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedStep:
-    """One step's arrays; input i of the step is tokens [starts[i], starts[i] + lengths[i])."""
+    """One step's arrays; input i of the step is tokens [starts[i], starts[i] + lengths[i]), all in one row."""
 
     token_ids: np.ndarray  # [tokens] int32, 0 on padding
     token_type_ids: np.ndarray  # [tokens] int32: BERT's segment of a text pair (0 first, 1 second), else 0
     positions: np.ndarray  # [tokens] int32, each token's position in its input
-    segment_ids: np.ndarray  # [tokens] int32, the input (row) of each token; -1 on padding
-    starts: np.ndarray  # [rows] int32
-    lengths: np.ndarray  # [rows] int32, 0 on padding rows
+    segment_ids: np.ndarray  # [tokens] int32, the input (of the step) of each token; -1 on padding
+    starts: np.ndarray  # [slots] int32
+    lengths: np.ndarray  # [slots] int32, 0 on padding slots
     num_inputs: int
+    row_length: int  # tokens a row; tokens = rows * row_length
 
     @property
     def num_tokens(self) -> int:
@@ -66,29 +116,30 @@ class PackedStep:
 
 def pack(
     inputs: Sequence[Sequence[int]],
-    buckets: Sequence[int],
-    max_rows: int,
+    plan: StepPlan,
+    max_num_seqs: int,
     token_types: Sequence[Sequence[int] | None] | None = None,
 ) -> PackedStep:
-    """The step of `inputs` (token id lists, in order), its token axis the smallest bucket that holds them all;
+    """The step of `inputs` (token id lists, those of plan.indices in that order) laid out in the plan's rows;
     token_types: each input's token type ids, or None for zeros."""
+    size, row_length = plan.num_tokens, plan.row_length
+    slots = input_slots(size, row_length, max_num_seqs)
+    assert len(inputs) == len(plan.rows) <= slots, (len(inputs), len(plan.rows), slots)
     lengths = np.fromiter((len(tokens) for tokens in inputs), np.int32, len(inputs))
-    total = int(lengths.sum())
-    size = next(bucket for bucket in buckets if bucket >= total)
-    rows = rows_for(size, max_rows)
-    assert len(inputs) <= rows, (len(inputs), rows)
-    token_ids = np.zeros(size, np.int32)
-    token_ids[:total] = np.fromiter((t for tokens in inputs for t in tokens), np.int32, total)
-    token_type_ids = np.zeros(size, np.int32)
-    if token_types is not None and any(types is not None for types in token_types):
-        types = (t for tokens, kinds in zip(inputs, token_types, strict=True) for t in (kinds or [0] * len(tokens)))
-        token_type_ids[:total] = np.fromiter(types, np.int32, total)
-    starts = np.zeros(rows, np.int32)
-    starts[: len(inputs)] = np.cumsum(lengths) - lengths
-    segment_ids = np.full(size, -1, np.int32)
-    segment_ids[:total] = np.repeat(np.arange(len(inputs), dtype=np.int32), lengths)
-    positions = np.zeros(size, np.int32)
-    positions[:total] = np.arange(total, dtype=np.int32) - np.repeat(starts[: len(inputs)], lengths)
-    padded_lengths = np.zeros(rows, np.int32)
+    ends = [row * row_length for row in range(plan.num_rows)]  # each row's next free token
+    starts = np.zeros(slots, np.int32)
+    for i, (row, length) in enumerate(zip(plan.rows, lengths, strict=True)):
+        starts[i], ends[row] = ends[row], ends[row] + length
+    token_ids, token_type_ids = np.zeros(size, np.int32), np.zeros(size, np.int32)
+    positions, segment_ids = np.zeros(size, np.int32), np.full(size, -1, np.int32)
+    types = token_types if token_types is not None else [None] * len(inputs)
+    for i, (tokens, kinds) in enumerate(zip(inputs, types, strict=True)):
+        place = slice(starts[i], starts[i] + lengths[i])
+        token_ids[place], segment_ids[place], positions[place] = tokens, i, np.arange(lengths[i])
+        if kinds is not None:
+            token_type_ids[place] = kinds
+    padded_lengths = np.zeros(slots, np.int32)
     padded_lengths[: len(inputs)] = lengths
-    return PackedStep(token_ids, token_type_ids, positions, segment_ids, starts, padded_lengths, len(inputs))
+    return PackedStep(
+        token_ids, token_type_ids, positions, segment_ids, starts, padded_lengths, len(inputs), row_length
+    )

@@ -19,9 +19,11 @@ logger = logging.getLogger("jaxpage")
 
 
 def _pooled(
-    model: PoolingModel, pooling_type: str, params, token_ids, token_types, positions, segments, starts, lengths
-):
-    hidden = model.forward(params, token_ids, positions, PackedBatch(positions, segments), token_types)
+    model: PoolingModel, pooling_type: str, params, token_ids, token_types, positions, segments, starts, lengths, *,
+    row_length: int,
+):  # fmt: skip
+    batch = PackedBatch(positions, segments, row_length)
+    hidden = model.forward(params, token_ids, positions, batch, token_types)
     if model.classify is not None:  # a classification head reads each input's first token
         return model.classify(params, hidden, starts)
     return pool(pooling_type, hidden, segments, starts, lengths)
@@ -29,29 +31,37 @@ def _pooled(
 
 class PoolingRunner:
     """Runs packed steps of `model` pooled by `pooling_type` (jaxpage.config.pooler.POOLING_TYPES), or through its
-    classification head where it has one."""
+    classification head where it has one. A step's program is compiled at its first use, one per (tokens, input
+    slots, row length)."""
 
     def __init__(self, model: PoolingModel, pooling_type: str):
         self.model = model
-        self._program = jax.jit(functools.partial(_pooled, model, pooling_type))
-        self._executables: dict[tuple[int, int], object] = {}
-        self.compile_seconds: dict[tuple[int, int], float] = {}  # (tokens, rows) of each step shape compiled
+        self._program = jax.jit(functools.partial(_pooled, model, pooling_type), static_argnames=("row_length",))
+        self._executables: dict[tuple[int, int, int], object] = {}
+        self.compile_seconds: dict[tuple[int, int, int], float] = {}  # (tokens, slots, row length) of each compiled
 
-    def lower(self, num_tokens: int, num_rows: int, sharding=None):
-        """The program of a step of num_tokens tokens and num_rows inputs, lowered for the parameters as they are
-        (arrays, or placed ShapeDtypeStructs: jaxpage.aot compiles it for a chip this host does not have)."""
-        tokens, rows = (jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding) for n in (num_tokens, num_rows))
-        return self._program.lower(self.model.params, tokens, tokens, tokens, tokens, rows, rows)
+    def lower(self, num_tokens: int, num_slots: int, row_length: int, sharding=None):
+        """The program of a step of num_tokens tokens in rows of row_length and num_slots inputs, lowered for the
+        parameters as they are (arrays, or placed ShapeDtypeStructs: jaxpage.aot compiles it for a chip this host
+        does not have)."""
+        tokens, slots = (jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding) for n in (num_tokens, num_slots))
+        return self._program.lower(
+            self.model.params, tokens, tokens, tokens, tokens, slots, slots, row_length=row_length
+        )
 
     def run(self, step: PackedStep) -> np.ndarray:
         """[step.num_inputs, hidden_size] float32: each input's pooled hidden state (not normalized); a classifier's
         [step.num_inputs, num_labels] float32 logits."""
         arrays = (step.token_ids, step.token_type_ids, step.positions, step.segment_ids, step.starts, step.lengths)
-        shape = (len(step.token_ids), len(step.starts))
+        shape = (len(step.token_ids), len(step.starts), step.row_length)
         executable = self._executables.get(shape)
         if executable is None:
             start = time.perf_counter()
-            executable = self._executables[shape] = self._program.lower(self.model.params, *arrays).compile()
+            lowered = self._program.lower(self.model.params, *arrays, row_length=step.row_length)
+            executable = self._executables[shape] = lowered.compile()
             self.compile_seconds[shape] = time.perf_counter() - start
-            logger.info("pooling step of %d tokens, %d inputs: compiled in %.2fs", *shape, self.compile_seconds[shape])
+            logger.info(
+                "pooling step of %d tokens (rows of %d), %d inputs: compiled in %.2fs",
+                shape[0], shape[2], shape[1], self.compile_seconds[shape],
+            )  # fmt: skip
         return np.asarray(executable(self.model.params, *arrays))[: step.num_inputs]
