@@ -26,22 +26,23 @@ def tiny_bert_tokenizer(directory):
     return tokenizer
 
 
+def tiny_bert_config(tokenizer, **extra):
+    """A 2-layer BERT of hidden size 32 over the tokenizer's vocabulary (transformers' BertConfig)."""
+    from transformers import BertConfig
+
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+    return BertConfig(vocab_size=len(tokenizer), max_position_embeddings=64, **sizes, **extra)
+
+
 def build_bert_st_dir(base):
     """A tiny random BERT saved as a sentence-transformers model (mean pooling, then Normalize), and that model."""
     import torch
     from sentence_transformers import SentenceTransformer, models
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     tokenizer = tiny_bert_tokenizer(base)
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-    )
+    config = tiny_bert_config(tokenizer)
     BertModel(config).eval().save_pretrained(base / "hf", safe_serialization=True)
     tokenizer.save_pretrained(base / "hf")
     word = models.Transformer(str(base / "hf"), max_seq_length=48)
@@ -54,21 +55,13 @@ def build_bert_st_dir(base):
 def build_bert_classifiers(base):
     """Tiny random BertForSequenceClassification models with the tiny vocabulary's tokenizer: {num_labels: dir}."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     tokenizer = tiny_bert_tokenizer(base)
     directories = {}
     for num_labels in (1, 3):
         torch.manual_seed(num_labels)
-        config = BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=37,
-            max_position_embeddings=64,
-            num_labels=num_labels,
-        )
+        config = tiny_bert_config(tokenizer, num_labels=num_labels)
         directory = base / f"labels-{num_labels}"
         BertForSequenceClassification(config).eval().save_pretrained(directory, safe_serialization=True)
         tokenizer.save_pretrained(directory)

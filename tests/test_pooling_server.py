@@ -26,23 +26,24 @@ def serve(llm: LLM, name: str):
     return server, engine
 
 
-@pytest.fixture(scope="module")
-def embedder(bert_st_dir):
-    """(the embedding model's LLM, its live server's URL): one engine, which the server steps in its own thread."""
-    llm = LLM(str(bert_st_dir[0]), **ENGINE)
-    server, engine = serve(llm, "tiny-embedder")
+def served(directory, name: str):
+    """(the LLM of the model in `directory`, its live server's URL), until the module's tests end: one engine, which
+    the server steps in its own thread."""
+    llm = LLM(str(directory), **ENGINE)
+    server, engine = serve(llm, name)
     yield llm, server.url
     server.stop()
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def embedder(bert_st_dir):
+    yield from served(bert_st_dir[0], "tiny-embedder")
 
 
 @pytest.fixture(scope="module")
 def cross_encoder(bert_classifiers):
-    llm = LLM(str(bert_classifiers[1]), **ENGINE)
-    server, engine = serve(llm, "tiny-reranker")
-    yield llm, server.url
-    server.stop()
-    engine.shutdown()
+    yield from served(bert_classifiers[1], "tiny-reranker")
 
 
 def decode(text: str) -> np.ndarray:
