@@ -2,13 +2,13 @@
 machine, in one run (issue 57's target: >= 1.5x sentence-transformers' throughput on CPU, the same embeddings to
 1e-5).
 
-    python scripts/bench_embed.py [--num-inputs 10000] [--models encoder,decoder] [--max-num-batched-tokens 2048]
+    python scripts/bench_embed.py [--num-inputs 10000] [--models encoder,decoder] [--max-num-batched-tokens 512]
         [--max-num-seqs 128] [--st-batch-sizes 16,32,64,128] [--tune-inputs 500] [--repeats 1]
         [--min-tokens 8] [--max-tokens 512] [--seed 0] [--model-dir DIR] [--tiny]
 
 Models (random weights, torch.manual_seed(--seed); no hub needed), each written with transformers' save_pretrained
 (safetensors) under a sentence-transformers wrapper (modules.json, 1_Pooling, 2_Normalize), in a temporary directory
-or --model-dir (DIR/<model>-seed<seed>, reused when there):
+or --model-dir (DIR/<model>[-tiny]-<max tokens>-seed<seed>, reused when there):
   encoder  all-MiniLM-L6-v2's shape: BertModel, 6 layers, hidden 384, 12 heads, intermediate 1536, vocab 30522,
            512 positions; mean pooling, then Normalize
   decoder  a small Qwen3-Embedding: Qwen3Model, 4 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64,
@@ -28,22 +28,28 @@ texts, batch_size=B)` (which sorts its inputs by length, longest first, and pads
 sides' token ids are checked against the drawn ones (jaxpage's prompt_token_ids; sentence-transformers' tokenizer).
 
 sentence-transformers: torch at its default thread count (torch.get_num_threads(), printed), float32; its batch
-size is tuned first: encode of the first --tune-inputs inputs with each of --st-batch-sizes, the fastest taken.
-jaxpage: float32 (its CPU default), XLA's own threads; one LLM per --max-num-batched-tokens value, each warmed up
-first (untimed: one step of every token bucket, so each compiled shape is compiled before the timed call; compile
-seconds reported per shape, and any shape compiled during the timed call counted). --repeats times, in turn: the
-sentence-transformers call, then each jaxpage LLM's; the fastest of each is reported.
+size is tuned first: encode of the first --tune-inputs inputs with each of --st-batch-sizes in turn, twice, the
+fastest taken. jaxpage: float32 (its CPU default), XLA's own threads; one LLM per --max-num-batched-tokens value
+(default 512: steps of up to max(it, max_model_len) tokens, rounded up to a power of two), each warmed up
+first (untimed: one step of every step shape the engine may run, jaxpage.worker.packed_steps.step_shapes: each
+(tokens, row length) compiled before the timed call; compile seconds reported per shape, and any shape compiled
+during the timed call counted). --repeats times, in turn: the
+sentence-transformers call, then each jaxpage LLM's; the fastest of each is reported. Each timed call also gives
+the cores it kept busy (the process's CPU seconds per wall second) and the machine's load average before it: on a
+shared machine, others' work shows there.
 
 Per model and side: inputs/s, tokens/s (the inputs' own tokens), the padding share (padding tokens / all tokens the
-model ran: jaxpage's steps' token axes, each step's token bucket; sentence-transformers' padded batches), and the
-max |difference| of every input's embedding from sentence-transformers'. For jaxpage also: the compiled (tokens,
-rows) shapes and their compile seconds, its steps per token bucket (count, mean ms), and where its call's time went
-(preparing the inputs: tokenizing and checks; the device steps; the rest: packing, normalizing, outputs). The last
-line of stdout is one JSON object with every figure. The exit status is 1 where any embedding differs by more than
-1e-5.
+model ran: jaxpage's steps' token axes, rows of a power of two tokens; sentence-transformers' padded batches), the
+max |difference| of every input's embedding from sentence-transformers', and the attention's work over the least it
+could be (attention_pairs_over_ideal: the (query, key) pairs scored, over the sum of each input's length squared;
+jaxpage scores every pair within a row, sentence-transformers every pair of a padded batch's rows). For jaxpage
+also: the compiled (tokens, input slots, row length) shapes and their compile seconds, its steps per (tokens, row
+length) (count, mean ms), and where its call's time went (preparing the inputs: tokenizing and checks; the device
+steps; the rest: packing, normalizing, outputs). The last line of stdout is one JSON object with every figure. The
+exit status is 1 where any embedding differs by more than 1e-5.
 
---tiny: a quick check of the script: 64 inputs of 8-64 tokens, 2-layer models, batch sizes 16 and 32, 128-token
-steps.
+--tiny: a quick check of the script: 64 inputs of 8-32 tokens, 2-layer models, batch sizes 16 and 32, steps of
+up to 32 tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -131,23 +138,23 @@ def parse_args():
     parser.add_argument("--num-inputs", type=int, default=None, help="default 10000 (--tiny: 64)")
     parser.add_argument("--models", default="encoder,decoder")
     parser.add_argument(
-        "--max-num-batched-tokens", default=None, help="comma-separated: a jaxpage LLM each (default 2048; --tiny: 128)"
+        "--max-num-batched-tokens", default=None, help="comma-separated: a jaxpage LLM each (default 512; --tiny: 32)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--st-batch-sizes", default=None, help="default 16,32,64,128 (--tiny: 16,32)")
     parser.add_argument("--tune-inputs", type=int, default=500, help="inputs of each batch-size trial")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--min-tokens", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=None, help="default 512 (--tiny: 64)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 512 (--tiny: 32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", default=None, help="where the models are written, and reused from")
-    parser.add_argument("--tiny", action="store_true", help="64 short inputs through 2-layer models: a quick check")
+    parser.add_argument("--tiny", action="store_true", help="64 short inputs, 2-layer models: a quick check")
     args = parser.parse_args()
     tiny = args.tiny
     args.num_inputs = args.num_inputs or (64 if tiny else 10000)
-    args.max_tokens = args.max_tokens or (64 if tiny else 512)
+    args.max_tokens = args.max_tokens or (32 if tiny else 512)
     args.max_num_batched_tokens = [
-        int(v) for v in (args.max_num_batched_tokens or ("128" if tiny else "2048")).split(",")
+        int(v) for v in (args.max_num_batched_tokens or ("32" if tiny else "512")).split(",")
     ]
     args.st_batch_sizes = [int(v) for v in (args.st_batch_sizes or ("16,32" if tiny else "16,32,64,128")).split(",")]
     args.models = args.models.split(",")
@@ -222,6 +229,28 @@ def draw_inputs(spec: ModelSpec, num_inputs: int, min_tokens: int, max_tokens: i
     return texts, token_ids, lengths
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A timed call: its wall seconds, the process's CPU seconds per wall second during it (the cores it kept busy),
+    and the machine's 1-minute load average just before it (others' work on a shared machine shows there)."""
+
+    seconds: float
+    cores: float
+    load: float
+
+    def __str__(self) -> str:
+        return f"{self.seconds:.2f}s, {self.cores:.2f} cores busy, load {self.load:.2f} before"
+
+
+def timed(call):
+    """(call(), its Timing)."""
+    load = os.getloadavg()[0]
+    cpu, start = os.times(), time.perf_counter()
+    result = call()
+    seconds, end = time.perf_counter() - start, os.times()
+    return result, Timing(seconds, (end.user - cpu.user + end.system - cpu.system) / seconds, load)
+
+
 class STRun:
     """sentence-transformers' encode, each padded batch it runs recorded (its preprocess, wrapped)."""
 
@@ -229,46 +258,41 @@ class STRun:
         from sentence_transformers import SentenceTransformer
 
         self.model = SentenceTransformer(str(model_dir), device="cpu")
-        self.batches: list[tuple[int, int]] = []  # (padded tokens, real tokens) of each batch
+        self.batches: list[tuple[int, int, int]] = []  # (inputs, padded length, real tokens) of each batch
         preprocess = self.model.preprocess
 
         @functools.wraps(preprocess)
         def recorded(*args, **kwargs):
             features = preprocess(*args, **kwargs)
             mask = features["attention_mask"]
-            self.batches.append((mask.numel(), int(mask.sum())))
+            self.batches.append((*mask.shape, int(mask.sum())))
             return features
 
         self.model.preprocess = recorded
 
-    def encode(self, texts: list[str], batch_size: int) -> tuple[np.ndarray, float]:
+    def encode(self, texts: list[str], batch_size: int) -> tuple[np.ndarray, Timing]:
         self.batches = []
-        start = time.perf_counter()
-        embeddings = self.model.encode(texts, batch_size=batch_size)
-        return embeddings, time.perf_counter() - start
+        return timed(lambda: self.model.encode(texts, batch_size=batch_size))
 
 
 class JaxpageRun:
-    """An LLM over the model, each packed step and input preparation it runs recorded (wrapped), and timed."""
+    """An LLM over the model, each packed step and input preparation it runs recorded (wrapped) and timed."""
 
     def __init__(self, model_dir: Path, max_num_batched_tokens: int, max_num_seqs: int):
         from jaxpage import LLM
 
         self.llm = LLM(
-            str(model_dir),
-            runner="pooling",
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            str(model_dir), runner="pooling", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
         engine = self.llm.engine
-        self.steps: list[tuple[int, int, float]] = []  # (token bucket, real tokens, seconds) of each step
+        self.steps: list[tuple[int, int, int, float]] = []  # (tokens, row length, real tokens, seconds) of each step
         self.prepare_s = 0.0
         run, prepare = engine.runner.run, engine.prepare_request
 
         def timed_run(step):
             start = time.perf_counter()
             pooled = run(step)
-            self.steps.append((len(step.token_ids), step.num_tokens, time.perf_counter() - start))
+            self.steps.append((len(step.token_ids), step.row_length, step.num_tokens, time.perf_counter() - start))
             return pooled
 
         def timed_prepare(*args, **kwargs):
@@ -280,21 +304,42 @@ class JaxpageRun:
         engine.runner.run, engine.prepare_request = timed_run, timed_prepare
 
     def warm_up(self, plain_id: int) -> None:
-        """Compiles every token bucket's step: for each, one step of inputs whose tokens fill it exactly."""
+        """Compiles every step shape: for each (row length, tokens), one step of inputs that fill its rows, one a
+        row."""
+        from jaxpage.worker.packed_steps import step_shapes
+
         engine = self.llm.engine
-        for bucket in engine.buckets:
-            length = min(bucket, engine.max_model_len)
-            self.llm.embed([{"prompt_token_ids": [plain_id] * length}] * (bucket // length))
+        for row_length, tokens in step_shapes(engine.max_step_tokens, engine.max_model_len):
+            length = min(row_length, engine.max_model_len)
+            self.llm.embed([{"prompt_token_ids": [plain_id] * length}] * (tokens // row_length))
 
     def embed(self, texts: list[str]):
         self.steps, self.prepare_s = [], 0.0
-        start = time.perf_counter()
-        outputs = self.llm.embed(texts)
-        return outputs, time.perf_counter() - start
+        return timed(lambda: self.llm.embed(texts))
 
 
 def padding_share(padded: int, real: int) -> float:
     return (padded - real) / padded
+
+
+def timings(runs: list[Timing]) -> dict:
+    return dict(
+        seconds=[round(t.seconds, 3) for t in runs],
+        cores_used=[round(t.cores, 2) for t in runs],
+        load_before=[round(t.load, 2) for t in runs],
+    )
+
+
+def tune_batch_size(st: STRun, texts: list[str], batch_sizes: list[int], name: str) -> dict[int, float]:
+    """Inputs/s of encode over `texts` at each batch size: the best of two rounds, the sizes in turn."""
+    st.encode(texts[:8], batch_size=8)  # torch's first call
+    rates = dict.fromkeys(batch_sizes, 0.0)
+    for _ in range(2):
+        for batch_size in batch_sizes:
+            _, timing = st.encode(texts, batch_size)
+            rates[batch_size] = max(rates[batch_size], round(len(texts) / timing.seconds, 2))
+            log(f"{name}: sentence-transformers batch size {batch_size}: {len(texts) / timing.seconds:.1f} inputs/s")
+    return rates
 
 
 def bench_model(name: str, args, model_root: Path) -> dict:
@@ -313,16 +358,9 @@ def bench_model(name: str, args, model_root: Path) -> dict:
     log(f"{name}: {len(texts)} inputs, {total_tokens} tokens (mean {lengths.mean():.1f})")
 
     st = STRun(directory)
-    start = time.perf_counter()
-    st_ids = st.model.tokenizer(texts).input_ids
-    st_tokenize_s = time.perf_counter() - start
+    st_ids, st_tokenize = timed(lambda: st.model.tokenizer(texts).input_ids)
     assert st_ids == token_ids, "sentence-transformers' tokenizer does not give the drawn token ids"
-    st.encode(texts[:8], batch_size=8)  # torch's first call
-    tuning = {}
-    for batch_size in args.st_batch_sizes:
-        _, seconds = st.encode(texts[: args.tune_inputs], batch_size)
-        tuning[batch_size] = round(min(args.tune_inputs, len(texts)) / seconds, 2)
-        log(f"{name}: sentence-transformers batch size {batch_size}: {tuning[batch_size]:.1f} inputs/s")
+    tuning = tune_batch_size(st, texts[: args.tune_inputs], args.st_batch_sizes, name)
     batch_size = max(tuning, key=tuning.get)
 
     runs = {}
@@ -331,32 +369,34 @@ def bench_model(name: str, args, model_root: Path) -> dict:
         runs[tokens] = JaxpageRun(directory, tokens, args.max_num_seqs)
         runs[tokens].warm_up(spec.first_plain_id)
 
-    st_seconds, st_embeddings, st_batches = [], None, None
-    jp_seconds = {tokens: [] for tokens in runs}
+    st_timings, st_embeddings, st_batches = [], None, None
+    jp_timings = {tokens: [] for tokens in runs}
     fastest = {}  # max_num_batched_tokens -> (steps, prepare seconds) of its fastest call
     compiled = dict.fromkeys(runs, 0)  # shapes compiled during the timed calls
     max_abs_diff = {}
     for repeat in range(args.repeats):
-        embeddings, seconds = st.encode(texts, batch_size)
-        st_seconds.append(seconds)
+        embeddings, timing = st.encode(texts, batch_size)
+        st_timings.append(timing)
         if st_embeddings is None:
             st_embeddings, st_batches = embeddings, st.batches
-        log(f"{name}: sentence-transformers (batch size {batch_size}): {seconds:.2f}s (repeat {repeat + 1})")
+        log(f"{name}: sentence-transformers, batch size {batch_size}: {timing} (repeat {repeat + 1})")
         for tokens, run in runs.items():
             compiled_before = len(run.llm.engine.runner.compile_seconds)
-            outputs, seconds = run.embed(texts)
+            outputs, timing = run.embed(texts)
             compiled[tokens] += len(run.llm.engine.runner.compile_seconds) - compiled_before
-            log(f"{name}: jaxpage, max_num_batched_tokens {tokens}: {seconds:.2f}s (repeat {repeat + 1})")
-            if seconds < min(jp_seconds[tokens], default=np.inf):
+            log(f"{name}: jaxpage, max_num_batched_tokens {tokens}: {timing} (repeat {repeat + 1})")
+            if timing.seconds < min((t.seconds for t in jp_timings[tokens]), default=np.inf):
                 fastest[tokens] = (run.steps, run.prepare_s)
-            jp_seconds[tokens].append(seconds)
+            jp_timings[tokens].append(timing)
             if repeat == 0:
                 assert [o.prompt_token_ids for o in outputs] == token_ids, "jaxpage's token ids are not the drawn ones"
                 got = np.array([o.outputs.embedding for o in outputs], np.float32)
                 max_abs_diff[tokens] = float(np.abs(got - st_embeddings).max())
 
-    st_best = min(st_seconds)
-    st_padded = sum(padded for padded, _ in st_batches)
+    st_best = min(t.seconds for t in st_timings)
+    st_padded = sum(rows * length for rows, length, _ in st_batches)
+    ideal_pairs = int((lengths.astype(np.int64) ** 2).sum())  # attention's (query, key) pairs, each input alone
+    assert sum(real for _, _, real in st_batches) == total_tokens
     report = dict(
         model=name,
         family=spec.family,
@@ -370,55 +410,54 @@ def bench_model(name: str, args, model_root: Path) -> dict:
             batch_size_tuning_inputs_per_s=tuning,
             tuning_inputs=min(args.tune_inputs, len(texts)),
             torch_threads=torch.get_num_threads(),
-            seconds=[round(s, 3) for s in st_seconds],
+            **timings(st_timings),
             inputs_per_s=round(len(texts) / st_best, 2),
             tokens_per_s=round(total_tokens / st_best, 1),
             padding_share=round(padding_share(st_padded, total_tokens), 4),
+            attention_pairs_over_ideal=round(sum(rows * length**2 for rows, length, _ in st_batches) / ideal_pairs, 3),
             batches=len(st_batches),
-            tokenize_s=round(st_tokenize_s, 3),
+            tokenize_s=round(st_tokenize.seconds, 3),
         ),
         jaxpage=[],
     )
-    assert sum(real for _, real in st_batches) == total_tokens
     for tokens, run in runs.items():
-        best = min(jp_seconds[tokens])
+        best = min(t.seconds for t in jp_timings[tokens])
         steps, prepare_s = fastest[tokens]
-        assert sum(real for _, real, _ in steps) == total_tokens
-        padded = sum(bucket for bucket, _, _ in steps)
-        step_s = sum(seconds for _, _, seconds in steps)
-        by_bucket = {}
-        for bucket, _, seconds in steps:
-            count, total = by_bucket.get(bucket, (0, 0.0))
-            by_bucket[bucket] = (count + 1, total + seconds)
+        assert sum(real for _, _, real, _ in steps) == total_tokens
+        padded = sum(tokens for tokens, _, _, _ in steps)
+        step_s = sum(seconds for _, _, _, seconds in steps)
+        by_shape = {}
+        for step_tokens, row_length, _, seconds in steps:
+            count, total = by_shape.get((step_tokens, row_length), (0, 0.0))
+            by_shape[step_tokens, row_length] = (count + 1, total + seconds)
         engine = run.llm.engine
         report["jaxpage"].append(
             dict(
                 max_num_batched_tokens=tokens,
                 max_num_seqs=args.max_num_seqs,
-                token_buckets=list(engine.buckets),
-                seconds=[round(s, 3) for s in jp_seconds[tokens]],
+                max_step_tokens=engine.max_step_tokens,
+                **timings(jp_timings[tokens]),
                 inputs_per_s=round(len(texts) / best, 2),
                 tokens_per_s=round(total_tokens / best, 1),
                 over_st=round(st_best / best, 3),
                 meets_target=st_best / best >= TARGET_RATIO,
                 padding_share=round(padding_share(padded, total_tokens), 4),
+                attention_pairs_over_ideal=round(sum(t * row for t, row, _, _ in steps) / ideal_pairs, 3),
                 max_abs_diff=max_abs_diff[tokens],
                 embeddings_match=max_abs_diff[tokens] <= TOLERANCE,
                 compiled_shapes=[
-                    dict(tokens=shape[0], rows=shape[1], compile_s=round(seconds, 3))
+                    dict(tokens=shape[0], slots=shape[1], row_length=shape[2], compile_s=round(seconds, 3))
                     for shape, seconds in sorted(engine.runner.compile_seconds.items())
                 ],
                 compile_s=round(sum(engine.runner.compile_seconds.values()), 2),
                 compiled_in_timed_call=compiled[tokens],
                 steps=len(steps),
-                steps_by_bucket={
-                    bucket: dict(steps=count, mean_ms=round(1e3 * total / count, 2))
-                    for bucket, (count, total) in sorted(by_bucket.items())
-                },
+                steps_by_shape=[
+                    dict(tokens=shape[0], row_length=shape[1], steps=count, mean_ms=round(1e3 * total / count, 2))
+                    for shape, (count, total) in sorted(by_shape.items())
+                ],
                 time_split_s=dict(
-                    prepare=round(prepare_s, 3),
-                    device_steps=round(step_s, 3),
-                    rest=round(best - prepare_s - step_s, 3),
+                    prepare=round(prepare_s, 3), device_steps=round(step_s, 3), rest=round(best - prepare_s - step_s, 3)
                 ),
             )
         )
@@ -426,31 +465,45 @@ def bench_model(name: str, args, model_root: Path) -> dict:
 
 
 def print_table(reports: list[dict]) -> None:
-    print("| model | side | setting | inputs/s | tokens/s | vs ST | padding share | max abs diff | compiled shapes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | side | setting | seconds | cores busy | inputs/s | tokens/s | vs ST | padding share "
+        "| attention pairs / ideal | max abs diff | compiled shapes |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for report in reports:
         st = report["st"]
         model = f"{report['model']} ({report['config']['num_hidden_layers']} layers, {report['pooling']})"
+        best = int(np.argmin(st["seconds"]))
         print(
             f"| {model} | sentence-transformers | batch size {st['batch_size']}, {st['torch_threads']} torch threads "
-            f"| {st['inputs_per_s']:.1f} | {st['tokens_per_s']:.0f} | 1.00x | {st['padding_share']:.1%} | - | - |"
+            f"| {st['seconds'][best]:.2f} | {st['cores_used'][best]:.2f} | {st['inputs_per_s']:.1f} "
+            f"| {st['tokens_per_s']:.0f} | 1.00x | {st['padding_share']:.1%} | {st['attention_pairs_over_ideal']:.2f} "
+            "| - | - |"
         )
         for row in report["jaxpage"]:
-            shapes = ", ".join(f"{s['tokens']}x{s['rows']} ({s['compile_s']:.1f}s)" for s in row["compiled_shapes"])
+            best = int(np.argmin(row["seconds"]))
             print(
                 f"| {model} | jaxpage | max_num_batched_tokens {row['max_num_batched_tokens']} "
-                f"| {row['inputs_per_s']:.1f} | {row['tokens_per_s']:.0f} | {row['over_st']:.2f}x "
-                f"| {row['padding_share']:.1%} | {row['max_abs_diff']:.1e} | {shapes} |"
+                f"| {row['seconds'][best]:.2f} | {row['cores_used'][best]:.2f} | {row['inputs_per_s']:.1f} "
+                f"| {row['tokens_per_s']:.0f} | {row['over_st']:.2f}x | {row['padding_share']:.1%} "
+                f"| {row['attention_pairs_over_ideal']:.2f} "
+                f"| {row['max_abs_diff']:.1e} | {len(row['compiled_shapes'])} ({row['compile_s']:.1f}s) |"
             )
     print()
     for report in reports:
         for row in report["jaxpage"]:
             split = row["time_split_s"]
-            buckets = ", ".join(f"{b}: {s['steps']} x {s['mean_ms']:.1f} ms" for b, s in row["steps_by_bucket"].items())
+            steps = ", ".join(
+                f"{s['steps']} x {s['tokens']}/{s['row_length']} ({s['mean_ms']:.1f} ms)" for s in row["steps_by_shape"]
+            )
+            shapes = ", ".join(
+                f"{s['tokens']}/{s['row_length']}/{s['slots']} ({s['compile_s']:.1f}s)" for s in row["compiled_shapes"]
+            )
             print(
-                f"- {report['model']}, jaxpage max_num_batched_tokens {row['max_num_batched_tokens']}: "
-                f"{row['steps']} steps ({buckets}); of its call: preparing inputs {split['prepare']:.2f}s, device "
-                f"steps {split['device_steps']:.2f}s, the rest {split['rest']:.2f}s"
+                f"- {report['model']}, jaxpage max_num_batched_tokens {row['max_num_batched_tokens']}: {row['steps']} "
+                f"steps (count x tokens/row length: {steps}); of its call: preparing inputs {split['prepare']:.2f}s, "
+                f"device steps {split['device_steps']:.2f}s, the rest {split['rest']:.2f}s; compiled (tokens/row "
+                f"length/input slots): {shapes}"
             )
 
 

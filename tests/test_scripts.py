@@ -198,3 +198,21 @@ def test_bench_serve_loop_counts_the_loops_steps_in_every_arrangement():
         assert len(rows) == 1 and rows[0]["steps_per_s"] > 0
         assert 0 < rows[0]["request_s_median"] <= rows[0]["request_s_max"]
     assert "| http-process |" in result.stdout
+
+
+def test_bench_embed_tiny_run_matches_sentence_transformers_and_counts_its_padding():
+    """The embedding benchmark's tiny run (64 inputs of 8-32 tokens, 2-layer models): both models' embeddings equal
+    sentence-transformers' to 1e-5, every step shape compiled before the timed call, none during it."""
+    command = [sys.executable, "scripts/bench_embed.py", "--tiny"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert [m["model"] for m in report["models"]] == ["encoder", "decoder"]
+    for model in report["models"]:
+        st, (jaxpage,) = model["st"], model["jaxpage"]
+        assert str(st["batch_size"]) in st["batch_size_tuning_inputs_per_s"] and 0 < st["padding_share"] < 1
+        assert jaxpage["max_abs_diff"] <= 1e-5 and jaxpage["compiled_in_timed_call"] == 0
+        shapes = [(s["row_length"], s["tokens"]) for s in jaxpage["compiled_shapes"]]
+        assert sorted(shapes) == [(16, 16), (16, 32), (32, 32)] and jaxpage["max_step_tokens"] == 32
+        assert 0 <= jaxpage["padding_share"] < 1 and jaxpage["inputs_per_s"] > 0 < st["inputs_per_s"]
+    assert "| encoder (2 layers, mean) | jaxpage |" in result.stdout
