@@ -620,10 +620,10 @@ def test_pooling_models_step_programs_compile_for_the_chips(target, tiny_model_p
 
     encoder = EncoderConfig("bert", 512, 64, 2, 4, 128, 128, 2, 1e-12, "gelu", 0, "bert", 1, ("LABEL_0",))
     decoder = aot.model_shape(str(tiny_model_path(TINY_GQA)))
-    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, compilation_cache_dir=None)
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, compilation_cache_dir=None)
     for config in (encoder, decoder):
         reports, weight_bytes = aot.compile_pooling(target, config, engine)
-        shapes = [(16, 16), (16, 32), (16, 64), (32, 32), (32, 64), (64, 64)]  # (row length, tokens)
+        shapes = [(16, 16), (16, 32), (32, 32)]  # (row length, tokens)
         assert [r.program for r in reports] == [
             f"pooling T={t}, L={n}, S={min(t, max(4, 4 * t // n))}" for n, t in shapes
         ]
