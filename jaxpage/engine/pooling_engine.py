@@ -148,7 +148,8 @@ class PoolingEngine:
     def add_prepared_requests(self, requests: list[PoolingRequest]) -> None:
         """Queues the requests, all or none: ValueError when an id is already queued, or given twice."""
         ids = [r.request_id for r in requests]
-        taken = sorted(set(ids) & self._queued_ids) or sorted({i for i in ids if ids.count(i) > 1})
+        counts = collections.Counter(ids)
+        taken = sorted(set(ids) & self._queued_ids) or sorted(i for i, n in counts.items() if n > 1)
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
         self.waiting.extend(requests)
