@@ -4,6 +4,7 @@ files, and refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -165,8 +166,8 @@ def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first
 
 
 def test_attention_within_rows_is_attention_over_the_whole_step():
-    """PackedAttention of a batch in rows (each sequence whole in one row) equals the same over one row of every
-    token, both ways and causally, in float32."""
+    """PackedAttention of a batch in rows (each sequence whole in one row), all rows in one pass or a row a pass,
+    equals the same over one row of every token, both ways and causally, in float32; padding queries get zeros."""
     rng = np.random.default_rng(0)
     lengths, row_length = [5, 11, 16, 3, 7, 2], 16  # rows: [5, 11], [16], [3, 7, 2, pad x4]
     segments = np.full(48, -1, np.int32)
@@ -178,9 +179,12 @@ def test_attention_within_rows_is_attention_over_the_whole_step():
     for causal in (False, True):
         attention = PackedAttention(0.3, causal=causal)
         whole = attention.attend(q, k, v, PackedBatch(positions, segments), None, 0)
-        rows = attention.attend(q, k, v, PackedBatch(positions, segments, row_length), None, 0)
         real = segments >= 0
-        np.testing.assert_allclose(np.asarray(rows)[real], np.asarray(whole)[real], atol=1e-6)
+        for scores_per_pass in (None, 4 * row_length**2):
+            attention = dataclasses.replace(attention, scores_per_pass=scores_per_pass)
+            rows = np.asarray(attention.attend(q, k, v, PackedBatch(positions, segments, row_length), None, 0))
+            np.testing.assert_allclose(rows[real], np.asarray(whole)[real], atol=1e-6)
+            assert not rows[~real].any()
 
 
 def write_st_files(directory, modules: list[str], pooling: dict) -> None:

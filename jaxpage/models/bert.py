@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.errors import ModelLoadError
-from jaxpage.models.attention import PackedAttention, PackedBatch
+from jaxpage.models.attention import PackedAttention, PackedBatch, scores_per_pass
 from jaxpage.models.hf_loader import SafetensorsSource, read_config_json
 from jaxpage.models.llama import layer_unroll
 
@@ -207,12 +207,14 @@ class EncoderLayer(nn.Module):
 
     config: EncoderConfig
     dtype: jnp.dtype
+    scores_per_pass: int | None = None  # PackedAttention's
 
     @nn.compact
     def __call__(self, x, batch: PackedBatch):  # x [T, D]
         c = self.config
         q, k, v = (_dense((c.num_heads, c.head_dim), self.dtype, name)(x) for name in ("q_proj", "k_proj", "v_proj"))
-        out = PackedAttention(sm_scale=1 / math.sqrt(c.head_dim), causal=False).attend(q, k, v, batch, None, 0)
+        attention = PackedAttention(1 / math.sqrt(c.head_dim), causal=False, scores_per_pass=self.scores_per_pass)
+        out = attention.attend(q, k, v, batch, None, 0)
         x = _layer_norm(c, self.dtype, "attn_norm")(x + _dense(c.hidden_size, self.dtype, "o_proj", (-2, -1))(out))
         h = ACTIVATIONS[c.hidden_act](_dense(c.intermediate_size, self.dtype, "up_proj")(x))
         return _layer_norm(c, self.dtype, "mlp_norm")(x + _dense(c.hidden_size, self.dtype, "down_proj")(h)), None
@@ -234,7 +236,8 @@ class Encoder(nn.Module):
     """BERT / XLM-RoBERTa over packed sequences. `__call__` gives the last layer's hidden states (HF's
     last_hidden_state); `classify` applies the sequence classification head. `platform`: the one it is compiled for
     (None: jax's default backend), whose compiler decides how the scanned layers unroll
-    (jaxpage.models.llama.layer_unroll: every layer on a GPU, so that the products read the weights in place)."""
+    (jaxpage.models.llama.layer_unroll: every layer on a GPU, so that the products read the weights in place) and how
+    many rows attend at once (jaxpage.models.attention.scores_per_pass)."""
 
     config: EncoderConfig
     dtype: jnp.dtype = jnp.float32
@@ -254,7 +257,7 @@ class Encoder(nn.Module):
             in_axes=(nn.broadcast,),
             length=c.num_layers,
             unroll=layer_unroll(c, self.platform),
-        )(c, self.dtype)
+        )(c, self.dtype, scores_per_pass(self.platform))
         if c.head_kind is not None:
             self.head = ClassificationHead(c.num_labels, self.dtype)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import bert
-from jaxpage.models.attention import PackedAttention
+from jaxpage.models.attention import PackedAttention, scores_per_pass
 from jaxpage.models.hf_loader import read_config_json
 from jaxpage.models.llama import build
 from jaxpage.models.loader import default_dtype, load_model, resolve_source, source_format
@@ -93,7 +93,12 @@ def pooling_model(
         forward = functools.partial(_encoder_forward, module)
         shape = (config.hidden_size, config.max_sequence_length, True, dtype)
         return PoolingModel(forward, params, *shape, classify, config.id2label, config.problem_type)
-    module = build(config, PackedAttention(sm_scale=config.attention_scale, causal=True), dtype, platform=platform)
+    module = build(
+        config,
+        PackedAttention(config.attention_scale, causal=True, scores_per_pass=scores_per_pass(platform)),
+        dtype,
+        platform=platform,
+    )
     forward = functools.partial(_decoder_forward, module)
     return PoolingModel(forward, params, config.hidden_size, config.max_position_embeddings, False, dtype)
 
