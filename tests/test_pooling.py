@@ -19,7 +19,7 @@ from jaxpage import LLM, PoolingParams
 from jaxpage.config.pooler import read_pooler_config
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.attention import PackedAttention, PackedBatch
-from jaxpage.worker.packed_steps import input_slots, pack, take
+from jaxpage.worker.packed_steps import WaitingInputs, input_slots, pack
 
 QWEN3 = next(f for f in TINY_FAMILIES if f.name == "qwen3-qk-norm-head-dim")
 
@@ -135,15 +135,20 @@ def test_decoder_embeddings_equal_transformers_last_token(qwen3_embedder):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 16))
-def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first(lengths, max_num_seqs):
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 16), st.sets(st.integers(0, 39)))
+def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first(lengths, max_num_seqs, removed):
     waiting = [list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)]
+    queue = WaitingInputs()
+    for tokens in waiting:
+        queue.add(tokens, len(tokens))
+    queue.remove(lambda tokens: tokens[0] // 100 in removed)
+    waiting = [w for w in waiting if w[0] // 100 not in removed]
+    assert len(queue) == len(waiting) and sorted(queue) == sorted(waiting)
     while waiting:
-        plan = take([len(w) for w in waiting], 64, max_num_seqs)
-        assert plan.indices[0] == 0  # the oldest input always goes
-        assert plan.row_length == max(16, 1 << (len(waiting[0]) - 1).bit_length())  # the oldest's row length
-        assert len(plan.indices) <= input_slots(64, plan.row_length, max_num_seqs)
-        inputs = [waiting[i] for i in plan.indices]
+        inputs, plan = queue.take(64, max_num_seqs)
+        assert inputs[0] is waiting[0]  # the oldest input always goes
+        assert plan.row_length == max(16, 1 << (max(map(len, waiting)) - 1).bit_length())  # the longest's row length
+        assert len(inputs) == len(plan.rows) <= input_slots(64, plan.row_length, max_num_seqs)
         step = pack(inputs, plan, max_num_seqs)
         assert len(step.token_ids) == plan.num_tokens <= 64 and plan.num_tokens % plan.row_length == 0
         for row in range(plan.num_rows):  # a row's inputs fit it
@@ -155,13 +160,14 @@ def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first
             assert step.positions[start : start + length].tolist() == list(range(len(tokens)))
             assert (step.segment_ids[start : start + length] == i).all()
         assert (step.segment_ids >= 0).sum() == sum(map(len, inputs)) and (step.lengths[len(inputs) :] == 0).all()
-        rest = [w for i, w in enumerate(waiting) if i not in plan.indices]
+        rest = [w for w in waiting if not any(w is taken for taken in inputs)]
+        assert len(rest) == len(waiting) - len(inputs) == len(queue)
         used = sorted(set(plan.rows))
         assert used == list(range(len(used))) and plan.num_rows == max(1, 1 << (len(used) - 1).bit_length())
         room = [plan.row_length - sum(len(t) for t, r in zip(inputs, plan.rows, strict=True) if r == u) for u in used]
-        if len(plan.indices) < input_slots(64, plan.row_length, max_num_seqs):
-            for left in (w for w in rest if len(w) <= plan.row_length):  # left out only where no row had room
-                assert len(used) == 64 // plan.row_length and max(room) < len(left)
+        if len(inputs) < input_slots(64, plan.row_length, max_num_seqs):  # left out only where no row had room
+            most_room = plan.row_length if len(used) < 64 // plan.row_length else max(room)
+            assert all(len(left) > most_room for left in rest)
         waiting = rest
 
 

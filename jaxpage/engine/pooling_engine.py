@@ -24,7 +24,7 @@ from jaxpage.pooling_params import PoolingParams
 from jaxpage.sources import HubDownload
 from jaxpage.tokenizers.tokenizer import load_tokenizer
 from jaxpage.validation import check_text, fail
-from jaxpage.worker.packed_steps import max_step_tokens, pack, take
+from jaxpage.worker.packed_steps import WaitingInputs, max_step_tokens, pack
 from jaxpage.worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger("jaxpage")
@@ -76,7 +76,7 @@ class PoolingEngine:
         self.runner = PoolingRunner(self.model, self.pooler.pooling_type)
         self.task = "classify" if self.model.classify is not None else "embed"
         self.prompt_prefix = dict(self.pooler.prompts).get(self.pooler.default_prompt_name, "")
-        self.waiting: collections.deque[PoolingRequest] = collections.deque()
+        self.waiting: WaitingInputs[PoolingRequest] = WaitingInputs()
         self._queued_ids: set[str] = set()
         logger.info(
             "pooling model: %s pooling%s, max_model_len %d, steps of up to %d tokens",
@@ -152,7 +152,8 @@ class PoolingEngine:
         taken = sorted(set(ids) & self._queued_ids) or sorted(i for i, n in counts.items() if n > 1)
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
-        self.waiting.extend(requests)
+        for request in requests:
+            self.waiting.add(request, len(request.token_ids))
         self._queued_ids.update(ids)
 
     def has_request(self, request_id: str) -> bool:
@@ -162,14 +163,10 @@ class PoolingEngine:
         return bool(self.waiting)
 
     def step(self) -> list[PoolingRequestOutput]:
-        """Runs the next step: the oldest waiting input and those that fit beside it (packed_steps.take)."""
+        """Runs the next step: the oldest waiting input and those that fit beside it (packed_steps.WaitingInputs)."""
         if not self.waiting:
             return []
-        waiting = list(self.waiting)
-        plan = take([len(r.token_ids) for r in waiting], self.max_step_tokens, self.max_num_seqs)
-        requests = [waiting[i] for i in plan.indices]
-        chosen = set(plan.indices)
-        self.waiting = collections.deque(r for i, r in enumerate(waiting) if i not in chosen)
+        requests, plan = self.waiting.take(self.max_step_tokens, self.max_num_seqs)
         self._queued_ids.difference_update(r.request_id for r in requests)
         token_types = [r.token_type_ids for r in requests]
         try:
@@ -185,7 +182,7 @@ class PoolingEngine:
         """Drops the waiting requests of these ids (unknown ids: nothing to do)."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         if ids & self._queued_ids:
-            self.waiting = collections.deque(r for r in self.waiting if r.request_id not in ids)
+            self.waiting.remove(lambda r: r.request_id in ids)
             self._queued_ids -= ids
 
     @property
