@@ -45,8 +45,10 @@ could be (attention_pairs_over_ideal: the (query, key) pairs scored, over the su
 jaxpage scores every pair within a row, sentence-transformers every pair of a padded batch's rows). For jaxpage
 also: the compiled (tokens, input slots, row length) shapes and their compile seconds, its steps per (tokens, row
 length) (count, mean ms), and where its call's time went (preparing the inputs: tokenizing and checks; the device
-steps; the rest: packing, normalizing, outputs). The last line of stdout is one JSON object with every figure. The
-exit status is 1 where any embedding differs by more than 1e-5.
+steps; the rest: packing, normalizing, outputs), and the same steps' seconds with attention left out (the products,
+norms and activations alone: most_over_st, sentence-transformers' seconds over those, is the most any packing,
+attention kernel or host work could reach with XLA's CPU products). The last line of stdout is one JSON object with
+every figure. The exit status is 1 where any embedding differs by more than 1e-5.
 
 --tiny: a quick check of the script: 64 inputs of 8-32 tokens, 2-layer models, batch sizes 16 and 32, steps of
 up to 32 tokens.
@@ -317,6 +319,32 @@ class JaxpageRun:
         self.steps, self.prepare_s = [], 0.0
         return timed(lambda: self.llm.embed(texts))
 
+    def seconds_without_attention(self, steps: list[tuple[int, int, int, float]], plain_id: int) -> float:
+        """The seconds `steps` (as self.steps records them) take with attention left out (each head's output its
+        query): the products, norms and activations alone, each step shape's fastest of 5 (the same program but for
+        attention). No attention, padding or host work could make a call faster than this."""
+        from jaxpage.models.attention import PackedAttention
+        from jaxpage.worker.packed_steps import StepPlan, pack
+        from jaxpage.worker.pooling_runner import PoolingRunner
+
+        engine = self.llm.engine
+        attend = PackedAttention.attend
+        PackedAttention.attend = lambda self, q, k, v, batch, kv_cache, layer: q
+        try:
+            runner = PoolingRunner(engine.model, engine.pooler.pooling_type)  # traced with the attention left out
+            seconds = {}
+            for tokens, row_length in {(t, r) for t, r, _, _ in steps}:
+                rows = tokens // row_length
+                plan = StepPlan(list(range(rows)), row_length, rows)
+                step = pack([[plain_id] * row_length] * rows, plan, engine.max_num_seqs)
+                runner.run(step)  # compiles
+                seconds[tokens, row_length] = min(
+                    timed(lambda step=step: runner.run(step))[1].seconds for _ in range(5)
+                )
+        finally:
+            PackedAttention.attend = attend
+        return sum(seconds[tokens, row_length] for tokens, row_length, _, _ in steps)
+
 
 def padding_share(padded: int, real: int) -> float:
     return (padded - real) / padded
@@ -423,6 +451,7 @@ def bench_model(name: str, args, model_root: Path) -> dict:
     for tokens, run in runs.items():
         best = min(t.seconds for t in jp_timings[tokens])
         steps, prepare_s = fastest[tokens]
+        floor_s = run.seconds_without_attention(steps, spec.first_plain_id)
         assert sum(real for _, _, real, _ in steps) == total_tokens
         padded = sum(tokens for tokens, _, _, _ in steps)
         step_s = sum(seconds for _, _, _, seconds in steps)
@@ -459,6 +488,8 @@ def bench_model(name: str, args, model_root: Path) -> dict:
                 time_split_s=dict(
                     prepare=round(prepare_s, 3), device_steps=round(step_s, 3), rest=round(best - prepare_s - step_s, 3)
                 ),
+                steps_without_attention_s=round(floor_s, 3),
+                most_over_st=round(st_best / floor_s, 3),
             )
         )
     return report
@@ -502,7 +533,9 @@ def print_table(reports: list[dict]) -> None:
             print(
                 f"- {report['model']}, jaxpage max_num_batched_tokens {row['max_num_batched_tokens']}: {row['steps']} "
                 f"steps (count x tokens/row length: {steps}); of its call: preparing inputs {split['prepare']:.2f}s, "
-                f"device steps {split['device_steps']:.2f}s, the rest {split['rest']:.2f}s; compiled (tokens/row "
+                f"device steps {split['device_steps']:.2f}s, the rest {split['rest']:.2f}s; the same steps without "
+                f"attention {row['steps_without_attention_s']:.2f}s (so at most {row['most_over_st']:.2f}x "
+                f"sentence-transformers, were attention, padding and the host free); compiled (tokens/row "
                 f"length/input slots): {shapes}"
             )
 
