@@ -134,6 +134,29 @@ def test_decoder_embeddings_equal_transformers_last_token(qwen3_embedder):
         llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(dimensions=20))
 
 
+def test_a_decoder_embedder_without_its_lm_head_embeds_as_transformers(qwen3_embedder, tmp_path):
+    """Qwen3-Embedding-4B and -8B are Qwen3Model checkpoints: untied embeddings declared, no lm_head tensor, names
+    without `model.`. An embedder never reads its LM head: such a directory loads, and embeds as transformers does."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModel
+
+    shutil.copytree(qwen3_embedder, tmp_path, dirs_exist_ok=True)
+    assert not json.loads((tmp_path / "config.json").read_text()).get("tie_word_embeddings")
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" in tensors
+    headless = {name.removeprefix("model."): t for name, t in tensors.items() if name != "lm_head.weight"}
+    save_file(headless, tmp_path / "model.safetensors")
+    prompts = [[5, 9, 2, 40], list(range(1, 30))]
+    llm = LLM(str(tmp_path), runner="pooling", skip_tokenizer_init=True, max_num_batched_tokens=32)
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+    reference = AutoModel.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            hidden = reference(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(output.outputs.embedding, hidden / np.linalg.norm(hidden), atol=1e-5)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(1, 16), st.sets(st.integers(0, 39)))
 def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first(lengths, max_num_seqs, removed):

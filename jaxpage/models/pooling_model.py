@@ -77,7 +77,10 @@ def load_pooling_model(directory: Path, hf: dict, dtype=None, load_format: str =
             f"{directory / 'config.json'}: architecture {heads[0]!r} (a decoder's classification head) is not "
             "supported; jaxpage classifies with BERT and XLM-RoBERTa heads, and embeds with decoders"
         )
-    config, params = load_model(directory, dtype, load_format=load_format)
+    # An embedder is its hidden states: it never reads an LM head. Qwen3-Embedding-4B and -8B declare untied embeddings
+    # yet ship no lm_head (Qwen3Model checkpoints): loaded as tied, no head tensor is looked for.
+    tied = {"tie_word_embeddings": True}
+    config, params = load_model(directory, dtype, load_format=load_format, hf_overrides=tied)
     return pooling_model(config, params, dtype)
 
 
