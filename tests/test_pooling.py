@@ -196,7 +196,8 @@ def test_packed_steps_hold_each_input_whole_in_one_row_and_take_the_oldest_first
 
 def test_attention_within_rows_is_attention_over_the_whole_step():
     """PackedAttention of a batch in rows (each sequence whole in one row), all rows in one pass or a row a pass,
-    equals the same over one row of every token, both ways and causally, in float32; padding queries get zeros."""
+    equals the same over one row of every token, both ways and causally (over a row of 64, in blocks of queries), in
+    float32; padding queries get zeros."""
     rng = np.random.default_rng(0)
     lengths, row_length = [5, 11, 16, 3, 7, 2], 16  # rows: [5, 11], [16], [3, 7, 2, pad x4]
     segments = np.full(48, -1, np.int32)
@@ -214,6 +215,12 @@ def test_attention_within_rows_is_attention_over_the_whole_step():
             rows = np.asarray(attention.attend(q, k, v, PackedBatch(positions, segments, row_length), None, 0))
             np.testing.assert_allclose(rows[real], np.asarray(whole)[real], atol=1e-6)
             assert not rows[~real].any()
+        # One row of 64 (8 padding tokens, the 48, 8 more): causally, its queries in blocks of 16 (CAUSAL_BLOCKS),
+        # which the sequences cross.
+        padded = [np.pad(x, [(8, 8)] + [(0, 0)] * (x.ndim - 1), constant_values=fill) for x, fill in
+                  ((q, 0), (k, 0), (v, 0), (segments, -1), (positions, 0))]  # fmt: skip
+        one_row = attention.attend(*padded[:3], PackedBatch(padded[4], padded[3], 64), None, 0)
+        np.testing.assert_allclose(np.asarray(one_row)[8:56][real], np.asarray(whole)[real], atol=1e-6)
 
 
 def write_st_files(directory, modules: list[str], pooling: dict) -> None:
