@@ -114,18 +114,29 @@ def qwen3_embedder(tiny_model_path, tmp_path_factory):
     return directory
 
 
+def assert_last_token_embeddings(directory, prompts: list[list[int]]) -> LLM:
+    """LLM.embed of the decoder embedder in `directory` equals transformers' AutoModel's last hidden state at each
+    prompt's last token, normalized; the LLM, for more checks."""
+    import torch
+    from transformers import AutoModel
+
+    llm = LLM(str(directory), runner="pooling", skip_tokenizer_init=True, max_num_batched_tokens=32)
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+    reference = AutoModel.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            hidden = reference(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(output.outputs.embedding, hidden / np.linalg.norm(hidden), atol=1e-5)
+    return llm
+
+
 def test_decoder_embeddings_equal_transformers_last_token(qwen3_embedder):
     import torch
     from transformers import AutoModel
 
     prompts = [[5, 9, 2, 40], [7], list(range(1, 30)), [3, 3, 3]]
-    llm = LLM(str(qwen3_embedder), runner="pooling", skip_tokenizer_init=True, max_num_batched_tokens=32)
-    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+    llm = assert_last_token_embeddings(qwen3_embedder, prompts)
     reference = AutoModel.from_pretrained(qwen3_embedder, torch_dtype=torch.float32).eval()
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            hidden = reference(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
-        np.testing.assert_allclose(output.outputs.embedding, hidden / np.linalg.norm(hidden), atol=1e-5)
     (short,) = llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(dimensions=16))
     with torch.no_grad():
         hidden = reference(torch.tensor([prompts[0]])).last_hidden_state[0, -1, :16].numpy()
@@ -137,9 +148,7 @@ def test_decoder_embeddings_equal_transformers_last_token(qwen3_embedder):
 def test_a_decoder_embedder_without_its_lm_head_embeds_as_transformers(qwen3_embedder, tmp_path):
     """Qwen3-Embedding-4B and -8B are Qwen3Model checkpoints: untied embeddings declared, no lm_head tensor, names
     without `model.`. An embedder never reads its LM head: such a directory loads, and embeds as transformers does."""
-    import torch
     from safetensors.numpy import load_file, save_file
-    from transformers import AutoModel
 
     shutil.copytree(qwen3_embedder, tmp_path, dirs_exist_ok=True)
     assert not json.loads((tmp_path / "config.json").read_text()).get("tie_word_embeddings")
@@ -147,14 +156,7 @@ def test_a_decoder_embedder_without_its_lm_head_embeds_as_transformers(qwen3_emb
     assert "lm_head.weight" in tensors
     headless = {name.removeprefix("model."): t for name, t in tensors.items() if name != "lm_head.weight"}
     save_file(headless, tmp_path / "model.safetensors")
-    prompts = [[5, 9, 2, 40], list(range(1, 30))]
-    llm = LLM(str(tmp_path), runner="pooling", skip_tokenizer_init=True, max_num_batched_tokens=32)
-    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts])
-    reference = AutoModel.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            hidden = reference(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
-        np.testing.assert_allclose(output.outputs.embedding, hidden / np.linalg.norm(hidden), atol=1e-5)
+    assert_last_token_embeddings(tmp_path, [[5, 9, 2, 40], list(range(1, 30))])
 
 
 @settings(max_examples=200, deadline=None)
