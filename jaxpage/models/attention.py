@@ -174,9 +174,18 @@ class PackedAttention:
         outs = []
         for block in range(CAUSAL_BLOCKS):
             start, end = block * length // CAUSAL_BLOCKS, (block + 1) * length // CAUSAL_BLOCKS
-            queries = (q[:, :, :, start:end], segments[:, start:end], positions[:, start:end])
-            keys = (k[:, :, :end], v[:, :, :end], segments[:, :end], positions[:, :end])
-            outs.append(self._attend_block(queries[0], *keys[:2], *queries[1:], *keys[2:]))
+            queries, keys = slice(start, end), slice(None, end)  # positions in the row
+            outs.append(
+                self._attend_block(
+                    q[:, :, :, queries],
+                    k[:, :, keys],
+                    v[:, :, keys],
+                    segments[:, queries],
+                    positions[:, queries],
+                    segments[:, keys],
+                    positions[:, keys],
+                )
+            )
         return jnp.concatenate(outs, axis=3)
 
     def _attend_block(self, q, k, v, query_segments, query_positions, key_segments, key_positions):
