@@ -4,6 +4,7 @@ or option, or a missing, mistyped or out-of-range number, raises ModelLoadError 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from jaxpage.config.model import (
     ModelConfig,
     RopeScaling,
 )
+from jaxpage.config.weight_quantization import LM_HEAD, WeightQuantization, weight_quantization_from_hf
 from jaxpage.errors import ModelLoadError
 from jaxpage.validation import INT32_MAX, check_number, describe, is_int
 
@@ -43,7 +45,7 @@ def model_config_from_hf(
         raise ModelLoadError(
             f"{source}: model_type {describe(arch)} is not supported; jaxpage runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    _refuse_quantized(hf, source)
+    weight_quantization = weight_quantization_from_hf(hf, source)
     if arch not in GEMMA_ARCHITECTURES and hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: hidden_act {describe(hf['hidden_act'])} is not supported (only 'silu')")
     try:
@@ -59,7 +61,7 @@ def model_config_from_hf(
         window = window if arch in ("mistral", "mixtral", "phi3", *GEMMA_ARCHITECTURES) else None
         attention_bias = _flag(name("attention_bias"), hf.get("attention_bias"), False)
         tie_default = arch in GEMMA_ARCHITECTURES
-        return ModelConfig(
+        config = ModelConfig(
             architecture=arch,
             **sizes,
             rope_theta=rope_theta,
@@ -78,6 +80,7 @@ def model_config_from_hf(
             else _token_id(name("bos_token_id"), hf["bos_token_id"]),
             eos_token_ids=_eos_token_ids(name("eos_token_id"), hf.get("eos_token_id")),
         )
+        return _with_weight_quantization(config, weight_quantization)
     except ModelLoadError as e:
         raise ModelLoadError(f"{source}: {e}") from None
     except KeyError as e:
@@ -86,24 +89,19 @@ def model_config_from_hf(
         raise ModelLoadError(f"{source}: inconsistent model config ({e})") from None
 
 
-# config.json keys of quantized checkpoints: compressed-tensors' older key, and transformers' for every method
-QUANTIZATION_KEYS = ("quantization_config", "compression_config")
-
-
-def _refuse_quantized(hf: dict[str, Any], source: str) -> None:
-    """ModelLoadError naming the quantization of a pre-quantized checkpoint (GPTQ, AWQ, FP8, compressed-tensors,
-    bitsandbytes, ...): jaxpage reads no such format, and its integer weights read as floats would give wrong logits."""
-    for key in QUANTIZATION_KEYS:
-        settings = hf.get(key)
-        if settings is None:
-            continue
-        method = settings.get("quant_method") if isinstance(settings, dict) else None
-        what = f"{key} with quant_method {describe(method)}" if method is not None else f"{key} {describe(settings)}"
-        raise ModelLoadError(
-            f"{source}: {what} is not supported: jaxpage reads unquantized safetensors (float32/float16/bfloat16) and "
-            "GGUF files; load the model's unquantized weights (quantization='int8' quantizes them as they load) or a "
-            "GGUF file of it"
-        )
+def _with_weight_quantization(config: ModelConfig, scheme: WeightQuantization | None) -> ModelConfig:
+    """`config` with a pre-quantized checkpoint's scheme; a tied LM head is the embedding's floats (quantized LM heads
+    are untied ones). ModelLoadError for the families whose quantized weights jaxpage does not read yet."""
+    if scheme is None:
+        return config
+    if config.is_moe:
+        raise ModelLoadError(f"quantization_config: a quantized mixture of experts ({config.architecture}) is not "
+                             "supported yet; load its unquantized weights")  # fmt: skip
+    if config.architecture == "phi3":
+        raise ModelLoadError("quantization_config: quantized Phi-3 checkpoints (fused qkv_proj) are not supported yet")
+    if config.tie_word_embeddings:
+        scheme = dataclasses.replace(scheme, quantized=scheme.quantized - {LM_HEAD})
+    return dataclasses.replace(config, weight_quantization=scheme)
 
 
 def _flag(field: str, value, default: bool) -> bool:

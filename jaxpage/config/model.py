@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jaxpage.config.weight_quantization import WeightQuantization
+
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
 )  # fmt: skip
@@ -106,12 +108,16 @@ class ModelConfig:
     # The weights as stored in the parameters: None (floats) or "int8" (every projection and the embedding: int8
     # with a float32 scale per output channel, see jaxpage.models.int8).
     quantization: str | None = None
+    # A pre-quantized checkpoint's weights as stored (FP8, AWQ, GPTQ, compressed-tensors: see
+    # jaxpage.config.weight_quantization); None for float weights. Exclusive with `quantization`.
+    weight_quantization: WeightQuantization | None = None
 
     QUANTIZATIONS = QUANTIZATIONS
 
     def __post_init__(self):
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
         assert self.quantization is None or self.quantization in self.QUANTIZATIONS, self.quantization
+        assert self.quantization is None or self.weight_quantization is None, "int8 over a quantized checkpoint"
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             assert getattr(self, name) > 0, (name, getattr(self, name))
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
@@ -172,7 +178,7 @@ class ModelConfig:
     # ----- (de)serialization -----
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        return json.dumps(dataclasses.asdict(self), indent=2, default=sorted)  # sets (weight_quantization's) sorted
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
@@ -183,4 +189,8 @@ class ModelConfig:
         for key in ("rope_freq_factors", "layer_types"):
             if fields.get(key) is not None:
                 fields[key] = tuple(fields[key])
+        if fields.get("weight_quantization") is not None:
+            q = fields["weight_quantization"]
+            q |= {"block": tuple(q["block"]), "quantized": frozenset(q["quantized"])}
+            fields["weight_quantization"] = WeightQuantization(**q)
         return cls(**fields)

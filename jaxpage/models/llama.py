@@ -37,14 +37,21 @@ from jaxpage.models.batch_invariant import invariant_dot_general, rowwise
 from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
 from jaxpage.models.lora import LayerLoRA, LoRAInputs, add_lora, lora_of
 from jaxpage.models.moe import MoEBlock, expert_method
+from jaxpage.models.quantized.dense import QuantizedDense, fp8_products, is_quantized
 from jaxpage.models.rope import apply_rope, rope_tables
 
 
-def linear(config: ModelConfig, features, use_bias: bool, dtype, name: str, axis=-1, int8_method="dequantize"):
-    """A projection of the model: nn.DenseGeneral, or its int8 form for a quantized model (same parameter names),
-    multiplied by `int8_method` (jaxpage.models.int8.int8_matmul)."""
+def linear(
+    config: ModelConfig, features, use_bias: bool, dtype, name: str, axis=-1, int8_method="dequantize", platform=None
+):
+    """A projection of the model: nn.DenseGeneral, its int8 form for a quantized model (same parameter names),
+    multiplied by `int8_method` (jaxpage.models.int8.int8_matmul), or a pre-quantized checkpoint's
+    (jaxpage.models.quantized.dense) on `platform` (default: jax's default backend)."""
     if config.quantization == "int8":
         return Int8DenseGeneral(features, axis, use_bias, dtype, int8_method, name=name)
+    if is_quantized(config.weight_quantization, name):
+        scheme = config.weight_quantization
+        return QuantizedDense(features, scheme, axis, use_bias, dtype, fp8_products(platform), name=name)
     options = dict(dot_general=invariant_dot_general) if config.batch_invariant else {}
     return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name, **options)
 
@@ -87,13 +94,15 @@ class SelfAttention(nn.Module):
     attention: Attention
     dtype: jnp.dtype
     tp_axis: str | None = None
+    platform: str | None = None  # the one compiled for (pre-quantized weights' products: jaxpage.models.quantized)
 
     @nn.compact
     def __call__(self, x, rope, batch, kv_cache, layer, lora: LayerLoRA = None):
         c = self.config
 
         def projection(heads, name):
-            return add_lora(linear(c, (heads, c.head_dim), c.qkv_bias, self.dtype, name)(x), x, *lora_of(lora, name))
+            dense = linear(c, (heads, c.head_dim), c.qkv_bias, self.dtype, name, platform=self.platform)
+            return add_lora(dense(x), x, *lora_of(lora, name))
 
         q = projection(c.num_heads, "q_proj")  # [..., H, d]
         k = projection(c.num_kv_heads, "k_proj")  # [..., K, d]
@@ -108,7 +117,9 @@ class SelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = layer_attention(c, self.attention, sliding)(q, k, v, batch, kv_cache, layer)
         out = add_lora(
-            linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1))(out), out, *lora_of(lora, "o_proj")
+            linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1), platform=self.platform)(out),
+            out,
+            *lora_of(lora, "o_proj"),
         )
         return _all_reduce(out, self.tp_axis), kv_cache
 
@@ -138,13 +149,15 @@ class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     tp_axis: str | None = None
+    platform: str | None = None
 
     @nn.compact
     def __call__(self, x, lora: LayerLoRA = None):
         c = self.config
 
         def dense(features, name, x):
-            return add_lora(linear(c, features, c.mlp_bias, self.dtype, name)(x), x, *lora_of(lora, name))
+            dense = linear(c, features, c.mlp_bias, self.dtype, name, platform=self.platform)
+            return add_lora(dense(x), x, *lora_of(lora, name))
 
         gate = dense(c.intermediate_size, "gate_proj", x)
         up = dense(c.intermediate_size, "up_proj", x)
@@ -161,13 +174,15 @@ def _all_reduce(x, tp_axis: str | None):
     return x if tp_axis is None else jax.lax.psum(x, tp_axis)
 
 
-def feed_forward(config: ModelConfig, dtype, tp_axis: str | None, expert_method: str) -> nn.Module:
+def feed_forward(
+    config: ModelConfig, dtype, tp_axis: str | None, expert_method: str, platform: str | None = None
+) -> nn.Module:
     """A layer's MLP: the dense one, or a mixture of experts (jaxpage.models.moe) computed by `expert_method`, whose
     tensor-parallel shards (a slice of every expert's features, or with expert parallelism a slice of the experts)
     are summed as the MLP's are."""
     c = config
     if not c.is_moe:
-        return MLP(c, dtype, tp_axis, name="mlp")
+        return MLP(c, dtype, tp_axis, platform, name="mlp")
     expert_shards = c.expert_parallel_size if tp_axis is not None else 1  # the whole model (one device): every expert
     block = MoEBlock(
         c.num_experts,
@@ -191,6 +206,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     tp_axis: str | None = None
     expert_method: str = "expert_loop"  # MoE models: jaxpage.models.moe.METHODS
+    platform: str | None = None
 
     @nn.compact
     def __call__(self, carry, layer_inputs, rope, batch, lora_mask):
@@ -200,13 +216,13 @@ class DecoderLayer(nn.Module):
         layer, lora_weights = layer_inputs
         lora = None if lora_weights is None else (lora_weights, lora_mask, self.config.batch_invariant)
         c = self.config
-        h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, name="attn")(
+        h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, self.platform, name="attn")(
             rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer, lora
         )
         if c.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed too
             h = rms_norm(c, self.dtype, "attn_output_norm")(h)
         x = x + h
-        mlp = feed_forward(c, self.dtype, self.tp_axis, self.expert_method)
+        mlp = feed_forward(c, self.dtype, self.tp_axis, self.expert_method, self.platform)
         h = mlp(rms_norm(c, self.dtype, "post_attention_norm")(x), lora)  # the norm before the MLP, by Llama's name
         if c.sandwich_norms:
             h = rms_norm(c, self.dtype, "mlp_output_norm")(h)
@@ -246,11 +262,17 @@ class Llama(nn.Module):
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
             unroll=layer_unroll(c, self.platform),
-        )(c, self.attention, self.dtype, self.tp_axis, expert_method(self.platform))
+        )(c, self.attention, self.dtype, self.tp_axis, expert_method(self.platform), self.platform)
         self.norm = rms_norm(c, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = linear(
-                c, c.vocab_size, False, self.dtype, "lm_head", int8_method=lm_head_method(self.platform)
+                c,
+                c.vocab_size,
+                False,
+                self.dtype,
+                "lm_head",
+                int8_method=lm_head_method(self.platform),
+                platform=self.platform,
             )
 
     def __call__(self, token_ids, positions, batch, kv_cache=None, lora: LoRAInputs | None = None):

@@ -7,7 +7,8 @@ end]}, offsets in bytes from the start of the data section, the tensors back to 
 safetensors refuses a malformed header with one generic message, and its numpy reader fails with numpy's own error on
 a dtype numpy lacks (FP8); here each fault is a ModelLoadError naming the file, the tensor and the field. Dtypes other
 than the floats jaxpage reads are refused by name: integer tensors are a quantized checkpoint's weights, which read as
-floats would give wrong logits.
+floats would give wrong logits; a checkpoint whose config.json declares its quantization (jaxpage.config.
+weight_quantization) has its integer and FP8 tensors read (QUANTIZED_DTYPES).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ DTYPE_BITS = {
 }  # fmt: skip
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # what jaxpage reads: each converts exactly to the model's dtype
 SMALL_FLOAT_DTYPES = tuple(d for d in DTYPE_BITS if d[:2] in ("F8", "F6", "F4"))  # FP8 / FP6 / FP4 checkpoints
+# What a pre-quantized checkpoint (jaxpage.config.weight_quantization) holds besides floats: packed or int8 codes,
+# shapes and group indices, FP8 weights
+QUANTIZED_DTYPES = (*FLOAT_DTYPES, "I8", "U8", "I16", "I32", "I64", "F8_E4M3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +51,13 @@ class SafetensorsHeader:
     data_start: int  # where the data section starts in the file: 8 + the header's length
 
 
-def read_safetensors_header(path: Path) -> SafetensorsHeader:
+def read_safetensors_header(path: Path, dtypes: tuple[str, ...] = FLOAT_DTYPES) -> SafetensorsHeader:
     """The header of the safetensors file at `path`, every field checked: ModelLoadError naming the file, the tensor
     and the field for a header that is not a JSON object of tensors, a dtype safetensors does not know or jaxpage
-    does not read (see FLOAT_DTYPES), a shape that is not a list of non-negative integers, data_offsets that are not
-    two integers 0 <= begin <= end spanning exactly shape's elements of dtype, tensors that overlap or leave bytes of
-    the data section to none, and a file truncated inside its header or its data."""
+    does not read (`dtypes`: FLOAT_DTYPES, or QUANTIZED_DTYPES for a pre-quantized checkpoint), a shape that is not
+    a list of non-negative integers, data_offsets that are not two integers 0 <= begin <= end spanning exactly
+    shape's elements of dtype, tensors that overlap or leave bytes of the data section to none, and a file truncated
+    inside its header or its data."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
@@ -77,7 +82,7 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
     data_len = size - 8 - header_len
     metadata = _metadata(path, header.get(METADATA_KEY))
     tensors = {
-        name: _tensor_info(path, name, info, data_len, size - data_len)
+        name: _tensor_info(path, name, info, data_len, size - data_len, dtypes)
         for name, info in header.items()
         if name != METADATA_KEY
     }
@@ -162,7 +167,7 @@ def _unreadable(dtype: str) -> str:
     )
 
 
-def _tensor_info(path: Path, name: str, info, data_len: int, data_start: int) -> TensorInfo:
+def _tensor_info(path: Path, name: str, info, data_len: int, data_start: int, dtypes: tuple[str, ...]) -> TensorInfo:
     """One tensor's entry, checked: dtype, shape, then data_offsets against both and the data section's length."""
     where = f"{path}: tensor {_quoted(name)}"
     if not isinstance(info, dict):
@@ -175,7 +180,7 @@ def _tensor_info(path: Path, name: str, info, data_len: int, data_start: int) ->
         raise ModelLoadError(
             f"{where}: dtype must be a safetensors dtype ({', '.join(DTYPE_BITS)}), got {describe(dtype)}"
         )
-    if dtype not in FLOAT_DTYPES:
+    if dtype not in dtypes:
         raise ModelLoadError(f"{where} has dtype {dtype}, which jaxpage does not read: {_unreadable(dtype)}")
     if not isinstance(shape, list) or not all(is_int(n) and 0 <= n < 2**64 for n in shape):  # safetensors' u64
         raise ModelLoadError(f"{where}: shape must be a list of non-negative integers, got {describe(shape)}")

@@ -15,6 +15,7 @@ import numpy as np
 from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models.int8 import quantize
+from jaxpage.models.quantized.readers import read_projection
 
 
 class TensorSource(Protocol):
@@ -228,6 +229,10 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
             raise
         except Exception as e:  # a truncated or corrupt file surfaces here, from whichever reader
             raise ModelLoadError(f"{source.file_of(name)}: cannot read tensor {name!r} ({e})") from None
+        if shape is None:  # a quantized projection's tensor: its reader checks it
+            return tensor
+        if tensor.dtype.kind not in "f" and tensor.dtype.name != "bfloat16":
+            raise ModelLoadError(f"{source.file_of(name)}: tensor {name!r} has dtype {tensor.dtype}, expected floats")
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(
                 f"{source.file_of(name)}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
@@ -251,6 +256,14 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
         for key, value in stacked.items():
             node[key] = value if num_layers else value[0]
 
+    def quantized_projection(module: str, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """A pre-quantized projection's parameters (jaxpage.models.quantized), read by its checkpoint's format."""
+
+        def tensor(name: str) -> np.ndarray:
+            return load(name, None)
+
+        return read_projection(c.weight_quantization, tensor, available.__contains__, module, shape, source.file_of)
+
     def layer_tensor(i: int, suffix: str, shape: tuple[int, ...], convert: Callable) -> np.ndarray:
         """Layer i's tensor; for an expert projection (`{j}` in the name), every expert's, stacked."""
         if "{j}" not in suffix:
@@ -264,6 +277,11 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
+        module = suffix.removesuffix(".weight")
+        if c.weight_quantization is not None and module in c.weight_quantization.quantized:
+            parts = [quantized_projection(f"{prefix}layers.{i}.{module}", shape) for i in range(c.num_layers)]
+            node.update({key: np.stack([p[key] for p in parts]) for key in parts[0]})
+            continue
         # Each layer read once and written straight into the stacked array.
         tensors = (layer_tensor(i, suffix, shape, convert) for i in range(c.num_layers))
         store(node, path, tensors, c.num_layers)
@@ -274,6 +292,9 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
     store(params["norm"], ("norm", "scale"), [load(f"{prefix}norm.weight", (c.hidden_size,))])
     if not c.tie_word_embeddings:
         params["lm_head"] = {}
-        lm_head = load("lm_head.weight", (c.vocab_size, c.hidden_size), _linear())
-        store(params["lm_head"], ("lm_head", "kernel"), [lm_head])
+        if c.weight_quantization is not None and "lm_head" in c.weight_quantization.quantized:
+            params["lm_head"] = quantized_projection("lm_head", (c.vocab_size, c.hidden_size))
+        else:
+            lm_head = load("lm_head.weight", (c.vocab_size, c.hidden_size), _linear())
+            store(params["lm_head"], ("lm_head", "kernel"), [lm_head])
     return params

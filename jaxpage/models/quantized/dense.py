@@ -1,0 +1,158 @@
+"""A projection of pre-quantized weights (jaxpage.config.weight_quantization), multiplied inside the jitted step.
+
+The codes stay as stored in device memory (int4 packed two to a byte by XLA, int8, float8_e4m3fn); each product reads
+them and dequantizes inside the dot: W = (codes - zero) * scale, the scale and zero point of a block broadcast over its
+rows and columns. Per output channel or per tensor, the scale multiplies the product's columns instead. With act
+order the activations' columns are permuted as the codes' rows were when they loaded (jaxpage.models.quantized.tensors).
+
+Activations: weight-only schemes multiply the activations as they are. W8A8 int8 quantizes each token's activations
+to int8 (by its absmax, or by the checkpoint's static `input_scale`) and multiplies int8 by int8 into int32 (the TPU's
+MXU, the GPU's tensor cores, XNNPACK on a CPU). FP8 activations are quantized to float8_e4m3fn the same way and
+multiplied in FP8 on chips that have FP8 products (`fp8_products`: NVIDIA Hopper and later); elsewhere the FP8 weights
+are dequantized to the model's dtype in the product and the activations left as they are.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.config.weight_quantization import WeightQuantization
+from jaxpage.models.quantized.tensors import CODE_DTYPES
+
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+INT8_MAX = 127
+# jaxpage's projection names -> the checkpoint's (WeightQuantization.quantized)
+PROJECTIONS = {
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj", "lm_head": "lm_head",
+}  # fmt: skip
+
+
+def is_quantized(scheme: WeightQuantization | None, name: str) -> bool:
+    """Whether projection `name` (jaxpage's: "q_proj", "lm_head") is stored quantized under `scheme`."""
+    return scheme is not None and PROJECTIONS.get(name) in scheme.quantized
+
+
+def fp8_products(platform: str | None = None) -> bool:
+    """Whether `platform` (default: jax's default backend) multiplies FP8 by FP8: NVIDIA GPUs (Hopper and later run
+    it on their tensor cores; XLA upcasts on older ones). TPU v5e and CPUs dequantize the weights instead."""
+    return (platform or jax.default_backend()) == "gpu"
+
+
+def block_shape(scheme: WeightQuantization, in_features: int, out_features: int) -> tuple[int, int]:
+    """(input rows, output columns) a scale covers in a [in, out] weight: the scheme's block, 0 read as the axis."""
+    rows, cols = scheme.block
+    return (rows or in_features), (cols or out_features)
+
+
+def broadcast_blocks(blocks: jax.Array, rows: int, cols: int, shape: tuple[int, int]) -> jax.Array:
+    """[in blocks, out blocks] -> [in, out]: each block's value over its rows x cols (XLA fuses this into its user)."""
+    gk, gn = blocks.shape
+    full = jnp.broadcast_to(blocks[:, None, :, None], (gk, rows, gn, cols)).reshape(gk * rows, gn * cols)
+    return full[: shape[0], : shape[1]]
+
+
+def dequantize(params: dict, scheme: WeightQuantization, dtype) -> jax.Array:
+    """The [in, out] weight the codes stand for, in `dtype` (inside a jitted product XLA fuses it into the dot)."""
+    codes = params["qweight"]
+    rows, cols = block_shape(scheme, *codes.shape)
+    w = codes.astype(jnp.float32)
+    if "qzero" in params:
+        w = w - broadcast_blocks(params["qzero"].astype(jnp.float32), rows, cols, codes.shape)
+    return (w * broadcast_blocks(params["qscale"], rows, cols, codes.shape)).astype(dtype)
+
+
+def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, fp8_products: bool = False) -> jax.Array:
+    """x [rows, in] @ the projection's weight [in, out] -> [rows, out] in x's dtype (see the module docstring)."""
+    if "qperm" in params:
+        x = jnp.take(x, params["qperm"], axis=1)
+    codes, scale = params["qweight"], params["qscale"]
+    columns_scaled = scheme.block[0] == 0 and "qzero" not in params  # one scale per output column (or tensor)
+    quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products)
+    if quantize_activations and columns_scaled:
+        x_codes, x_scale = _quantize_activations(x, scheme.activations, params.get("input_scale"))
+        acc_type = jnp.int32 if scheme.activations == "int8" else jnp.float32
+        acc = jax.lax.dot_general(x_codes, codes, (((1,), (0,)), ((), ())), preferred_element_type=acc_type)
+        column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
+        return (acc.astype(jnp.float32) * x_scale * column_scale).astype(x.dtype)
+    if columns_scaled:  # the codes converted inside the dot, the scale on its output columns
+        column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
+        return jnp.dot(x, codes.astype(x.dtype)) * column_scale.astype(x.dtype)
+    return jnp.dot(x, dequantize(params, scheme, x.dtype))
+
+
+def _quantize_activations(x: jax.Array, dtype: str, static_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(codes of x in `dtype`, float32 scale per row [rows, 1]): by each row's absmax, or the static scale, as
+    compressed-tensors defines them: the absmax over half the code range (int8: 255 / 2, so that -128 is used too;
+    float8_e4m3fn: 448), the codes rounded half to even and clipped to the range."""
+    low, high = (-INT8_MAX - 1, INT8_MAX) if dtype == "int8" else (-FP8_MAX, FP8_MAX)
+    x32 = x.astype(jnp.float32)
+    # True divisions, as the format's own code divides (XLA would multiply by reciprocals, one rounding off, which
+    # moves a row's absmax, exactly half a step past the last code, across the rounding boundary now and then).
+    if static_scale is None:
+        half_range = jax.lax.optimization_barrier(jnp.full((x.shape[0], 1), (high - low) / 2, jnp.float32))
+        scale = jnp.max(jnp.abs(x32), axis=1, keepdims=True) / half_range
+        scale = jnp.where(scale > 0, scale, 1.0)
+    else:
+        scale = jnp.broadcast_to(static_scale.astype(jnp.float32), (x.shape[0], 1))
+    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x32.shape))
+    scaled = jnp.clip(x32 / divisor, low, high)
+    codes = jnp.rint(scaled).astype(jnp.int8) if dtype == "int8" else scaled.astype(jnp.float8_e4m3fn)
+    return codes, scale
+
+
+def _zeros(dtype):
+    def init(key, shape, _=None):
+        return jnp.zeros(shape, dtype)
+
+    return init
+
+
+def _ones(key, shape, dtype=jnp.float32):
+    return jnp.ones(shape, dtype)
+
+
+class QuantizedDense(nn.Module):
+    """nn.DenseGeneral (over the last `len(axis)` axes of x, `axis` negative) with pre-quantized weights: qweight
+    [in, out] (the input and output axes flattened, codes of the scheme's dtype), qscale float32 [in blocks, out
+    blocks], qzero int8 (asymmetric schemes), qperm int32 [in] (act order), input_scale [] (static activations);
+    bias [out...] in the model's dtype as nn.DenseGeneral's."""
+
+    features: int | tuple[int, ...]
+    scheme: WeightQuantization
+    axis: int | tuple[int, ...] = -1
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    fp8_products: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        in_features, out_features = int(np.prod([x.shape[a] for a in axes])), int(np.prod(features))
+        rows, cols = block_shape(self.scheme, in_features, out_features)
+        blocks = (-(-in_features // rows), -(-out_features // cols))
+        params = {
+            "qweight": self.param(
+                "qweight", _zeros(CODE_DTYPES[self.scheme.weight_dtype]), (in_features, out_features)
+            ),
+            "qscale": self.param("qscale", _ones, blocks),
+        }
+        if not self.scheme.symmetric:
+            params["qzero"] = self.param("qzero", _zeros(jnp.int8), blocks)
+        if self.scheme.act_order:
+            params["qperm"] = self.param(
+                "qperm", lambda key, shape: jnp.arange(shape[0], dtype=jnp.int32), (in_features,)
+            )
+        if self.scheme.static_activations:
+            params["input_scale"] = self.param("input_scale", _ones, ())
+        batch = x.shape[: x.ndim - len(axes)]
+        flat = x.reshape(int(np.prod(batch)), in_features)
+        y = quantized_matmul(flat, params, self.scheme, self.fp8_products).reshape(*batch, *features)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, features, self.dtype)
+        return y
