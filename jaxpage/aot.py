@@ -201,7 +201,7 @@ def build(
         )
         check_divisible(config, tp, splits_experts(config, tp, engine.enable_expert_parallel))
         config = with_expert_parallel(with_replicated_kv_heads(config, tp), tp, engine.enable_expert_parallel)
-        placed.append((config, _placed_params(config, dtype, mesh, device)))
+        placed.append((config, _placed_params(config, dtype, mesh, device, target.platform)))
     weight_bytes = sum(placed_bytes(params) for _, params in placed)
     lora_bytes = 0  # the LoRA slots the target model's runner keeps, paid by the device's budget as the engine pays
     if engine.enable_lora:
@@ -234,9 +234,10 @@ def build(
     )
 
 
-def _placed_params(config: ModelConfig, dtype, mesh, device) -> dict:
-    """The parameters as ShapeDtypeStructs, each placed as the engine places it (split over "model" on a mesh)."""
-    shapes = param_shapes(config, dtype)
+def _placed_params(config: ModelConfig, dtype, mesh, device, platform: str) -> dict:
+    """The parameters as ShapeDtypeStructs as `platform` holds them, each placed as the engine places it (split over
+    "model" on a mesh)."""
+    shapes = param_shapes(config, dtype, platform)
     if mesh is None:
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(device), shapes)
     else:
@@ -430,7 +431,7 @@ def compile_pooling(target: Target, config: EncoderConfig | ModelConfig, engine:
     if isinstance(config, EncoderConfig):
         shapes = jax.eval_shape(functools.partial(init_encoder_params, config, jax.random.key(0), dtype))
     else:
-        shapes = param_shapes(config, dtype)
+        shapes = param_shapes(config, dtype, target.platform)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
     model = pooling_model(config, params, dtype, target.platform)
     runner = PoolingRunner(model, "MEAN" if model.is_encoder else "LAST")

@@ -25,7 +25,7 @@ from jaxpage.config.weight_quantization import weight_quantization_from_hf
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import load_model
 from jaxpage.models.llama import forward
-from jaxpage.models.quantized.dense import fp8_products
+from jaxpage.models.quantized.dense import code_dtype, fp8_products
 
 FAMILY = next(f for f in TINY_FAMILIES if f.name == "llama3-gqa-rope-scaling")
 TOKENS = [1, 5, 9, 33, 70, 2, 14, 88, 40, 3, 61, 17]
@@ -166,7 +166,9 @@ def test_packed_weights_stay_packed_on_the_device(float_model, tmp_path):
     quantized, _ = gptq_checkpoint(float_model, tmp_path)
     config, params = load_model(quantized)
     q_proj = params["layers"]["attn"]["q_proj"]
-    assert q_proj["qweight"].dtype == jax.numpy.int4 and "kernel" not in q_proj
+    # int4 codes are packed two to a byte where XLA packs them (TPU, GPU); jax holds them a byte each on a CPU
+    assert q_proj["qweight"].dtype == code_dtype(config.weight_quantization) and "kernel" not in q_proj
+    assert code_dtype(config.weight_quantization, "tpu") == jax.numpy.int4
     layers, d = config.num_layers, config.hidden_size
     assert q_proj["qweight"].shape == (layers, d, config.num_heads * config.head_dim)
     assert q_proj["qscale"].shape == (layers, d // 32, config.num_heads * config.head_dim)
@@ -277,3 +279,58 @@ def test_a_quantized_mixture_of_experts_is_refused_by_name(tiny_model_path, tmp_
     (directory / "config.json").write_text(json.dumps(config | {"quantization_config": GPTQ}))
     with pytest.raises(ModelLoadError, match="a quantized mixture of experts .mixtral. is not supported yet"):
         load_model(directory)
+
+
+# ----- the engine, tensor parallelism, LoRA -----
+
+
+def test_the_engine_s_greedy_tokens_are_the_dequantized_float_model_s_on_one_and_two_devices(float_model, tmp_path):
+    """AWQ (groups of 16 input rows, zero points): the engine's tokens on one device and with the projections split
+    over two (each shard its columns or input rows with their groups' scales and zero points) equal the float
+    model's with the same weights."""
+    from jaxpage.entrypoints.llm import LLM
+    from jaxpage.sampling_params import SamplingParams
+
+    quantized, reference = awq_checkpoint(float_model, tmp_path, group=16)
+    args = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4, page_size=4, num_pages=64)
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 90 + 2 for j in range(4 + 5 * i)]} for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def tokens(model, **extra):
+        return [o.outputs[0].token_ids for o in LLM(str(model), **args, **extra).generate(prompts, greedy)]
+
+    want = tokens(reference)
+    assert tokens(quantized) == want
+    split = LLM(str(quantized), **args, tensor_parallel_size=2)
+    qweight = split.engine.runner.params["layers"]["mlp"]["down_proj"]["qweight"]
+    assert {tuple(s.data.shape) for s in qweight.addressable_shards} == {(3, 96 // 2, 64)}  # split by input rows
+    assert [o.outputs[0].token_ids for o in split.generate(prompts, greedy)] == want
+
+
+def test_tensor_parallelism_refuses_groups_a_shard_would_cut(float_model, tmp_path):
+    from jaxpage.entrypoints.llm import LLM
+
+    quantized, _ = awq_checkpoint(float_model, tmp_path, group=32)  # intermediate size 96: 48 rows a shard
+    with pytest.raises(ValueError, match="quantization blocks of 32 input rows .a shard has 48."):
+        LLM(str(quantized), skip_tokenizer_init=True, max_model_len=64, num_pages=32, tensor_parallel_size=2)
+
+
+def test_lora_adapters_apply_on_top_of_quantized_weights(float_model, tmp_path):
+    """A PEFT adapter over GPTQ weights: PEFT's logits on the float model holding the dequantized weights."""
+    from peft_adapters import write_peft_adapter
+    from test_lora_model import ALL, slot_inputs
+
+    from jaxpage.models.lora_adapter import read_lora_adapter
+
+    quantized, reference = gptq_checkpoint(float_model, tmp_path, desc_act=True, sym=False)
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
+    peft_model = write_peft_adapter(hf, tmp_path / "adapter", target_modules=ALL, r=8, lora_alpha=16, seed=1)
+    config, params = load_model(quantized)
+    lora = slot_inputs([read_lora_adapter(tmp_path / "adapter", config, name="a")], config, [[0] * len(TOKENS)])
+    got = np.asarray(forward(config, params, [TOKENS], lora=lora))[0]
+    with torch.no_grad():
+        want = peft_model(torch.tensor([TOKENS])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())

@@ -37,7 +37,7 @@ from jaxpage.models.batch_invariant import invariant_dot_general, rowwise
 from jaxpage.models.int8 import Int8DenseGeneral, Int8Embed, lm_head_method
 from jaxpage.models.lora import LayerLoRA, LoRAInputs, add_lora, lora_of
 from jaxpage.models.moe import MoEBlock, expert_method
-from jaxpage.models.quantized.dense import QuantizedDense, fp8_products, is_quantized
+from jaxpage.models.quantized.dense import QuantizedDense, is_quantized
 from jaxpage.models.rope import apply_rope, rope_tables
 
 
@@ -51,7 +51,7 @@ def linear(
         return Int8DenseGeneral(features, axis, use_bias, dtype, int8_method, name=name)
     if is_quantized(config.weight_quantization, name):
         scheme = config.weight_quantization
-        return QuantizedDense(features, scheme, axis, use_bias, dtype, fp8_products(platform), name=name)
+        return QuantizedDense(features, scheme, axis, use_bias, dtype, platform, name=name)
     options = dict(dot_general=invariant_dot_general) if config.batch_invariant else {}
     return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name, **options)
 
@@ -330,22 +330,23 @@ def build(
     return Llama(config, attention, jnp.dtype(dtype), tp_axis, platform)
 
 
-def dense_model(config: ModelConfig, dtype) -> Llama:
+def dense_model(config: ModelConfig, dtype, platform: str | None = None) -> Llama:
     """The model with cache-free causal attention (per padded row)."""
-    return build(config, DenseAttention(sm_scale=config.attention_scale), dtype)
+    return build(config, DenseAttention(sm_scale=config.attention_scale), dtype, platform=platform)
 
 
-def param_shapes(config: ModelConfig, dtype) -> dict:
-    """The parameter pytree as jax.ShapeDtypeStruct leaves, without allocating anything."""
-    return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+def param_shapes(config: ModelConfig, dtype, platform: str | None = None) -> dict:
+    """The parameter pytree as jax.ShapeDtypeStruct leaves (as held on `platform`, default jax's default backend),
+    without allocating anything."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype, platform))
 
 
-def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> dict:
+def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32, platform: str | None = None) -> dict:
     """Random parameters (Flax's default initializers); for tests and benchmarks without weights."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     batch = DenseBatch(positions=tokens, valid=jnp.ones((1, 1), bool))
     # Run the LM head too: linen creates a submodule's parameters only when it is called.
-    model = dense_model(config, dtype)
+    model = dense_model(config, dtype, platform)
     return model.init(rng, tokens, tokens, batch, method=lambda m, *args: m.logits(m(*args)[0]))["params"]
 
 

@@ -15,6 +15,7 @@ from jaxpage.config import ModelConfig
 from jaxpage.errors import ModelLoadError
 from jaxpage.models import default_model, gguf_loader, hf_loader, orbax_checkpoint
 from jaxpage.models.llama import init_params
+from jaxpage.models.quantized.dense import with_device_codes
 from jaxpage.sources import DEFAULT_DOWNLOAD, HubDownload, resolve_model
 
 GGUF_MAGIC = b"GGUF"
@@ -109,4 +110,4 @@ def load_model(
         config, params = gguf_loader.load_gguf(path, dtype, quantization, hf_overrides)
     else:
         config, params = hf_loader.load_hf_directory(path, dtype, quantization, hf_overrides)
-    return config, jax.device_put(params, placement(config))
+    return config, jax.device_put(with_device_codes(params, config.weight_quantization), placement(config))

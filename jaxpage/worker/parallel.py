@@ -79,6 +79,23 @@ _SPLIT_AXIS = {
     ("layers", "mlp", "shared_expert", "gate_proj", "scale"): 1,  # [L, S]
     ("layers", "mlp", "shared_expert", "up_proj", "scale"): 1,
 }
+# Pre-quantized checkpoints' projections (jaxpage.models.quantized.dense: qweight [L, in, out] with the input and output
+# axes flattened, qscale and qzero [L, in blocks, out blocks]): column-parallel ones split by output, row-parallel ones
+# by input, each with its blocks' scales and zero points; an axis of one block (per-channel scales of a row-parallel
+# projection, per-tensor ones) is replicated. act order's permutation (qperm) is replicated.
+_COLUMN_PARALLEL = (
+    ("attn", "q_proj"),
+    ("attn", "k_proj"),
+    ("attn", "v_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+)
+_QUANTIZED_PARTS = ("qweight", "qscale", "qzero")
+_SPLIT_AXIS |= {("layers", *m, part): 2 for m in _COLUMN_PARALLEL for part in _QUANTIZED_PARTS}
+_SPLIT_AXIS |= {
+    ("layers", *m, part): 1 for m in (("attn", "o_proj"), ("mlp", "down_proj")) for part in _QUANTIZED_PARTS
+}
+_SPLIT_AXIS |= {("lm_head", part): 1 for part in _QUANTIZED_PARTS}
 # LoRA adapters' slots (jaxpage.models.lora: "a" [L, S, in, r], "b" [L, S, r, out]): a column-parallel projection's B
 # split by its output features, a row-parallel one's A by its input features (each shard's partial product is summed
 # with the base projection's by its all-reduce); the other factor replicated.
@@ -138,8 +155,30 @@ def check_divisible(config: ModelConfig, tp: int, expert_parallel: bool = False)
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(f"KV heads {kv} (which must divide it or be divisible by it)")
+    if config.weight_quantization is not None and tp > 1:
+        problems += _quantized_problems(config, tp)
     if problems:
         raise ValueError(f"engine argument tensor_parallel_size {tp} does not divide the model's {', '.join(problems)}")
+
+
+def _quantized_problems(config: ModelConfig, tp: int) -> list[str]:
+    """What keeps a pre-quantized checkpoint's projections from splitting over `tp` shards with their blocks."""
+    scheme, c = config.weight_quantization, config
+    rows, cols = scheme.block
+    problems = []
+    if c.num_kv_heads < tp:
+        problems.append(f"KV heads {c.num_kv_heads} (quantized K/V projections are split by head, not copied)")
+    if scheme.act_order:
+        problems.append(
+            "act-order groups (desc_act: the o and down projections' input rows are permuted across shards)"
+        )
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for what, features in (("columns", (qd, kd, c.intermediate_size)), ("input rows", (qd, c.intermediate_size))):
+        block = cols if what == "columns" else rows
+        shards = [n // tp for n in features if block > 1 and (n // tp) % block]
+        if shards:
+            problems.append(f"quantization blocks of {block} {what} (a shard has {shards[0]})")
+    return problems
 
 
 def with_replicated_kv_heads(config: ModelConfig, tp: int) -> ModelConfig:
@@ -182,20 +221,22 @@ def _path(key_path) -> tuple[str, ...]:
     return tuple(str(k.key) for k in key_path)
 
 
-def param_spec(path: tuple[str, ...], ndim: int, split: bool = True, expert_parallel: bool = False) -> P:
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], split: bool = True, expert_parallel: bool = False) -> P:
+    """The PartitionSpec of the parameter at `path` of `shape`: split over "model" on its _SPLIT_AXIS (an axis of
+    length 1, a scale over a whole axis, replicated)."""
     axis = (
         _EXPERT_PARALLEL_AXIS.get(path) if expert_parallel and path in _EXPERT_PARALLEL_AXIS else _SPLIT_AXIS.get(path)
     )
-    if axis is None or not split:
+    if axis is None or not split or shape[axis] == 1:
         return P()
-    return P(*(TP_AXIS if i == axis else None for i in range(ndim)))
+    return P(*(TP_AXIS if i == axis else None for i in range(len(shape))))
 
 
 def param_specs(params, expert_parallel: bool = False) -> dict:
     """The PartitionSpec of every parameter (a tree like `params`, of arrays or shapes); `expert_parallel`: the
     routed experts split by expert (a model run with expert_parallel_size > 1)."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, x: param_spec(_path(kp), len(x.shape), expert_parallel=expert_parallel), params
+        lambda kp, x: param_spec(_path(kp), x.shape, expert_parallel=expert_parallel), params
     )
 
 
@@ -210,7 +251,7 @@ def param_shardings(mesh: Mesh, config: ModelConfig | None, shapes, expert_paral
     def sharding(kp, x):
         path = _path(kp)
         split = split_kv or path not in _KV_PROJECTIONS
-        return NamedSharding(mesh, param_spec(path, len(x.shape), split, expert_parallel))
+        return NamedSharding(mesh, param_spec(path, x.shape, split, expert_parallel))
 
     return jax.tree_util.tree_map_with_path(sharding, shapes)
 
@@ -228,7 +269,7 @@ def replicate_kv_heads(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
         if path not in _KV_PROJECTIONS:
             return x
         axis = _KV_PROJECTIONS[path]
-        target = NamedSharding(mesh, param_spec(path, x.ndim))
+        target = NamedSharding(mesh, param_spec(path, x.shape))
         return jax.jit(lambda a: jnp.repeat(a, copies, axis=axis), out_shardings=target)(x)
 
     return jax.tree_util.tree_map_with_path(copy, params)

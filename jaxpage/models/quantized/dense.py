@@ -37,6 +37,30 @@ def is_quantized(scheme: WeightQuantization | None, name: str) -> bool:
     return scheme is not None and PROJECTIONS.get(name) in scheme.quantized
 
 
+def code_dtype(scheme: WeightQuantization, platform: str | None = None) -> jnp.dtype:
+    """The dtype the codes are held in on `platform` (default: jax's default backend): the scheme's, except 4-bit
+    codes on a CPU, one to an int8 (jax's CPU runtime keeps int4 arrays a byte an element, in a layout its compiled
+    programs do not take; XLA packs int4 two to a byte on TPUs and GPUs)."""
+    if scheme.weight_dtype == "int4" and (platform or jax.default_backend()) == "cpu":
+        return jnp.dtype(jnp.int8)
+    return jnp.dtype(CODE_DTYPES[scheme.weight_dtype])
+
+
+def with_device_codes(params: dict, scheme: WeightQuantization | None, platform: str | None = None) -> dict:
+    """The parameter tree (numpy, as loaded: codes in int8 or float8_e4m3fn) with every projection's codes in
+    code_dtype on `platform`."""
+    if scheme is None:
+        return params
+    dtype = code_dtype(scheme, platform)
+
+    def convert(node):
+        if not isinstance(node, dict):
+            return node
+        return {k: (np.asarray(v).astype(dtype) if k == "qweight" else convert(v)) for k, v in node.items()}
+
+    return convert(params)
+
+
 def fp8_products(platform: str | None = None) -> bool:
     """Whether `platform` (default: jax's default backend) multiplies FP8 by FP8: NVIDIA GPUs (Hopper and later run
     it on their tensor cores; XLA upcasts on older ones). TPU v5e and CPUs dequantize the weights instead."""
@@ -127,7 +151,7 @@ class QuantizedDense(nn.Module):
     axis: int | tuple[int, ...] = -1
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
-    fp8_products: bool = False
+    platform: str | None = None  # the one compiled for (default: jax's default backend)
 
     @nn.compact
     def __call__(self, x):
@@ -138,7 +162,7 @@ class QuantizedDense(nn.Module):
         blocks = (-(-in_features // rows), -(-out_features // cols))
         params = {
             "qweight": self.param(
-                "qweight", _zeros(CODE_DTYPES[self.scheme.weight_dtype]), (in_features, out_features)
+                "qweight", _zeros(code_dtype(self.scheme, self.platform)), (in_features, out_features)
             ),
             "qscale": self.param("qscale", _ones, blocks),
         }
@@ -152,7 +176,7 @@ class QuantizedDense(nn.Module):
             params["input_scale"] = self.param("input_scale", _ones, ())
         batch = x.shape[: x.ndim - len(axes)]
         flat = x.reshape(int(np.prod(batch)), in_features)
-        y = quantized_matmul(flat, params, self.scheme, self.fp8_products).reshape(*batch, *features)
+        y = quantized_matmul(flat, params, self.scheme, fp8_products(self.platform)).reshape(*batch, *features)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, features, self.dtype)
         return y

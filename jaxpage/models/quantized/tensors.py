@@ -17,7 +17,10 @@ import numpy as np
 from jaxpage.config.weight_quantization import WeightQuantization
 from jaxpage.errors import ModelLoadError
 
+# The codes' dtype in a checkpoint's parameters, and on the host as they load (int4 one to an int8 there:
+# jaxpage.models.quantized.dense.code_dtype gives the device's)
 CODE_DTYPES = {"int4": ml_dtypes.int4, "int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+HOST_CODE_DTYPES = CODE_DTYPES | {"int4": np.int8}
 
 
 @dataclasses.dataclass
@@ -76,16 +79,17 @@ def signed(values: np.ndarray, bits: int) -> np.ndarray:
 
 
 def parameters(q: QuantizedTensor, scheme: WeightQuantization, name: str) -> dict[str, np.ndarray]:
-    """The layer's parameters (jaxpage.models.quantized.dense.QuantizedDense) of one projection: qweight [in, out] of
-    the scheme's code dtype, qscale [in blocks, out blocks] float32, and qzero (int8, same shape) where asymmetric,
-    qperm [in] int32 with act order (the input rows in group order: qweight's row r is input row qperm[r]),
-    input_scale [] with static activations."""
+    """The layer's parameters (jaxpage.models.quantized.dense.QuantizedDense) of one projection: qweight [in, out]
+    (int8 holding int4 or int8 codes, or float8_e4m3fn; dense.with_device_codes gives them the device's dtype),
+    qscale [in blocks, out blocks] float32, and qzero (int8, same shape) where asymmetric, qperm [in] int32 with act
+    order (the input rows in group order: qweight's row r is input row qperm[r]), input_scale [] with static
+    activations."""
     codes = q.codes
     if scheme.weight_dtype != "float8_e4m3fn":
         low, high = -(1 << (scheme.bits - 1)), (1 << (scheme.bits - 1)) - 1
         if codes.size and (codes.min() < low or codes.max() > high):
             raise ModelLoadError(f"{name}: codes outside [{low}, {high}] for {scheme.bits}-bit weights")
-    params = {"qweight": codes.T.astype(CODE_DTYPES[scheme.weight_dtype]), "qscale": q.scale.T.astype(np.float32)}
+    params = {"qweight": codes.T.astype(HOST_CODE_DTYPES[scheme.weight_dtype]), "qscale": q.scale.T.astype(np.float32)}
     if not scheme.symmetric:
         params["qzero"] = q.zero.T.astype(np.int8)
     if scheme.act_order:  # the input rows in group order, so that each group's rows are contiguous
