@@ -134,8 +134,36 @@ def test_activations_are_quantized_as_compressed_tensors_quantizes_them(dtype, s
     scheme = WeightQuantization(
         "compressed-tensors", dtype, (0, 1), activations=dtype, static_activations="input_scale" in params
     )
-    got = np.asarray(quantized_matmul(jnp.asarray(x), params, scheme, fp8_products=True))
+    got = np.asarray(quantized_matmul(jnp.asarray(x), params, scheme, platform="gpu"))  # a chip with FP8 products
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
+@pytest.mark.parametrize(("block", "zeros"), [((32, 1), True), ((32, 1), False), ((32, 16), False)])
+def test_a_product_in_blocks_is_the_dequantized_weight_s_on_every_platform_s_path(rows, platform, block, zeros):
+    """100 inputs in groups of 32 (the last one 4 short), 48 outputs: the grouped product (TPU, CPU, GPU decode) and
+    the dequantized weight's (GPU prefill) against numpy's product with the weight the codes stand for."""
+    import jax.numpy as jnp
+
+    from jaxpage.config.weight_quantization import WeightQuantization
+    from jaxpage.models.quantized.dense import quantized_matmul
+
+    rng = np.random.default_rng(rows)
+    k, n = 100, 48
+    blocks = (-(-k // block[0]), n // block[1])
+    codes = rng.integers(-8, 8, (k, n))
+    scale = rng.uniform(0.01, 0.1, blocks).astype(np.float32)
+    zero = rng.integers(-8, 8, blocks) if zeros else np.zeros(blocks, np.int64)
+    full = lambda a: np.repeat(np.repeat(a, block[0], 0), block[1], 1)[:k, :n]  # noqa: E731
+    weight = (codes - full(zero)) * full(scale)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    params = {"qweight": jnp.asarray(codes, jnp.int8), "qscale": jnp.asarray(scale)}
+    if zeros:
+        params["qzero"] = jnp.asarray(zero, jnp.int8)
+    scheme = WeightQuantization("gptq", "int4", block, symmetric=not zeros)
+    got = np.asarray(quantized_matmul(jnp.asarray(x), params, scheme, platform))
+    np.testing.assert_allclose(got, x @ weight, rtol=1e-5, atol=1e-5 * np.abs(x @ weight).max())
 
 
 @pytest.mark.parametrize(
@@ -145,6 +173,7 @@ def test_activations_are_quantized_as_compressed_tensors_quantizes_them(dtype, s
         pytest.param(gptq_checkpoint, id="gptq-4bit-symmetric"),
         pytest.param(lambda src, tmp: gptq_checkpoint(src, tmp, desc_act=True, sym=False), id="gptq-desc-act-zeros"),
         pytest.param(lambda src, tmp: gptq_checkpoint(src, tmp, bits=8, group=-1), id="gptq-8bit-channel"),
+        pytest.param(lambda src, tmp: gptq_checkpoint(src, tmp, group=40, sym=False), id="gptq-groups-cut-the-inputs"),
         pytest.param(fp8_block_checkpoint, id="fp8-blocks"),
     ],
 )

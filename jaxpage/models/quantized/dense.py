@@ -90,13 +90,16 @@ def dequantize(params: dict, scheme: WeightQuantization, dtype) -> jax.Array:
     return (w * broadcast_blocks(params["qscale"], rows, cols, codes.shape)).astype(dtype)
 
 
-def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, fp8_products: bool = False) -> jax.Array:
-    """x [rows, in] @ the projection's weight [in, out] -> [rows, out] in x's dtype (see the module docstring)."""
+def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, platform: str | None = None) -> jax.Array:
+    """x [rows, in] @ the projection's weight [in, out] -> [rows, out] in x's dtype, as `platform` (default: jax's
+    default backend) multiplies it fastest without writing the dequantized weight out (see the module docstring and
+    grouped_matmul)."""
+    platform = platform or jax.default_backend()
     if "qperm" in params:
         x = jnp.take(x, params["qperm"], axis=1)
     codes, scale = params["qweight"], params["qscale"]
     columns_scaled = scheme.block[0] == 0 and "qzero" not in params  # one scale per output column (or tensor)
-    quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products)
+    quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products(platform))
     if quantize_activations and columns_scaled:
         x_codes, x_scale = _quantize_activations(x, scheme.activations, params.get("input_scale"))
         acc_type = jnp.int32 if scheme.activations == "int8" else jnp.float32
@@ -106,7 +109,46 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, fp8
     if columns_scaled:  # the codes converted inside the dot, the scale on its output columns
         column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
         return jnp.dot(x, codes.astype(x.dtype)) * column_scale.astype(x.dtype)
-    return jnp.dot(x, dequantize(params, scheme, x.dtype))
+    group = block_shape(scheme, *codes.shape)[0]
+    if platform == "gpu" and x.shape[0] >= group // 2:
+        # XLA:GPU writes the partial products out (rows x groups x out), more than the dequantized weight from here
+        # on; it writes that weight out here, once (a Pallas kernel would do neither).
+        return jnp.dot(x, dequantize(params, scheme, x.dtype))
+    return grouped_matmul(x, params, scheme)
+
+
+def grouped_matmul(x: jax.Array, params: dict, scheme: WeightQuantization) -> jax.Array:
+    """x [rows, in] @ the weight of codes in groups of input rows: each group's product with its codes converted
+    inside the dot (a batched dot over the groups), then scaled by the group's scales and summed over the groups; zero
+    points subtract each group's sum of x times zero * scale. XLA:TPU fuses the whole (nothing the size of the
+    weight, whatever the rows); XLA:GPU writes the partial products [groups, rows, out] out. A last group shorter
+    than the others (in % group) is its own product."""
+    codes, scale = params["qweight"], params["qscale"]
+    in_features, out_features = codes.shape
+    group, cols = block_shape(scheme, in_features, out_features)
+    full = in_features // group * group
+    scale = broadcast_blocks(scale, 1, cols, (scale.shape[0], out_features)).astype(jnp.float32)  # [groups, out]
+    zero_scale = None
+    if "qzero" in params:
+        zero = broadcast_blocks(params["qzero"], 1, cols, (scale.shape[0], out_features)).astype(jnp.float32)
+        zero_scale = zero * scale
+
+    def part(x_part, codes_part, groups: slice):
+        n = groups.stop - groups.start
+        xg = x_part.reshape(x.shape[0], n, -1)
+        cg = codes_part.reshape(n, -1, out_features).astype(x.dtype)
+        dims = (((2,), (1,)), ((1,), (0,)))  # contract each group's rows, batched over the groups
+        partial = jax.lax.dot_general(xg, cg, dims, preferred_element_type=jnp.float32)  # [n, rows, out]
+        y = jnp.sum(partial * scale[groups, None, :], axis=0)
+        if zero_scale is not None:
+            y = y - jnp.dot(jnp.sum(xg.astype(jnp.float32), axis=2), zero_scale[groups])
+        return y
+
+    n_full = full // group
+    y = part(x[:, :full], codes[:full], slice(0, n_full)) if n_full else 0.0
+    if full < in_features:
+        y = y + part(x[:, full:], codes[full:], slice(n_full, n_full + 1))
+    return y.astype(x.dtype)
 
 
 def _quantize_activations(x: jax.Array, dtype: str, static_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -176,7 +218,7 @@ class QuantizedDense(nn.Module):
             params["input_scale"] = self.param("input_scale", _ones, ())
         batch = x.shape[: x.ndim - len(axes)]
         flat = x.reshape(int(np.prod(batch)), in_features)
-        y = quantized_matmul(flat, params, self.scheme, fp8_products(self.platform)).reshape(*batch, *features)
+        y = quantized_matmul(flat, params, self.scheme, self.platform).reshape(*batch, *features)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, features, self.dtype)
         return y
