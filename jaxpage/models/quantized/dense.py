@@ -97,6 +97,11 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
     platform = platform or jax.default_backend()
     if "qperm" in params:
         x = jnp.take(x, params["qperm"], axis=1)
+    if platform == "gpu":
+        # Tie the codes to the activations: XLA:GPU would otherwise convert every layer's weights (which need nothing
+        # else) before the first layer runs, holding them all at once (an 8B model's: 25 GiB).
+        x, codes = jax.lax.optimization_barrier((x, params["qweight"]))
+        params = params | {"qweight": codes}
     codes, scale = params["qweight"], params["qscale"]
     columns_scaled = scheme.block[0] == 0 and "qzero" not in params  # one scale per output column (or tensor)
     quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products(platform))
@@ -114,6 +119,8 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
         # XLA:GPU writes the partial products out (rows x groups x out), more than the dequantized weight from here
         # on; it writes that weight out here, once (a Pallas kernel would do neither).
         return jnp.dot(x, dequantize(params, scheme, x.dtype))
+    if platform == "tpu" and x.shape[0] == 1:  # XLA:TPU fuses one row's product only as two rows' (a zero row)
+        return grouped_matmul(jnp.pad(x, ((0, 1), (0, 0))), params, scheme)[:1]
     return grouped_matmul(x, params, scheme)
 
 
