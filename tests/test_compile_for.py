@@ -629,3 +629,42 @@ def test_pooling_models_step_programs_compile_for_the_chips(target, tiny_model_p
         ]
         assert all(r.compiled and not r.weight_copies for r in reports), [(r.program, r.error) for r in reports]
         assert weight_bytes > 0
+
+
+QUANTIZED_SCHEMES = {  # jaxpage.config.weight_quantization: what the checkpoints' readers give
+    "w4a16-groups": dict(method="compressed-tensors", weight_dtype="int4", block=(128, 1)),
+    "awq-zero-points": dict(method="awq", weight_dtype="int4", block=(128, 1), symmetric=False),
+    "fp8-blocks": dict(method="fp8", weight_dtype="float8_e4m3fn", block=(128, 128)),
+    "w8a8-int8": dict(method="compressed-tensors", weight_dtype="int8", block=(0, 1), activations="int8"),
+}
+
+
+@needs_tpu
+def test_quantized_checkpoints_forward_steps_hold_no_dequantized_weight_on_a_tpu():
+    """A model of 1024 x 4096 MLPs and 1024 x 512 K/V projections in groups of 128 (int4 codes packed by XLA, FP8):
+    each forward step's temporaries exceed the float model's by less than the smallest projection's weight in
+    bfloat16 (1 MiB): XLA:TPU converts the codes inside the grouped products, it never writes a dequantized weight."""
+    from jaxpage.config.weight_quantization import WeightQuantization
+
+    shape = dataclasses.replace(
+        aot.model_shape("default"), hidden_size=1024, intermediate_size=4096, num_layers=2, num_heads=8,
+        num_kv_heads=4, head_dim=128, vocab_size=4096,
+    )  # fmt: skip
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64, page_size=16,
+                          compilation_cache_dir=None)  # fmt: skip
+
+    def temporaries(scheme) -> list[int]:
+        model = dataclasses.replace(shape, weight_quantization=scheme and WeightQuantization(**scheme))
+        build = aot.build(TPU, engine, model)
+        reports = aot.compile_all(build, kinds={"forward"})
+        assert all(r.compiled for r in reports), [r.error for r in reports]
+        if scheme is not None and scheme["weight_dtype"] == "int4":  # packed: half a byte a code
+            codes = build.runners[0].params["layers"]["mlp"]["up_proj"]["qweight"]
+            assert codes.dtype == jax.numpy.int4
+        return [r.temp_bytes for r in reports]
+
+    floats = temporaries(None)
+    smallest_weight = 1024 * 512 * 2  # k_proj's, in bfloat16
+    for name, scheme in QUANTIZED_SCHEMES.items():
+        extra = [q - f for q, f in zip(temporaries(scheme), floats, strict=True)]
+        assert max(extra) < smallest_weight, (name, extra)
