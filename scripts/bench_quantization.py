@@ -5,7 +5,8 @@
 
 A mode is a weight format and optionally a KV format, joined by "+": float32 (the weights as loaded, in float32
 here), int8 (quantization="int8"), kv-FORMAT (kv_cache_dtype=FORMAT: int8, fp8, fp8_e4m3, fp8_e5m2) with float32
-weights, int8+kv-int8 (both). For each:
+weights, int8+kv-int8 (both); or NAME=PATH, a pre-quantized checkpoint of the same model (FP8, AWQ, GPTQ,
+compressed-tensors: its weights as they load; the text is tokenized by --model's tokenizer). For each:
   perplexity   on tests/data/alice_chapter_1.txt (public domain, ~2700 tokens), in 512-token windows, each one
                prefill through a KV page pool of the mode's KV format: the engine's attention path, every K/V read
                back from the pool (jaxpage.benchmarks.perplexity)
@@ -38,14 +39,18 @@ def parse_args():
     return parser.parse_args()
 
 
-def parse_mode(mode: str) -> tuple[str | None, str]:
-    """(quantization, kv_cache_dtype) of a mode such as "float32", "int8", "kv-fp8_e4m3", "int8+kv-int8"."""
+def parse_mode(mode: str, model: str | None) -> tuple[str | None, str | None, str]:
+    """(model source, quantization, kv_cache_dtype) of a mode such as "float32", "int8", "kv-fp8_e4m3",
+    "int8+kv-int8", or "NAME=PATH": a pre-quantized checkpoint's weights as they load (FP8, AWQ, GPTQ,
+    compressed-tensors), named NAME in the table."""
+    if "=" in mode:
+        return mode.partition("=")[2], None, "auto"
     weights, _, kv = mode.partition("+")
     if weights.startswith("kv-"):
         weights, kv = "float32", weights
     if weights not in ("float32", "int8") or (kv and not kv.startswith("kv-")):
         raise SystemExit(f"unknown mode {mode!r}: float32, int8, kv-FORMAT or int8+kv-FORMAT")
-    return (None if weights == "float32" else weights), (kv[3:] if kv else "auto")
+    return model, (None if weights == "float32" else weights), (kv[3:] if kv else "auto")
 
 
 def main() -> None:
@@ -64,15 +69,15 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict[str, dict] = {}
     tokens: dict[str, list[list[int]]] = {}
-    modes = {mode: parse_mode(mode) for mode in args.modes.split(",")}
-    for mode, (quantization, kv_cache_dtype) in modes.items():
+    modes = {mode.partition("=")[0]: parse_mode(mode, args.model) for mode in args.modes.split(",")}
+    for mode, (model, quantization, kv_cache_dtype) in modes.items():
         print(f"== {mode}", file=sys.stderr, flush=True)
-        config, params = load_model(args.model, dtype="float32", quantization=quantization)
+        config, params = load_model(model, dtype="float32", quantization=quantization)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         ppl = perplexity(config, params, text_ids, kv_cache_dtype=kv_cache_dtype)
         del params
         llm = LLM(
-            args.model,
+            model,
             dtype="float32",
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,

@@ -182,9 +182,10 @@ def compressed_tensors_checkpoint(src: Path, directory: Path, fmt: str, weights:
             continue
         args = module.quantization_scheme.weights
         w = module.weight.data
-        if args.strategy == "group":
-            w = w.reshape(w.shape[0], -1, args.group_size)
-            low, high = w.amin(-1), w.amax(-1)
+        if args.strategy == "group":  # the last group shorter where group_size does not divide the inputs
+            chunks = torch.split(w, args.group_size, dim=1)
+            low = torch.stack([c.amin(1) for c in chunks], 1)
+            high = torch.stack([c.amax(1) for c in chunks], 1)
         elif args.strategy == "channel":
             low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
         else:
