@@ -241,8 +241,9 @@ def test_a_missing_zero_point_tensor_is_refused_naming_it(float_model, tmp_path)
 
 def test_int8_quantization_of_a_quantized_checkpoint_is_refused(float_model, tmp_path):
     quantized, _ = gptq_checkpoint(float_model, tmp_path)
-    with pytest.raises(ModelLoadError, match="already quantized .gptq int4, groups of 32 inputs"):
-        load_model(quantized, quantization="int8")
+    for load_format in ("auto", "dummy"):
+        with pytest.raises(ModelLoadError, match="already quantized .gptq int4, groups of 32 inputs"):
+            load_model(quantized, quantization="int8", load_format=load_format)
 
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128}

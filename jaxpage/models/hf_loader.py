@@ -120,13 +120,18 @@ def load_hf_directory(
 ) -> tuple[ModelConfig, dict]:
     """(config, numpy parameter tree) from a Hugging Face model directory (quantization: see
     params_from_hf_tensors; overrides: see read_hf_config)."""
-    config = read_hf_config(directory, overrides)
+    config = with_quantization(read_hf_config(directory, overrides), quantization, directory)
+    with contextlib.ExitStack() as stack:
+        source = SafetensorsSource.of_directory(directory, stack, config.weight_quantization is not None)
+        params = params_from_hf_tensors(config, source, dtype, quantization)
+    return config, params
+
+
+def with_quantization(config: ModelConfig, quantization: str | None, directory: Path) -> ModelConfig:
+    """`config` with the engine argument quantization; ModelLoadError for int8 over a pre-quantized checkpoint."""
     if quantization is not None and config.weight_quantization is not None:
         raise ModelLoadError(
             f"{directory}: quantization={quantization!r}, but the checkpoint is already quantized "
             f"({config.weight_quantization.describe()}); leave quantization unset to serve it as it is"
         )
-    with contextlib.ExitStack() as stack:
-        source = SafetensorsSource.of_directory(directory, stack, config.weight_quantization is not None)
-        params = params_from_hf_tensors(config, source, dtype, quantization)
-    return dataclasses.replace(config, quantization=quantization), params
+    return dataclasses.replace(config, quantization=quantization)
