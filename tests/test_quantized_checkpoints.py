@@ -214,20 +214,26 @@ def damaged(directory: Path, tmp_path: Path, name: str, value: np.ndarray) -> Pa
     return copy
 
 
-def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor(float_model, tmp_path):
-    quantized, _ = awq_checkpoint(float_model, tmp_path)
-    name = "model.layers.1.self_attn.k_proj.scales"
-    bad = damaged(quantized, tmp_path, name, np.ones((3, 5), np.float16))
-    with pytest.raises(ModelLoadError, match=rf"model.safetensors: tensor '{name}': scales has shape \(3, 5\)"):
-        load_model(bad)
+SCALES, QWEIGHT = "model.layers.1.self_attn.k_proj.scales", "model.layers.0.mlp.down_proj.qweight"
 
 
-def test_a_packed_weight_of_the_wrong_size_is_refused_naming_the_tensor(float_model, tmp_path):
-    quantized, _ = gptq_checkpoint(float_model, tmp_path)
-    name = "model.layers.0.mlp.down_proj.qweight"
-    bad = damaged(quantized, tmp_path, name, np.zeros((7, 64), np.int32))
-    with pytest.raises(ModelLoadError, match=rf"tensor '{name}': qweight has shape \(7, 64\), expected \(12, 64\)"):
-        load_model(bad)
+@pytest.mark.parametrize(
+    ("write", "name", "bad", "message"),
+    [
+        (awq_checkpoint, SCALES, np.ones((3, 5), np.float16), rf"'{SCALES}': scales has shape \(3, 5\)"),
+        (
+            gptq_checkpoint,
+            QWEIGHT,
+            np.zeros((7, 64), np.int32),
+            rf"'{QWEIGHT}': qweight has shape \(7, 64\), expected \(12, 64\)",
+        ),
+    ],
+    ids=["a-scale-of-the-wrong-shape", "a-packed-weight-of-the-wrong-size"],
+)
+def test_a_malformed_tensor_is_refused_naming_its_file_and_name(float_model, tmp_path, write, name, bad, message):
+    quantized, _ = write(float_model, tmp_path)
+    with pytest.raises(ModelLoadError, match=rf"model.safetensors: tensor {message}"):
+        load_model(damaged(quantized, tmp_path, name, bad))
 
 
 def test_a_missing_zero_point_tensor_is_refused_naming_it(float_model, tmp_path):
