@@ -1,9 +1,12 @@
 """A projection of pre-quantized weights (jaxpage.config.weight_quantization), multiplied inside the jitted step.
 
-The codes stay as stored in device memory (int4 packed two to a byte by XLA, int8, float8_e4m3fn); each product reads
-them and dequantizes inside the dot: W = (codes - zero) * scale, the scale and zero point of a block broadcast over its
-rows and columns. Per output channel or per tensor, the scale multiplies the product's columns instead. With act
-order the activations' columns are permuted as the codes' rows were when they loaded (jaxpage.models.quantized.tensors).
+The codes stay as stored in device memory (int4 packed two to a byte by XLA, int8, float8_e4m3fn; a CPU holds them
+as code_dtype says); each product reads them and dequantizes inside the dot: W = (codes - zero) * scale, the scale and
+zero point of a block broadcast over its rows and columns. Per output channel or per tensor, the scale multiplies the
+product's columns instead; in groups of input rows, each group is its own product (grouped_matmul), except where
+quantized_matmul says XLA does better with the layer's dequantized weight (CPUs; GPUs from rows of half a group). With
+act order the activations' columns are permuted as the codes' rows were when they loaded (jaxpage.models.quantized.
+tensors).
 
 Activations: weight-only schemes multiply the activations as they are. W8A8 int8 quantizes each token's activations
 to int8 (by its absmax, or by the checkpoint's static `input_scale`) and multiplies int8 by int8 into int32 (the TPU's
