@@ -7,6 +7,7 @@ builds the scanned tree documented in `jaxpage.models.llama`. One mapping serves
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -208,6 +209,30 @@ def contract_axes(path: tuple[str, ...]) -> tuple[int, ...] | None:
     return (0, 1) if path[-2] == "o_proj" else (0,)  # o_proj [H, d, D]; the others [in, out...]
 
 
+def read_tensor(
+    source: TensorSource, available: set[str], name: str, shape: tuple[int, ...] | None, convert: Callable = _same
+) -> np.ndarray:
+    """Tensor `name` of `source`, converted; ModelLoadError naming the file and the tensor when it is missing,
+    unreadable, not floats or not of `shape` (None: as it is, unchecked, for a quantized projection's reader)."""
+    if name not in available:
+        raise ModelLoadError(f"{source.file_of(name)}: tensor {name!r} is missing")
+    try:
+        tensor = source.get(name)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # a truncated or corrupt file surfaces here, from whichever reader
+        raise ModelLoadError(f"{source.file_of(name)}: cannot read tensor {name!r} ({e})") from None
+    if shape is None:
+        return tensor
+    if tensor.dtype.kind not in "f" and tensor.dtype.name != "bfloat16":
+        raise ModelLoadError(f"{source.file_of(name)}: tensor {name!r} has dtype {tensor.dtype}, expected floats")
+    if tuple(tensor.shape) != shape:
+        raise ModelLoadError(
+            f"{source.file_of(name)}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
+        )
+    return convert(tensor)
+
+
 def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, quantization: str | None = None) -> dict:
     """The parameter tree (numpy arrays of `dtype`) from a checkpoint's tensors; with quantization "int8", every
     projection and the embedding as int8 with a float32 scale per output channel (`scale` beside `kernel` or
@@ -220,24 +245,8 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
     available = source.names()
     prefix = "model." if "model.embed_tokens.weight" in available or "embed_tokens.weight" not in available else ""
 
-    def load(name: str, shape: tuple[int, ...], convert: Callable = _same) -> np.ndarray:
-        if name not in available:
-            raise ModelLoadError(f"{source.file_of(name)}: tensor {name!r} is missing")
-        try:
-            tensor = source.get(name)
-        except ModelLoadError:
-            raise
-        except Exception as e:  # a truncated or corrupt file surfaces here, from whichever reader
-            raise ModelLoadError(f"{source.file_of(name)}: cannot read tensor {name!r} ({e})") from None
-        if shape is None:  # a quantized projection's tensor: its reader checks it
-            return tensor
-        if tensor.dtype.kind not in "f" and tensor.dtype.name != "bfloat16":
-            raise ModelLoadError(f"{source.file_of(name)}: tensor {name!r} has dtype {tensor.dtype}, expected floats")
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(
-                f"{source.file_of(name)}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
-            )
-        return convert(tensor)
+    def load(name: str, shape: tuple[int, ...] | None, convert: Callable = _same) -> np.ndarray:
+        return read_tensor(source, available, name, shape, convert)
 
     def store(node: dict, path: tuple[str, ...], tensors, num_layers: int | None = None) -> None:
         """Writes `tensors` (one per layer, stacked, when num_layers is given; else one) at node[path[-1]], each
@@ -258,10 +267,7 @@ def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, qua
 
     def quantized_projection(module: str, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
         """A pre-quantized projection's parameters (jaxpage.models.quantized), read by its checkpoint's format."""
-
-        def tensor(name: str) -> np.ndarray:
-            return load(name, None)
-
+        tensor = functools.partial(load, shape=None)  # its reader checks each tensor's shape and dtype
         return read_projection(c.weight_quantization, tensor, available.__contains__, module, shape, source.file_of)
 
     def layer_tensor(i: int, suffix: str, shape: tuple[int, ...], convert: Callable) -> np.ndarray:
