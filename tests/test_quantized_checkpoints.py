@@ -99,6 +99,15 @@ def test_compressed_tensors_checkpoints_give_transformers_logits(float_model, tm
     assert np.abs(jaxpage_logits(float_model) - got).max() > 1e-2
 
 
+def test_a_quantized_lm_head_is_read_and_multiplied_quantized(float_model, tmp_path):
+    """compressed-tensors' "Linear" target with nothing ignored quantizes the (untied) LM head too."""
+    weights = INT4_GROUPS | dict(symmetric=True)
+    directory, own = compressed_tensors_checkpoint(float_model, tmp_path, "pack-quantized", weights, None, TOKENS, ())
+    config, params = load_model(directory)
+    assert "lm_head" in config.weight_quantization.quantized and "qweight" in params["lm_head"]
+    np.testing.assert_allclose(jaxpage_logits(directory), own, atol=2e-4 * np.abs(own).max())
+
+
 @pytest.mark.parametrize(
     ("dtype", "strategy"),
     [("int8", "token"), ("int8", "tensor"), ("float8_e4m3fn", "token"), ("float8_e4m3fn", "tensor")],
