@@ -239,7 +239,8 @@ def test_tensor_parallel_programs_compile_for_a_tpu_slice_with_megatrons_collect
         if p.kind == "sample":  # the logits gathered whole (one row's: XLA makes the gather an all-reduce)
             gather = "all-reduce" if p.program.endswith("rows=1") else "all-gather"
             assert p.collectives == {gather: 1}, (p.program, p.collectives)
-    assert build.weight_bytes < aot.placed_bytes(aot._placed_params(build.model, build.dtype, None, TPU.devices()[0]))
+    whole = aot._placed_params(build.model, build.dtype, None, TPU.devices()[0], TPU.platform)
+    assert build.weight_bytes < aot.placed_bytes(whole)
 
 
 # The families whose forward pass differs from Llama's on the chips: Gemma 2 (soft-capped attention logits, a window
