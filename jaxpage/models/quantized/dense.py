@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.config.weight_quantization import WeightQuantization
+from jaxpage.models.int8 import INT8_MAX
 from jaxpage.models.quantized.tensors import CODE_DTYPES
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
-INT8_MAX = 127
 # jaxpage's projection names -> the checkpoint's (WeightQuantization.quantized)
 PROJECTIONS = {
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

@@ -31,14 +31,6 @@ class QuantizedTensor:
     g_idx: np.ndarray | None = None  # int [in]: each input row's group (act order), None when rows // group
     input_scale: np.ndarray | None = None  # float32 []: the activations' static scale
 
-    def rows(self, start: int, stop: int, block_rows: int, name: str) -> QuantizedTensor:
-        """Output rows start:stop (of a fused tensor: Phi-3's qkv_proj), with their blocks' scales and zeros."""
-        if start % block_rows or (stop % block_rows and stop != self.codes.shape[0]):
-            raise ModelLoadError(f"{name}: rows {start}:{stop} do not start at a block of {block_rows} output rows")
-        blocks = slice(start // block_rows, -(-stop // block_rows))
-        zero = None if self.zero is None else self.zero[blocks]
-        return dataclasses.replace(self, codes=self.codes[start:stop], scale=self.scale[blocks], zero=zero)
-
 
 def block_counts(scheme: WeightQuantization, out_features: int, in_features: int) -> tuple[int, int]:
     """(output blocks, input blocks) of a [out, in] weight: the shape of its scale in torch layout."""
