@@ -247,8 +247,14 @@ def _placed_params(config: ModelConfig, dtype, mesh, device, platform: str) -> d
 
 
 def placed_bytes(tree) -> int:
-    """Bytes one device holds of the placed arrays or ShapeDtypeStructs in `tree` (the most any device holds)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    """Bytes one device holds of the placed arrays or ShapeDtypeStructs in `tree` (the most any device holds): int4
+    codes (a quantized checkpoint's) two to a byte, as the chips' XLA packs them."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * _bits(x.dtype) // 8 for x in jax.tree.leaves(tree))
+
+
+def _bits(dtype) -> int:
+    dtype = jnp.dtype(dtype)
+    return 4 if dtype in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else 8 * dtype.itemsize
 
 
 def compile_all(

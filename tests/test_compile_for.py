@@ -661,7 +661,9 @@ def test_quantized_checkpoints_forward_steps_hold_no_dequantized_weight_on_a_tpu
         assert all(r.compiled for r in reports), [r.error for r in reports]
         if scheme is not None and scheme["weight_dtype"] == "int4":  # packed: half a byte a code
             codes = build.runners[0].params["layers"]["mlp"]["up_proj"]["qweight"]
-            assert codes.dtype == jax.numpy.int4
+            assert (
+                codes.dtype == jax.numpy.int4 and aot.placed_bytes(codes) == codes.size // 2
+            )  # as the chip holds them
         return [r.temp_bytes for r in reports]
 
     floats = temporaries(None)
