@@ -113,15 +113,14 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
     codes, scale = params["qweight"], params["qscale"]
     columns_scaled = scheme.block[0] == 0 and "qzero" not in params  # one scale per output column (or tensor)
     quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products(platform))
-    if quantize_activations and columns_scaled:
+    if columns_scaled:
+        column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
+        if not quantize_activations:  # the codes converted inside the dot, the scale on its output columns
+            return jnp.dot(x, codes.astype(x.dtype)) * column_scale.astype(x.dtype)
         x_codes, x_scale = _quantize_activations(x, scheme.activations, params.get("input_scale"))
         acc_type = jnp.int32 if scheme.activations == "int8" else jnp.float32
         acc = jax.lax.dot_general(x_codes, codes, (((1,), (0,)), ((), ())), preferred_element_type=acc_type)
-        column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
         return (acc.astype(jnp.float32) * x_scale * column_scale).astype(x.dtype)
-    if columns_scaled:  # the codes converted inside the dot, the scale on its output columns
-        column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
-        return jnp.dot(x, codes.astype(x.dtype)) * column_scale.astype(x.dtype)
     group = block_shape(scheme, *codes.shape)[0]
     if platform == "cpu" or platform == "gpu" and x.shape[0] >= group // 2:
         # XLA:GPU writes the partial products out (rows x groups x out), more than the dequantized weight from here
