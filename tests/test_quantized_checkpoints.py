@@ -254,11 +254,26 @@ def test_a_missing_zero_point_tensor_is_refused_naming_it(float_model, tmp_path)
         load_model(quantized)
 
 
-def test_int8_quantization_of_a_quantized_checkpoint_is_refused(float_model, tmp_path):
-    quantized, _ = gptq_checkpoint(float_model, tmp_path)
+def test_int8_over_a_quantized_checkpoint_quantizes_only_what_it_leaves_in_floats(float_model, tmp_path):
+    """quantization="int8" over a GPTQ checkpoint: its codes as they are, the embedding and the float LM head in int8
+    by rows, so the logits are those of the dequantized float model holding those int8 rows; dummy weights alike."""
+    quantized, reference = gptq_checkpoint(float_model, tmp_path)
+    tensors = load_file(str(reference / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            scale = np.abs(tensors[name]).max(axis=1, keepdims=True) / 127
+            tensors[name] = (np.rint(tensors[name] / scale) * scale).astype(np.float32)
+    save_file(tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    want = transformers_logits(reference)
     for load_format in ("auto", "dummy"):
-        with pytest.raises(ModelLoadError, match="already quantized .gptq int4, groups of 32 inputs"):
-            load_model(quantized, quantization="int8", load_format=load_format)
+        config, params = load_model(quantized, quantization="int8", load_format=load_format)
+        assert params["embed_tokens"]["embedding"].dtype == np.int8
+        assert params["layers"]["attn"]["q_proj"]["qweight"].dtype == code_dtype(config.weight_quantization)
+        if "lm_head" in params:
+            assert params["lm_head"]["kernel"].dtype == np.int8
+    config, params = load_model(quantized, quantization="int8")
+    got = np.asarray(forward(config, params, np.array([TOKENS]))[0])
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
 
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128}

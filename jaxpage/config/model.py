@@ -106,10 +106,11 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
     # The weights as stored in the parameters: None (floats) or "int8" (every projection and the embedding: int8
-    # with a float32 scale per output channel, see jaxpage.models.int8).
+    # with a float32 scale per output channel, see jaxpage.models.int8; beside weight_quantization, those the
+    # checkpoint leaves in floats).
     quantization: str | None = None
     # A pre-quantized checkpoint's weights as stored (FP8, AWQ, GPTQ, compressed-tensors: see
-    # jaxpage.config.weight_quantization); None for float weights. Exclusive with `quantization`.
+    # jaxpage.config.weight_quantization); None for float weights.
     weight_quantization: WeightQuantization | None = None
 
     QUANTIZATIONS = QUANTIZATIONS
@@ -117,7 +118,6 @@ class ModelConfig:
     def __post_init__(self):
         assert self.architecture in SUPPORTED_ARCHITECTURES, self.architecture
         assert self.quantization is None or self.quantization in self.QUANTIZATIONS, self.quantization
-        assert self.quantization is None or self.weight_quantization is None, "int8 over a quantized checkpoint"
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             assert getattr(self, name) > 0, (name, getattr(self, name))
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)

@@ -128,10 +128,7 @@ def load_hf_directory(
 
 
 def with_quantization(config: ModelConfig, quantization: str | None, directory: Path) -> ModelConfig:
-    """`config` with the engine argument quantization; ModelLoadError for int8 over a pre-quantized checkpoint."""
-    if quantization is not None and config.weight_quantization is not None:
-        raise ModelLoadError(
-            f"{directory}: quantization={quantization!r}, but the checkpoint is already quantized "
-            f"({config.weight_quantization.describe()}); leave quantization unset to serve it as it is"
-        )
+    """`config` with the engine argument quantization. Over a pre-quantized checkpoint, int8 applies to what the
+    checkpoint leaves in floats (the embedding, an LM head, ignored projections): the checkpoint's own codes are
+    served as they are."""
     return dataclasses.replace(config, quantization=quantization)

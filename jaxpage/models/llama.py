@@ -44,14 +44,14 @@ from jaxpage.models.rope import apply_rope, rope_tables
 def linear(
     config: ModelConfig, features, use_bias: bool, dtype, name: str, axis=-1, int8_method="dequantize", platform=None
 ):
-    """A projection of the model: nn.DenseGeneral, its int8 form for a quantized model (same parameter names),
-    multiplied by `int8_method` (jaxpage.models.int8.int8_matmul), or a pre-quantized checkpoint's
-    (jaxpage.models.quantized.dense) on `platform` (default: jax's default backend)."""
-    if config.quantization == "int8":
-        return Int8DenseGeneral(features, axis, use_bias, dtype, int8_method, name=name)
+    """A projection of the model: a pre-quantized checkpoint's (jaxpage.models.quantized.dense) on `platform`
+    (default: jax's default backend), nn.DenseGeneral, or its int8 form for a quantized model (same parameter names),
+    multiplied by `int8_method` (jaxpage.models.int8.int8_matmul)."""
     if is_quantized(config.weight_quantization, name):
         scheme = config.weight_quantization
         return QuantizedDense(features, scheme, axis, use_bias, dtype, platform, name=name)
+    if config.quantization == "int8":
+        return Int8DenseGeneral(features, axis, use_bias, dtype, int8_method, name=name)
     options = dict(dot_general=invariant_dot_general) if config.batch_invariant else {}
     return nn.DenseGeneral(features, axis, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name, **options)
 

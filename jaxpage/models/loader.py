@@ -74,8 +74,10 @@ def load_model(
     load_format: "auto" reads the weights; "dummy" reads only the config of a Hugging Face directory and makes
               random parameters on the device (vLLM's name: benchmarks of model shapes without their weights).
     quantization: None (the weights as they are) or "int8": every projection and the embedding in int8 with a
-              float32 scale per output channel, quantized tensor by tensor as they load (jaxpage.models.int8). A
-              jaxpage checkpoint keeps the quantization it was written with.
+              float32 scale per output channel, quantized tensor by tensor as they load (jaxpage.models.int8); over a
+              pre-quantized checkpoint (FP8, AWQ, GPTQ, compressed-tensors) only what it leaves in floats: the
+              embedding, an LM head, ignored projections. A jaxpage checkpoint keeps the quantization it was written
+              with.
     download: a Hub id's revision and download folder.
     hf_overrides: Hugging Face config fields set over the model's (config.json's, or those a GGUF file's metadata
               gives); refused for a jaxpage checkpoint, whose config is fixed.

@@ -236,7 +236,8 @@ def read_tensor(
 def params_from_hf_tensors(config: ModelConfig, source: TensorSource, dtype, quantization: str | None = None) -> dict:
     """The parameter tree (numpy arrays of `dtype`) from a checkpoint's tensors; with quantization "int8", every
     projection and the embedding as int8 with a float32 scale per output channel (`scale` beside `kernel` or
-    `embedding`), quantized one tensor at a time: the whole model never exists in floats.
+    `embedding`), quantized one tensor at a time: the whole model never exists in floats (a pre-quantized
+    checkpoint's projections keep their own codes).
 
     Raises ModelLoadError naming the file and the tensor when one is missing or has the wrong shape.
     """
