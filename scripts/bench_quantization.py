@@ -6,7 +6,12 @@
 A mode is a weight format and optionally a KV format, joined by "+": float32 (the weights as loaded, in float32
 here), int8 (quantization="int8"), kv-FORMAT (kv_cache_dtype=FORMAT: int8, fp8, fp8_e4m3, fp8_e5m2) with float32
 weights, int8+kv-int8 (both); or NAME=PATH, a pre-quantized checkpoint of the same model (FP8, AWQ, GPTQ,
-compressed-tensors: its weights as they load; the text is tokenized by --model's tokenizer). For each:
+compressed-tensors: its weights as they load; the text is tokenized by --model's tokenizer), NAME=PATH+int8 with
+what the checkpoint leaves in floats (the embedding, a tied LM head) in int8. scripts/quantize_gptq.py writes such
+checkpoints of the default model. For each:
+  weights      the bytes of the weights as this CPU holds them (floats in float32, 4-bit codes a byte each), and as a
+               TPU or GPU holds them (floats in bfloat16, 4-bit codes two to a byte, scales in float32): "chip MiB",
+               and its ratio to the float model's ("x bf16")
   perplexity   on tests/data/alice_chapter_1.txt (public domain, ~2700 tokens), in 512-token windows, each one
                prefill through a KV page pool of the mode's KV format: the engine's attention path, every K/V read
                back from the pool (jaxpage.benchmarks.perplexity)
@@ -44,7 +49,10 @@ def parse_mode(mode: str, model: str | None) -> tuple[str | None, str | None, st
     "int8+kv-int8", or "NAME=PATH": a pre-quantized checkpoint's weights as they load (FP8, AWQ, GPTQ,
     compressed-tensors), named NAME in the table."""
     if "=" in mode:
-        return mode.partition("=")[2], None, "auto"
+        path, _, weights = mode.partition("=")[2].partition("+")
+        if weights not in ("", "int8"):
+            raise SystemExit(f"unknown mode {mode!r}: NAME=PATH or NAME=PATH+int8")
+        return path, weights or None, "auto"
     weights, _, kv = mode.partition("+")
     if weights.startswith("kv-"):
         weights, kv = "float32", weights
@@ -56,10 +64,13 @@ def parse_mode(mode: str, model: str | None) -> tuple[str | None, str | None, st
 def main() -> None:
     args = parse_args()
     import jax
+    import jax.numpy as jnp
 
+    from jaxpage.aot import placed_bytes
     from jaxpage.benchmarks.perplexity import TEXT_PATH, perplexity
     from jaxpage.entrypoints.llm import LLM
     from jaxpage.models import load_model
+    from jaxpage.models.llama import param_shapes
     from jaxpage.sampling_params import SamplingParams
     from jaxpage.tokenizers.tokenizer import load_tokenizer
 
@@ -70,10 +81,13 @@ def main() -> None:
     results: dict[str, dict] = {}
     tokens: dict[str, list[list[int]]] = {}
     modes = {mode.partition("=")[0]: parse_mode(mode, args.model) for mode in args.modes.split(",")}
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     for mode, (model, quantization, kv_cache_dtype) in modes.items():
         print(f"== {mode}", file=sys.stderr, flush=True)
         config, params = load_model(model, dtype="float32", quantization=quantization)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        chip_shapes = param_shapes(config, jnp.bfloat16, "tpu")  # as a TPU holds them (a GPU alike)
+        chip_bytes = placed_bytes(jax.tree.map(lambda x: x.update(sharding=one_device), chip_shapes))
         ppl = perplexity(config, params, text_ids, kv_cache_dtype=kv_cache_dtype)
         del params
         llm = LLM(
@@ -108,6 +122,7 @@ def main() -> None:
         single_seconds = time.perf_counter() - start
         results[mode] = {
             "weight_bytes": weight_bytes,
+            "chip_weight_bytes": chip_bytes,
             "kv_bytes_per_token": llm.engine.attention_backend.kv_bytes_per_token(config, 4),
             "perplexity": ppl,
             "tokens_per_s": args.requests * args.max_tokens / seconds,
@@ -130,14 +145,17 @@ def main() -> None:
             row["mean_agreeing_prefix"] = statistics.mean(prefix)
             f32 = results["float32"]
             row["perplexity_ratio"] = row["perplexity"] / f32["perplexity"]
+            row["chip_weight_ratio"] = row["chip_weight_bytes"] / f32["chip_weight_bytes"]
             row["speedup"] = row["tokens_per_s"] / f32["tokens_per_s"]
             row["speedup_one_request"] = row["tokens_per_s_one_request"] / f32["tokens_per_s_one_request"]
-    print(f"{'mode':<12} {'weights MiB':>11} {'KV B/tok':>8} {'ppl':>8} {'ppl x':>7} {'agree':>6} {'prefix':>6} "
+    print(f"{'mode':<12} {'weights MiB':>11} {'chip MiB':>8} {'x bf16':>6} {'KV B/tok':>8} {'ppl':>8} {'ppl x':>7} "
+          f"{'agree':>6} {'prefix':>6} "
           f"{'tok/s':>7} {'x':>5} {'step ms':>8} {'1 req tok/s':>11} {'x':>5} {'step ms':>8} "
           f"{'compile s':>9}")  # fmt: skip
     for mode, row in results.items():
         print(
-            f"{mode:<12} {row['weight_bytes'] / 2**20:>11.1f} {row['kv_bytes_per_token']:>8} {row['perplexity']:>8.3f} "
+            f"{mode:<12} {row['weight_bytes'] / 2**20:>11.1f} {row['chip_weight_bytes'] / 2**20:>8.1f} "
+            f"{row.get('chip_weight_ratio', 1):>6.3f} {row['kv_bytes_per_token']:>8} {row['perplexity']:>8.3f} "
             f"{row.get('perplexity_ratio', 1):>7.4f} {row.get('agreement', 1):>6.3f} "
             f"{row.get('mean_agreeing_prefix', args.max_tokens):>6.1f} {row['tokens_per_s']:>7.1f} "
             f"{row.get('speedup', 1):>5.2f} {row['median_decode_step_s'] * 1e3:>8.1f} "
