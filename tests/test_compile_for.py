@@ -640,34 +640,55 @@ QUANTIZED_SCHEMES = {  # jaxpage.config.weight_quantization: what the checkpoint
 }
 
 
+QUANTIZED_SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_layers=2, num_heads=8, num_kv_heads=4,
+                       head_dim=128, vocab_size=4096)  # fmt: skip
+SMALLEST_WEIGHT = 1024 * 512 * 2  # k_proj's, in bfloat16
+
+
+def _quantized_forward_temporaries(target, scheme, kernels: bool = False) -> tuple[list[int], list]:
+    """Each forward step's temporaries of QUANTIZED_SHAPE under `scheme` on `target`, and the reports."""
+    from jaxpage.config.weight_quantization import WeightQuantization
+
+    shape = dataclasses.replace(aot.model_shape("default"), **QUANTIZED_SHAPE)
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64, page_size=16,
+                          compilation_cache_dir=None)  # fmt: skip
+    model = dataclasses.replace(shape, weight_quantization=scheme and WeightQuantization(**scheme))
+    build = aot.build(target, engine, model)
+    if kernels:
+        build.runners[0].compiler_options = XLA_OPTIMIZATION
+    reports = aot.compile_all(build, kinds={"forward"}, kernels=kernels)
+    assert all(r.compiled for r in reports), [r.error for r in reports]
+    if scheme is not None and scheme["weight_dtype"] == "int4":  # packed: half a byte a code
+        codes = build.runners[0].params["layers"]["mlp"]["up_proj"]["qweight"]
+        assert codes.dtype == jax.numpy.int4 and aot.placed_bytes(codes) == codes.size // 2  # as the chip holds them
+    return [r.temp_bytes for r in reports], reports
+
+
 @needs_tpu
 def test_quantized_checkpoints_forward_steps_hold_no_dequantized_weight_on_a_tpu():
     """A model of 1024 x 4096 MLPs and 1024 x 512 K/V projections in groups of 128 (int4 codes packed by XLA, FP8):
     each forward step's temporaries exceed the float model's by less than the smallest projection's weight in
     bfloat16 (1 MiB): XLA:TPU converts the codes inside the grouped products, it never writes a dequantized weight."""
-    from jaxpage.config.weight_quantization import WeightQuantization
-
-    shape = dataclasses.replace(
-        aot.model_shape("default"), hidden_size=1024, intermediate_size=4096, num_layers=2, num_heads=8,
-        num_kv_heads=4, head_dim=128, vocab_size=4096,
-    )  # fmt: skip
-    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_pages=64, page_size=16,
-                          compilation_cache_dir=None)  # fmt: skip
-
-    def temporaries(scheme) -> list[int]:
-        model = dataclasses.replace(shape, weight_quantization=scheme and WeightQuantization(**scheme))
-        build = aot.build(TPU, engine, model)
-        reports = aot.compile_all(build, kinds={"forward"})
-        assert all(r.compiled for r in reports), [r.error for r in reports]
-        if scheme is not None and scheme["weight_dtype"] == "int4":  # packed: half a byte a code
-            codes = build.runners[0].params["layers"]["mlp"]["up_proj"]["qweight"]
-            assert (
-                codes.dtype == jax.numpy.int4 and aot.placed_bytes(codes) == codes.size // 2
-            )  # as the chip holds them
-        return [r.temp_bytes for r in reports]
-
-    floats = temporaries(None)
-    smallest_weight = 1024 * 512 * 2  # k_proj's, in bfloat16
+    floats, _ = _quantized_forward_temporaries(TPU, None)
     for name, scheme in QUANTIZED_SCHEMES.items():
-        extra = [q - f for q, f in zip(temporaries(scheme), floats, strict=True)]
-        assert max(extra) < smallest_weight, (name, extra)
+        extra = [q - f for q, f in zip(_quantized_forward_temporaries(TPU, scheme)[0], floats, strict=True)]
+        assert max(extra) < SMALLEST_WEIGHT, (name, extra)
+
+
+@needs_gpu
+@needs_kernel_tools
+@pytest.mark.parametrize("name", ["w4a16-groups", "awq-zero-points"])
+def test_int4_checkpoints_forward_steps_multiply_in_the_gpu_kernel_and_hold_no_dequantized_weight(name):
+    """The same model's int4 projections on an H200: each of the 7 a layer multiplied by pallas_kernels.
+    gpu_int4_matmul in every forward step (decode and prefill alike), which spills nothing and multiplies on the
+    tensor cores; no step's temporaries exceed the float model's by a projection's dequantized weight (XLA:GPU wrote
+    each layer's out for prefill steps, 8 MiB for an MLP's)."""
+    floats, _ = _quantized_forward_temporaries(GPU, None)
+    temporaries, reports = _quantized_forward_temporaries(GPU, QUANTIZED_SCHEMES[name], kernels=True)
+    extra = [q - f for q, f in zip(temporaries, floats, strict=True)]
+    assert max(extra) < SMALLEST_WEIGHT, extra
+    for report in reports:
+        kernels = [k for k in report.kernels if k.name.startswith("jaxpage_gpu_int4_matmul")]
+        assert sum(k.count for k in kernels) == 7 * QUANTIZED_SHAPE["num_layers"], (report.program, kernels)
+        bad = [k for k in kernels if k.stack_bytes or k.spill_store_bytes or not k.tensor_core_mma]
+        assert not bad, (report.program, bad)

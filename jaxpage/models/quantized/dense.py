@@ -4,7 +4,9 @@ The codes stay as stored in device memory (int4 packed two to a byte by XLA, int
 as code_dtype says); each product reads them and dequantizes inside the dot: W = (codes - zero) * scale, the scale and
 zero point of a block broadcast over its rows and columns. Per output channel or per tensor, the scale multiplies the
 product's columns instead; in groups of input rows, each group is its own product (grouped_matmul), except where
-quantized_matmul says XLA does better with the layer's dequantized weight (CPUs; GPUs from rows of half a group). With
+quantized_matmul says XLA does better with the layer's dequantized weight (CPUs; GPUs from rows of half a group), and
+int4 groups on a GPU, which pallas_kernels.gpu_int4_matmul multiplies (the codes read packed, converted in registers,
+nothing but the product written). With
 act order the activations' columns are permuted as the codes' rows were when they loaded (jaxpage.models.quantized.
 tensors).
 
@@ -25,6 +27,7 @@ import numpy as np
 from jaxpage.config.weight_quantization import WeightQuantization
 from jaxpage.models.int8 import INT8_MAX
 from jaxpage.models.quantized.tensors import CODE_DTYPES
+from pallas_kernels import gpu_int4_matmul
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 # jaxpage's projection names -> the checkpoint's (WeightQuantization.quantized)
@@ -122,15 +125,30 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
         acc = jax.lax.dot_general(x_codes, codes, (((1,), (0,)), ((), ())), preferred_element_type=acc_type)
         return (acc.astype(jnp.float32) * x_scale * column_scale).astype(x.dtype)
     group = block_shape(scheme, *codes.shape)[0]
+    if platform == "gpu" and gpu_kernel(scheme, *codes.shape):
+        zero = params.get("qzero")
+        return gpu_int4_matmul.gpu_int4_matmul_or_interpret(x, codes, scale, zero, group=group).astype(x.dtype)
     if platform == "cpu" or platform == "gpu" and x.shape[0] >= group // 2:
         # XLA:GPU writes the partial products out (rows x groups x out), more than the dequantized weight from here
-        # on; it writes that weight out here, once (a Pallas kernel would do neither). XLA:CPU runs the batched
-        # group products slower than it writes a layer's weight out (the default model in W4A16, one request of 64
-        # tokens: 1.6 s against 0.9 s).
+        # on; it writes that weight out here, once (FP8 and int8 groups, shapes the kernel does not tile). XLA:CPU
+        # runs the batched group products slower than it writes a layer's weight out (the default model in W4A16, one
+        # request of 64 tokens: 1.6 s against 0.9 s).
         return jnp.dot(x, dequantize(params, scheme, x.dtype))
     if platform == "tpu" and x.shape[0] == 1:  # XLA:TPU fuses one row's product only as two rows' (a zero row)
         return grouped_matmul(jnp.pad(x, ((0, 1), (0, 0))), params, scheme)[:1]
     return grouped_matmul(x, params, scheme)
+
+
+def gpu_kernel(scheme: WeightQuantization, in_features: int, out_features: int) -> bool:
+    """Whether a GPU multiplies this projection with pallas_kernels.gpu_int4_matmul: int4 codes in groups of input
+    rows, a scale per output column, in shapes the kernel tiles."""
+    group, cols = block_shape(scheme, in_features, out_features)
+    return (
+        scheme.weight_dtype == "int4"
+        and scheme.activations is None
+        and cols == 1
+        and gpu_int4_matmul.supported(in_features, out_features, group)
+    )
 
 
 def grouped_matmul(x: jax.Array, params: dict, scheme: WeightQuantization) -> jax.Array:
