@@ -5,6 +5,7 @@
     python scripts/bench_device.py --parts decode       # one part (scripts/device_checks.sh runs each in a stage)
     python scripts/bench_device.py --kv-cache-dtype int8   # 8-bit KV pages (the roofline counts their bytes)
     python scripts/bench_device.py --parts decode --batch-sizes 1 --attention-impl xla   # one decode step, A/B
+    python scripts/bench_device.py --parts decode --batch-sizes 1 --weights w4a16   # a GPTQ W4A16 checkpoint's shape
 
 Parts (--parts, default all three, in this order):
 decode: decode step time at batch 1, 8 and 64. Each request has a 512-token random prompt; once every request
@@ -82,10 +83,17 @@ ENGINE_LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=512)
 MAX_MODEL_LEN, PAGE_SIZE = 2048, 16
 NUM_PAGES = 1 + ENGINE_LIMITS["max_num_seqs"] * MAX_MODEL_LEN // PAGE_SIZE  # the null page and 64 full sequences
 HF_WARMUP_REQUESTS = 4  # of 8 output tokens each
+# --weights: the projections as a pre-quantized checkpoint stores them (config.json's quantization_config, random codes)
+QUANTIZATION_CONFIGS = {
+    "w4a16": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
 
 
-def write_config(directory: Path, shape: dict, dtype: str) -> None:
+def write_config(directory: Path, shape: dict, dtype: str, weights: str = "bf16") -> None:
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=dtype, **shape)
+    if weights in QUANTIZATION_CONFIGS:
+        config["quantization_config"] = QUANTIZATION_CONFIGS[weights]
     (directory / "config.json").write_text(json.dumps(config))
 
 
@@ -204,8 +212,8 @@ def decode_part(llm, results: dict, batches, prompt_len: int, tiny: bool) -> Non
     compiles again), against the bytes it must read over the copy bandwidth."""
     engine = llm.engine
     params = engine.runner.params
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    embedding_bytes = params["embed_tokens"]["embedding"].nbytes
+    param_bytes = aot.placed_bytes(params)  # int4 codes two to a byte, as the GPU holds them
+    embedding_bytes = aot.placed_bytes(params["embed_tokens"])
     kv_token_bytes = engine.attention_backend.kv_bytes_per_token(engine.model_config, engine.runner.dtype.itemsize)
     bandwidth = copy_bandwidth(min(2 << 30, param_bytes))
     results |= {"param_bytes": int(param_bytes), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
@@ -294,6 +302,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--attention-impl", default="auto", help="the engine's attention_impl (auto, xla, pallas, ...)")
     parser.add_argument("--batch-sizes", default="1,8,64", help="decode batches to time, comma-separated")
+    weights = ("bf16", *QUANTIZATION_CONFIGS)
+    parser.add_argument("--weights", default="bf16", choices=weights, help="projections: bf16, or pre-quantized")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if not set(parts) <= set(PARTS):
@@ -303,11 +313,11 @@ def main() -> None:
     prompt_lens, max_tokens = ((16, 128), (8, 32)) if args.tiny else ((128, 513), (64, 129))
     batches = tuple(int(b) for b in args.batch_sizes.split(","))
     results = {"model": "tiny" if args.tiny else "llama3-8b", "device": None, "parts": parts}
-    results |= {"kv_cache_dtype": args.kv_cache_dtype, "attention_impl": args.attention_impl}
+    results |= {"kv_cache_dtype": args.kv_cache_dtype, "attention_impl": args.attention_impl, "weights": args.weights}
     rows = workload(shape["vocab_size"], num_requests, prompt_lens, max_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        write_config(directory, shape, dtype)
+        write_config(directory, shape, dtype, args.weights)
         if {"decode", "jaxpage"} & set(parts):
             results["backend"], results["device"] = jax.default_backend(), str(jax.devices()[0])
             llm, results["engine_start_s"] = start_engine(directory, args, dtype)
