@@ -120,15 +120,9 @@ def load_hf_directory(
 ) -> tuple[ModelConfig, dict]:
     """(config, numpy parameter tree) from a Hugging Face model directory (quantization: see
     params_from_hf_tensors; overrides: see read_hf_config)."""
-    config = with_quantization(read_hf_config(directory, overrides), quantization, directory)
+    # over a pre-quantized checkpoint, int8 applies to what it leaves in floats (the embedding, an LM head)
+    config = dataclasses.replace(read_hf_config(directory, overrides), quantization=quantization)
     with contextlib.ExitStack() as stack:
         source = SafetensorsSource.of_directory(directory, stack, config.weight_quantization is not None)
         params = params_from_hf_tensors(config, source, dtype, quantization)
     return config, params
-
-
-def with_quantization(config: ModelConfig, quantization: str | None, directory: Path) -> ModelConfig:
-    """`config` with the engine argument quantization. Over a pre-quantized checkpoint, int8 applies to what the
-    checkpoint leaves in floats (the embedding, an LM head, ignored projections): the checkpoint's own codes are
-    served as they are."""
-    return dataclasses.replace(config, quantization=quantization)

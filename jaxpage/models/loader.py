@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +92,7 @@ def load_model(
     if load_format == "dummy":
         if fmt != "hf":
             raise ModelLoadError(f"{path}: load_format='dummy' needs a Hugging Face model directory (config.json)")
-        config = hf_loader.with_quantization(hf_loader.read_hf_config(path, hf_overrides), quantization, path)
+        config = dataclasses.replace(hf_loader.read_hf_config(path, hf_overrides), quantization=quantization)
         init = jax.jit(init_params, static_argnums=(0, 2), out_shardings=placement(config))
         return config, init(config, jax.random.key(0), dtype)
     if fmt == "orbax":
