@@ -636,6 +636,8 @@ QUANTIZED_SCHEMES = {  # jaxpage.config.weight_quantization: what the checkpoint
     "w4a16-groups": dict(method="compressed-tensors", weight_dtype="int4", block=(128, 1)),
     "awq-zero-points": dict(method="awq", weight_dtype="int4", block=(128, 1), symmetric=False),
     "fp8-blocks": dict(method="fp8", weight_dtype="float8_e4m3fn", block=(128, 128)),
+    "fp8-channel": dict(method="compressed-tensors", weight_dtype="float8_e4m3fn", block=(0, 1)),
+    "w8a16-groups-zero-points": dict(method="compressed-tensors", weight_dtype="int8", block=(128, 1), symmetric=False),
     "w8a8-int8": dict(method="compressed-tensors", weight_dtype="int8", block=(0, 1), activations="int8"),
 }
 
@@ -677,18 +679,21 @@ def test_quantized_checkpoints_forward_steps_hold_no_dequantized_weight_on_a_tpu
 
 @needs_gpu
 @needs_kernel_tools
-@pytest.mark.parametrize("name", ["w4a16-groups", "awq-zero-points"])
-def test_int4_checkpoints_forward_steps_multiply_in_the_gpu_kernel_and_hold_no_dequantized_weight(name):
-    """The same model's int4 projections on an H200: each of the 7 a layer multiplied by pallas_kernels.
-    gpu_int4_matmul in every forward step (decode and prefill alike), which spills nothing and multiplies on the
-    tensor cores; no step's temporaries exceed the float model's by a projection's dequantized weight (XLA:GPU wrote
-    each layer's out for prefill steps, 8 MiB for an MLP's)."""
+@pytest.mark.parametrize("name", list(QUANTIZED_SCHEMES))
+def test_quantized_checkpoints_forward_steps_multiply_in_the_gpu_kernel_and_hold_no_dequantized_weight(name):
+    """The same model on an H200: each of the 7 weight-only projections a layer (int4, int8, FP8 codes) multiplied by
+    pallas_kernels.gpu_quantized_matmul in every forward step (decode and prefill alike), which spills nothing and
+    multiplies on the tensor cores; W8A8 int8 by XLA's integer products. No step's temporaries exceed the float
+    model's by a projection's dequantized weight (XLA:GPU wrote one out for each prefill step, and an 8B FP8 decode
+    step held a converted weight)."""
     floats, _ = _quantized_forward_temporaries(GPU, None)
-    temporaries, reports = _quantized_forward_temporaries(GPU, QUANTIZED_SCHEMES[name], kernels=True)
+    scheme = QUANTIZED_SCHEMES[name]
+    temporaries, reports = _quantized_forward_temporaries(GPU, scheme, kernels=True)
     extra = [q - f for q, f in zip(temporaries, floats, strict=True)]
     assert max(extra) < SMALLEST_WEIGHT, extra
+    launches = 7 * QUANTIZED_SHAPE["num_layers"] if scheme.get("activations") is None else 0
     for report in reports:
-        kernels = [k for k in report.kernels if k.name.startswith("jaxpage_gpu_int4_matmul")]
-        assert sum(k.count for k in kernels) == 7 * QUANTIZED_SHAPE["num_layers"], (report.program, kernels)
+        kernels = [k for k in report.kernels if k.name.startswith("jaxpage_gpu_quantized_matmul")]
+        assert sum(k.count for k in kernels) == launches, (report.program, kernels)
         bad = [k for k in kernels if k.stack_bytes or k.spill_store_bytes or not k.tensor_core_mma]
         assert not bad, (report.program, bad)

@@ -4,9 +4,9 @@ The codes stay as stored in device memory (int4 packed two to a byte by XLA, int
 as code_dtype says); each product reads them and dequantizes inside the dot: W = (codes - zero) * scale, the scale and
 zero point of a block broadcast over its rows and columns. Per output channel or per tensor, the scale multiplies the
 product's columns instead; in groups of input rows, each group is its own product (grouped_matmul), except where
-quantized_matmul says XLA does better with the layer's dequantized weight (CPUs; GPUs from rows of half a group), and
-int4 groups on a GPU, which pallas_kernels.gpu_int4_matmul multiplies (the codes read packed, converted in registers,
-nothing but the product written). With
+quantized_matmul says XLA does better with the layer's dequantized weight (CPUs). On a GPU, weight-only codes are
+multiplied by pallas_kernels.gpu_quantized_matmul (the codes read as stored, converted in registers, nothing but the
+product written); other shapes as on a TPU but from rows of half a group through the dequantized weight. With
 act order the activations' columns are permuted as the codes' rows were when they loaded (jaxpage.models.quantized.
 tensors).
 
@@ -27,7 +27,7 @@ import numpy as np
 from jaxpage.config.weight_quantization import WeightQuantization
 from jaxpage.models.int8 import INT8_MAX
 from jaxpage.models.quantized.tensors import CODE_DTYPES
-from pallas_kernels import gpu_int4_matmul
+from pallas_kernels import gpu_quantized_matmul
 
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 # jaxpage's projection names -> the checkpoint's (WeightQuantization.quantized)
@@ -116,6 +116,8 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
     codes, scale = params["qweight"], params["qscale"]
     columns_scaled = scheme.block[0] == 0 and "qzero" not in params  # one scale per output column (or tensor)
     quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products(platform))
+    if platform == "gpu" and not quantize_activations and gpu_kernel(scheme, *codes.shape):
+        return _gpu_kernel_matmul(x, params, scheme)
     if columns_scaled:
         column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
         if not quantize_activations:  # the codes converted inside the dot, the scale on its output columns
@@ -125,12 +127,9 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
         acc = jax.lax.dot_general(x_codes, codes, (((1,), (0,)), ((), ())), preferred_element_type=acc_type)
         return (acc.astype(jnp.float32) * x_scale * column_scale).astype(x.dtype)
     group = block_shape(scheme, *codes.shape)[0]
-    if platform == "gpu" and gpu_kernel(scheme, *codes.shape):
-        zero = params.get("qzero")
-        return gpu_int4_matmul.gpu_int4_matmul_or_interpret(x, codes, scale, zero, group=group).astype(x.dtype)
     if platform == "cpu" or platform == "gpu" and x.shape[0] >= group // 2:
         # XLA:GPU writes the partial products out (rows x groups x out), more than the dequantized weight from here
-        # on; it writes that weight out here, once (FP8 and int8 groups, shapes the kernel does not tile). XLA:CPU
+        # on; it writes that weight out here, once (shapes the kernel does not tile). XLA:CPU
         # runs the batched group products slower than it writes a layer's weight out (the default model in W4A16, one
         # request of 64 tokens: 1.6 s against 0.9 s).
         return jnp.dot(x, dequantize(params, scheme, x.dtype))
@@ -140,15 +139,24 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
 
 
 def gpu_kernel(scheme: WeightQuantization, in_features: int, out_features: int) -> bool:
-    """Whether a GPU multiplies this projection with pallas_kernels.gpu_int4_matmul: int4 codes in groups of input
-    rows, a scale per output column, in shapes the kernel tiles."""
-    group, cols = block_shape(scheme, in_features, out_features)
-    return (
-        scheme.weight_dtype == "int4"
-        and scheme.activations is None
-        and cols == 1
-        and gpu_int4_matmul.supported(in_features, out_features, group)
-    )
+    """Whether a GPU multiplies this projection with pallas_kernels.gpu_quantized_matmul: weight-only codes (int4,
+    int8, FP8; activations left as they are) in shapes the kernel tiles."""
+    group = block_shape(scheme, in_features, out_features)[0]
+    return scheme.activations is None and gpu_quantized_matmul.supported(in_features, out_features, group)
+
+
+def _gpu_kernel_matmul(x: jax.Array, params: dict, scheme: WeightQuantization) -> jax.Array:
+    """x @ the weight by pallas_kernels.gpu_quantized_matmul: the scales and zero points of column blocks given per
+    column (an array of groups x outputs, small beside the codes)."""
+    codes = params["qweight"]
+    rows, cols = block_shape(scheme, *codes.shape)
+    per_column = lambda blocks: broadcast_blocks(blocks, 1, cols, (blocks.shape[0], codes.shape[1]))  # noqa: E731
+    zero = params.get("qzero")
+    y = gpu_quantized_matmul.gpu_quantized_matmul_or_interpret(
+        x, codes, per_column(params["qscale"]), None if zero is None else per_column(zero),
+        group=rows, int4=scheme.weight_dtype == "int4",
+    )  # fmt: skip
+    return y.astype(x.dtype)
 
 
 def grouped_matmul(x: jax.Array, params: dict, scheme: WeightQuantization) -> jax.Array:
