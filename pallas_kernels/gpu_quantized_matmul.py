@@ -47,8 +47,7 @@ def tile_rows(in_features: int, group: int) -> int:
 
 
 def supported(in_features: int, out_features: int, group: int) -> bool:
-    """Whether the kernel multiplies this weight: tiles of 16 rows at least, an even number of columns divisible into
-    blocks of 32 bytes at least."""
+    """Whether the kernel multiplies this weight: tiles of 16 rows at least, the columns in blocks of 64 or 128."""
     return tile_rows(in_features, group) > 0 and out_features % 64 == 0
 
 
