@@ -52,11 +52,10 @@ def supported(in_features: int, out_features: int, group: int) -> bool:
 
 
 def int4_pairs(codes: jax.Array) -> jax.Array:
-    """int4 [K, N] -> uint8 [K, N / 2], two columns a byte (column 2j in the low nibble), as XLA packs int4 (int8
+    """int4 [..., N] -> uint8 [..., N / 2], two columns a byte (column 2j in the low nibble), as XLA packs int4 (int8
     codes, as a CPU holds int4 ones, are narrowed first)."""
     codes = codes.astype(jnp.int4)
-    k, n = codes.shape
-    return jax.lax.bitcast_convert_type(codes.reshape(k, n // 2, 2), jnp.uint8)
+    return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.uint8)
 
 
 def _block_n(out_features: int) -> int:
@@ -78,10 +77,11 @@ def _dot(a, b):
     return plgpu.dot(a, b, allow_tf32=False if a.dtype == jnp.float32 else None)
 
 
-def _kernel(x_ref, w_ref, s_ref, *refs, tile: int, group: int, tiles: int, packed: bool):
+def _kernel(layer_ref, x_ref, w_ref, s_ref, *refs, tile: int, group: int, tiles: int, packed: bool):
     *z_ref, o_ref = refs
     z_ref = z_ref[0] if z_ref else None
     parts, block_m, width = o_ref.shape
+    layer = layer_ref[0]
 
     def step(i, acc):
         rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
@@ -89,7 +89,7 @@ def _kernel(x_ref, w_ref, s_ref, *refs, tile: int, group: int, tiles: int, packe
         g = (i * tile) // group
         sums = jnp.sum(x.astype(jnp.float32), axis=1)[:, None] if z_ref is not None else None
         out = []
-        for part, (total, codes) in enumerate(zip(acc, _parts(w_ref[rows, :], packed, x.dtype), strict=True)):
+        for part, (total, codes) in enumerate(zip(acc, _parts(w_ref[layer, rows, :], packed, x.dtype), strict=True)):
             product = _dot(x, codes)
             if sums is not None:
                 product = product - sums * z_ref[part, g, :].astype(jnp.float32)[None, :]
@@ -106,11 +106,11 @@ def _columns_apart(a: jax.Array, parts: int) -> jax.Array:
     return jnp.stack([a[:, p::parts] for p in range(parts)])
 
 
-def gpu_quantized_matmul_or_interpret(x, codes, scale, zero, *, group: int, int4: bool) -> jax.Array:
+def gpu_quantized_matmul_or_interpret(x, codes, scale, zero, layer=None, *, group: int, int4: bool) -> jax.Array:
     """gpu_quantized_matmul compiled where the program is lowered for a GPU, and in Pallas' interpreter elsewhere (a
     CPU running the GPU's path: tests)."""
     return jax.lax.platform_dependent(
-        x, codes, scale, zero,
+        x, codes, scale, zero, layer,
         cuda=functools.partial(gpu_quantized_matmul, group=group, int4=int4),
         default=functools.partial(gpu_quantized_matmul, group=group, int4=int4, interpret=True),
     )  # fmt: skip
@@ -122,6 +122,7 @@ def gpu_quantized_matmul(
     codes: jax.Array,
     scale: jax.Array,
     zero: jax.Array | None,
+    layer: jax.Array | None = None,
     *,
     group: int,
     int4: bool,
@@ -129,29 +130,31 @@ def gpu_quantized_matmul(
 ) -> jax.Array:
     """x [M, K] @ the weight [K, N] = (codes - zero) * scale, each scale and zero point over `group` input rows of
     one column: [M, N] in x's dtype. codes [K, N]: int4 values (`int4`: an int4 array, or an int8 one holding them as
-    a CPU does), or int8 / float8_e4m3fn (float16 holding FP8 values on a CPU); scale [ceil(K / group), N] float32;
-    zero int8 alike, or None (symmetric)."""
-    return _matmul(x, codes, scale, zero, group, int4, interpret)
-
-
-def _matmul(x, codes, scale, zero, group: int, packed: bool, interpret: bool) -> jax.Array:
+    a CPU does), or int8 / float8_e4m3fn (float16 holding FP8 values on a CPU); or every layer's codes [L, K, N] and
+    `layer` (int32 []), the kernel reading that layer's where they lie (XLA:GPU copies a slice of an array before
+    giving it to a kernel); scale [ceil(K / group), N] float32; zero int8 alike, or None (symmetric)."""
+    if layer is None:
+        codes, layer = codes[None], 0
     m, k = x.shape
-    n = codes.shape[1]
+    n = codes.shape[-1]
     if not supported(k, n, group):
         raise ValueError(f"gpu_quantized_matmul: no tiling for {k} inputs in groups of {group}, {n} outputs")
-    parts = 2 if packed else 1
+    parts = 2 if int4 else 1
     tile = tile_rows(k, group)
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK_M, 1 << (m - 1).bit_length()))
     padded_m = -(-m // block_m) * block_m
     x = jnp.pad(x, ((0, padded_m - m), (0, 0)))
     block_n = _block_n(n)
     groups = scale.shape[0]
-    kernel = functools.partial(_kernel, tile=tile, group=group, tiles=k // tile, packed=packed)
-    operands = [x, int4_pairs(codes) if packed else codes, _columns_apart(scale.astype(jnp.float32), parts)]
+    kernel = functools.partial(_kernel, tile=tile, group=group, tiles=k // tile, packed=int4)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    codes = int4_pairs(codes) if int4 else codes
+    operands = [layer, x, codes, _columns_apart(scale.astype(jnp.float32), parts)]
     side_spec = pl.BlockSpec((parts, groups, block_n // parts), lambda i, j: (0, 0, j))
     in_specs = [
+        pl.BlockSpec((1,), lambda i, j: (0,)),
         pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-        pl.BlockSpec((k, block_n // parts), lambda i, j: (0, j)),
+        pl.BlockSpec((codes.shape[0], k, block_n // parts), lambda i, j: (0, 0, j)),
         side_spec,
     ]
     if zero is not None:

@@ -121,3 +121,57 @@ def test_the_engines_gpu_path_multiplies_through_the_kernel(monkeypatch, scheme,
     got = np.asarray(jax.jit(lambda x, p: quantized_matmul(x, p, scheme, "gpu"))(jnp.asarray(x), params))
     assert calls
     np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5 * np.abs(x @ w).max())
+
+
+def test_a_models_gpu_layers_read_each_layers_codes_from_the_stacked_parameter(monkeypatch):
+    """The model compiled for a GPU (run on this CPU, the kernel interpreted) gives each quantized projection's kernel
+    every layer's codes and the layer's index (Llama.stacked_codes: XLA:GPU would copy a layer's slice for it), and
+    its logits are the CPU path's."""
+    import dataclasses
+
+    from jaxpage import aot
+    from jaxpage.models.llama import DenseBatch, dense_model, init_params
+    from pallas_kernels import gpu_quantized_matmul as module
+
+    layers_given = []
+    kernel = module.gpu_quantized_matmul_or_interpret
+
+    def spy(x, codes, scale, zero, layer=None, **kw):
+        layers_given.append(codes.ndim == 3 and layer is not None)
+        return kernel(x, codes, scale, zero, layer, **kw)
+
+    monkeypatch.setattr(module, kernel.__name__, spy)
+    scheme = WeightQuantization("gptq", "int4", (32, 1), symmetric=False)
+    config = dataclasses.replace(
+        aot.model_shape("default"), hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=32, vocab_size=256, weight_quantization=scheme,
+    )  # fmt: skip
+    params = init_params(config, jax.random.key(0), jnp.float32, "cpu")
+    rng = np.random.default_rng(0)
+
+    def randomized(path, leaf):
+        name = path[-1].key
+        if name == "qweight":
+            return jnp.asarray(rng.integers(-8, 8, leaf.shape), leaf.dtype)
+        if name == "qzero":
+            return jnp.asarray(rng.integers(-8, 8, leaf.shape), leaf.dtype)
+        if name == "qscale":
+            return jnp.asarray(rng.uniform(0.01, 0.05, leaf.shape), leaf.dtype)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(randomized, params)
+    tokens = jnp.asarray([[3, 17, 42, 7, 99]], jnp.int32)
+    batch = DenseBatch(positions=jnp.arange(5)[None], valid=jnp.ones((1, 5), bool))
+
+    def logits(platform):
+        model = dense_model(config, jnp.float32, platform)
+        run = lambda m, *args: m.logits(m(*args)[0])  # noqa: E731
+        return np.asarray(
+            jax.jit(lambda p: model.apply({"params": p}, tokens, batch.positions, batch, method=run))(params)
+        )
+
+    want = logits("cpu")
+    got = logits("gpu")
+    assert layers_given and all(layers_given), layers_given  # 7 projections x 2 layers, each from the stack
+    assert len(layers_given) == 14
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -97,12 +97,13 @@ class SelfAttention(nn.Module):
     platform: str | None = None  # the one compiled for (pre-quantized weights' products: jaxpage.models.quantized)
 
     @nn.compact
-    def __call__(self, x, rope, batch, kv_cache, layer, lora: LayerLoRA = None):
+    def __call__(self, x, rope, batch, kv_cache, layer, lora: LayerLoRA = None, stacked: dict | None = None):
+        """stacked: every layer's codes of the quantized projections, by name (Llama.stacked_codes), or None."""
         c = self.config
 
         def projection(heads, name):
             dense = linear(c, (heads, c.head_dim), c.qkv_bias, self.dtype, name, platform=self.platform)
-            return add_lora(dense(x), x, *lora_of(lora, name))
+            return add_lora(dense(x, **stacked_codes_of(stacked, name, layer)), x, *lora_of(lora, name))
 
         q = projection(c.num_heads, "q_proj")  # [..., H, d]
         k = projection(c.num_kv_heads, "k_proj")  # [..., K, d]
@@ -116,12 +117,15 @@ class SelfAttention(nn.Module):
             cos, sin = cos[sliding.astype(jnp.int32)], sin[sliding.astype(jnp.int32)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = layer_attention(c, self.attention, sliding)(q, k, v, batch, kv_cache, layer)
-        out = add_lora(
-            linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1), platform=self.platform)(out),
-            out,
-            *lora_of(lora, "o_proj"),
-        )
+        o_proj = linear(c, c.hidden_size, c.o_bias, self.dtype, "o_proj", axis=(-2, -1), platform=self.platform)
+        out = add_lora(o_proj(out, **stacked_codes_of(stacked, "o_proj", layer)), out, *lora_of(lora, "o_proj"))
         return _all_reduce(out, self.tp_axis), kv_cache
+
+
+def stacked_codes_of(stacked: dict | None, name: str, layer) -> dict:
+    """The keyword arguments that give projection `name` every layer's codes and this layer's index (QuantizedDense's
+    `stacked`): none where it has no codes there."""
+    return {} if stacked is None or name not in stacked else {"stacked": (stacked[name], layer)}
 
 
 def layer_attention(config: ModelConfig, attention: Attention, sliding: jax.Array) -> Attention:
@@ -152,12 +156,14 @@ class MLP(nn.Module):
     platform: str | None = None
 
     @nn.compact
-    def __call__(self, x, lora: LayerLoRA = None):
+    def __call__(self, x, lora: LayerLoRA = None, stacked: dict | None = None, layer=None):
+        """stacked, layer: every layer's codes of the quantized projections (Llama.stacked_codes) and this layer's
+        index, or None."""
         c = self.config
 
         def dense(features, name, x):
             dense = linear(c, features, c.mlp_bias, self.dtype, name, platform=self.platform)
-            return add_lora(dense(x), x, *lora_of(lora, name))
+            return add_lora(dense(x, **stacked_codes_of(stacked, name, layer)), x, *lora_of(lora, name))
 
         gate = dense(c.intermediate_size, "gate_proj", x)
         up = dense(c.intermediate_size, "up_proj", x)
@@ -209,21 +215,22 @@ class DecoderLayer(nn.Module):
     platform: str | None = None
 
     @nn.compact
-    def __call__(self, carry, layer_inputs, rope, batch, lora_mask):
+    def __call__(self, carry, layer_inputs, rope, batch, lora_mask, stacked=None):
         """layer_inputs: (this layer's index, its slice of the LoRA slot weights or None); lora_mask: see
-        jaxpage.models.lora.slot_mask (None without LoRA)."""
+        jaxpage.models.lora.slot_mask (None without LoRA); stacked: Llama.stacked_codes."""
         x, kv_cache = carry
         layer, lora_weights = layer_inputs
         lora = None if lora_weights is None else (lora_weights, lora_mask, self.config.batch_invariant)
         c = self.config
         h, kv_cache = SelfAttention(c, self.attention, self.dtype, self.tp_axis, self.platform, name="attn")(
-            rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer, lora
+            rms_norm(c, self.dtype, "input_norm")(x), rope, batch, kv_cache, layer, lora, stacked and stacked["attn"]
         )
         if c.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed too
             h = rms_norm(c, self.dtype, "attn_output_norm")(h)
         x = x + h
         mlp = feed_forward(c, self.dtype, self.tp_axis, self.expert_method, self.platform)
-        h = mlp(rms_norm(c, self.dtype, "post_attention_norm")(x), lora)  # the norm before the MLP, by Llama's name
+        x_mlp = rms_norm(c, self.dtype, "post_attention_norm")(x)  # the norm before the MLP, by Llama's name
+        h = mlp(x_mlp, lora) if stacked is None else mlp(x_mlp, lora, stacked["mlp"], layer)
         if c.sandwich_norms:
             h = rms_norm(c, self.dtype, "mlp_output_norm")(h)
         return (x + h, kv_cache), None
@@ -259,7 +266,7 @@ class Llama(nn.Module):
             DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
             unroll=layer_unroll(c, self.platform),
         )(c, self.attention, self.dtype, self.tp_axis, expert_method(self.platform), self.platform)
@@ -295,8 +302,23 @@ class Llama(nn.Module):
             rope = tuple(jnp.stack(tables) for tables in zip(rope, rope_tables(local, positions), strict=True))
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         lora_weights, mask = (None, None) if lora is None else (lora.weights, lora.mask(self.dtype))
-        (x, kv_cache), _ = self.layers((x, kv_cache), (layer_ids, lora_weights), rope, batch, mask)
+        stacked = self.stacked_codes()
+        (x, kv_cache), _ = self.layers((x, kv_cache), (layer_ids, lora_weights), rope, batch, mask, stacked)
         return self.norm(x), kv_cache
+
+    def stacked_codes(self) -> dict | None:
+        """On a GPU, every layer's codes of the pre-quantized projections as stored ({"attn": {"q_proj": [layers, in,
+        out], ...}, "mlp": {...}}), which the GPU kernel reads at each layer's index where they lie: given a layer's
+        slice, XLA:GPU copies it first (28 MiB a step for an 8B int4 MLP weight). None elsewhere, and while the
+        parameters are being made."""
+        on_gpu = (self.platform or jax.default_backend()) == "gpu"
+        if self.config.weight_quantization is None or not on_gpu or not self.has_variable("params", "layers"):
+            return None
+        layers = self.variables["params"]["layers"]
+        return {
+            block: {name: p["qweight"] for name, p in layers.get(block, {}).items() if "qweight" in p}
+            for block in ("attn", "mlp")
+        }
 
     def logits(self, hidden):
         """float32 logits [..., vocab_size] for hidden states [..., hidden_size]."""

@@ -101,13 +101,18 @@ def dequantize(params: dict, scheme: WeightQuantization, dtype) -> jax.Array:
     return (w * broadcast_blocks(params["qscale"], rows, cols, codes.shape)).astype(dtype)
 
 
-def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, platform: str | None = None) -> jax.Array:
+def quantized_matmul(
+    x: jax.Array, params: dict, scheme: WeightQuantization, platform: str | None = None, stacked=None
+) -> jax.Array:
     """x [rows, in] @ the projection's weight [in, out] -> [rows, out] in x's dtype, as `platform` (default: jax's
     default backend) multiplies it fastest without writing the dequantized weight out (see the module docstring and
-    grouped_matmul)."""
+    grouped_matmul). stacked: (every layer's codes [layers, in, out], this layer's index), which the GPU kernel reads
+    in place of params["qweight"] (this layer's slice, which XLA:GPU would copy for it)."""
     platform = platform or jax.default_backend()
     if "qperm" in params:
         x = jnp.take(x, params["qperm"], axis=1)
+    if platform == "gpu" and gpu_kernel(scheme, *params["qweight"].shape):
+        return _gpu_kernel_matmul(x, params, scheme, stacked)
     if platform == "gpu":
         # Tie the codes to the activations: XLA:GPU would otherwise convert every layer's weights (which need nothing
         # else) before the first layer runs, holding them all at once (an 8B model's: 25 GiB).
@@ -116,8 +121,6 @@ def quantized_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, pla
     codes, scale = params["qweight"], params["qscale"]
     columns_scaled = scheme.block[0] == 0 and "qzero" not in params  # one scale per output column (or tensor)
     quantize_activations = scheme.activations == "int8" or (scheme.activations is not None and fp8_products(platform))
-    if platform == "gpu" and not quantize_activations and gpu_kernel(scheme, *codes.shape):
-        return _gpu_kernel_matmul(x, params, scheme)
     if columns_scaled:
         column_scale = broadcast_blocks(scale, 1, block_shape(scheme, *codes.shape)[1], (1, codes.shape[1]))
         if not quantize_activations:  # the codes converted inside the dot, the scale on its output columns
@@ -145,15 +148,17 @@ def gpu_kernel(scheme: WeightQuantization, in_features: int, out_features: int) 
     return scheme.activations is None and gpu_quantized_matmul.supported(in_features, out_features, group)
 
 
-def _gpu_kernel_matmul(x: jax.Array, params: dict, scheme: WeightQuantization) -> jax.Array:
-    """x @ the weight by pallas_kernels.gpu_quantized_matmul: the scales and zero points of column blocks given per
-    column (an array of groups x outputs, small beside the codes)."""
-    codes = params["qweight"]
-    rows, cols = block_shape(scheme, *codes.shape)
-    per_column = lambda blocks: broadcast_blocks(blocks, 1, cols, (blocks.shape[0], codes.shape[1]))  # noqa: E731
+def _gpu_kernel_matmul(x: jax.Array, params: dict, scheme: WeightQuantization, stacked=None) -> jax.Array:
+    """x @ the weight by pallas_kernels.gpu_quantized_matmul, from `stacked` (every layer's codes and this layer's
+    index: see quantized_matmul) where given: the scales and zero points of column blocks given per column (an
+    array of groups x outputs, small beside the codes)."""
+    in_features, out_features = params["qweight"].shape
+    rows, cols = block_shape(scheme, in_features, out_features)
+    codes, layer = stacked if stacked is not None else (params["qweight"], None)
+    per_column = lambda blocks: broadcast_blocks(blocks, 1, cols, (blocks.shape[0], out_features))  # noqa: E731
     zero = params.get("qzero")
     y = gpu_quantized_matmul.gpu_quantized_matmul_or_interpret(
-        x, codes, per_column(params["qscale"]), None if zero is None else per_column(zero),
+        x, codes, per_column(params["qscale"]), None if zero is None else per_column(zero), layer,
         group=rows, int4=scheme.weight_dtype == "int4",
     )  # fmt: skip
     return y.astype(x.dtype)
@@ -238,7 +243,8 @@ class QuantizedDense(nn.Module):
     platform: str | None = None  # the one compiled for (default: jax's default backend)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, stacked=None):
+        """stacked: every layer's codes and this layer's index, for the GPU kernel (see quantized_matmul)."""
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
         in_features, out_features = int(np.prod([x.shape[a] for a in axes])), int(np.prod(features))
@@ -260,7 +266,7 @@ class QuantizedDense(nn.Module):
             params["input_scale"] = self.param("input_scale", _ones, ())
         batch = x.shape[: x.ndim - len(axes)]
         flat = x.reshape(int(np.prod(batch)), in_features)
-        y = quantized_matmul(flat, params, self.scheme, self.platform).reshape(*batch, *features)
+        y = quantized_matmul(flat, params, self.scheme, self.platform, stacked).reshape(*batch, *features)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, features, self.dtype)
         return y
