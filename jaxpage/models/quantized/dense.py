@@ -132,9 +132,9 @@ def quantized_matmul(
     group = block_shape(scheme, *codes.shape)[0]
     if platform == "cpu" or platform == "gpu" and x.shape[0] >= group // 2:
         # XLA:GPU writes the partial products out (rows x groups x out), more than the dequantized weight from here
-        # on; it writes that weight out here, once (shapes the kernel does not tile). XLA:CPU
-        # runs the batched group products slower than it writes a layer's weight out (the default model in W4A16, one
-        # request of 64 tokens: 1.6 s against 0.9 s).
+        # on; it writes that weight out here, once (shapes the kernel does not tile). XLA:CPU runs the batched group
+        # products slower than it writes a layer's weight out (the default model in W4A16, one request of 64 tokens:
+        # 1.6 s against 0.9 s).
         return jnp.dot(x, dequantize(params, scheme, x.dtype))
     if platform == "tpu" and x.shape[0] == 1:  # XLA:TPU fuses one row's product only as two rows' (a zero row)
         return grouped_matmul(jnp.pad(x, ((0, 1), (0, 0))), params, scheme)[:1]
